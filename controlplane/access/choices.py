@@ -1,0 +1,6 @@
+from django.db import models
+
+
+class CredentialKind(models.TextChoices):
+    AGENT = "agent", "node agent"
+    ROUTER = "router", "router"

@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+from django.contrib import admin
+
+from controlplane.benchmarks import services
+from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
+
+
+@admin.register(Scenario)
+class ScenarioAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = [
+        "name",
+        "input_tokens",
+        "output_tokens",
+        "concurrency_min",
+        "concurrency_max",
+        "builtin",
+    ]
+    list_filter = ["builtin"]
+    search_fields = ["name", "description"]
+
+
+@admin.register(BenchmarkRun)
+class BenchmarkRunAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = [
+        "id",
+        "name",
+        "scenario",
+        "mode",
+        "deployment",
+        "status",
+        "progress",
+        "regression",
+        "is_baseline",
+        "created_at",
+    ]
+    list_filter = ["status", "mode", "scenario", "regression", "is_baseline"]
+    search_fields = ["name", "deployment__name", "target_url"]
+    readonly_fields = [
+        "status",
+        "progress",
+        "summary",
+        "error",
+        "cancel_requested",
+        "regression",
+        "regression_detail",
+        "started_at",
+        "finished_at",
+        "schedule",
+    ]
+    actions = ["run_again", "cancel"]
+
+    def save_model(self, request, obj, form, change):  # type: ignore[no-untyped-def]
+        super().save_model(request, obj, form, change)
+        if not change:
+            services.queue_run(obj)
+
+    @admin.action(description="Run the selected benchmarks again (new runs)")
+    def run_again(self, request, queryset):  # type: ignore[no-untyped-def]
+        for run in queryset:
+            services.create_run(
+                acting_user=request.user,
+                name=run.name,
+                scenario=run.scenario,
+                deployment=run.deployment,
+                target_url=run.target_url,
+                mode=run.mode,
+                concurrency=run.concurrency,
+                iterations=run.iterations,
+                warmup=run.warmup,
+                seed=run.seed,
+            )
+        self.message_user(request, f"{queryset.count()} benchmark run(s) queued")
+
+    @admin.action(description="Cancel")
+    def cancel(self, request, queryset):  # type: ignore[no-untyped-def]
+        for run in queryset:
+            services.request_cancel(run, acting_user=request.user)
+
+
+@admin.register(BenchmarkSample)
+class BenchmarkSampleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = ["run", "mode", "concurrency", "index", "ok", "ttft_ms", "tpot_ms", "e2e_ms"]
+    list_filter = ["mode", "ok"]

@@ -1,0 +1,147 @@
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+from controlplane.benchmarks.models import MAX_CONCURRENCY, BenchmarkRun, BenchmarkSample, Scenario
+
+
+class ScenarioSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
+    class Meta:
+        model = Scenario
+        fields = [
+            "id",
+            "name",
+            "description",
+            "input_tokens",
+            "output_tokens",
+            "concurrency_min",
+            "concurrency_max",
+            "builtin",
+        ]
+        read_only_fields = ["builtin"]
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        lo = attrs.get("concurrency_min", getattr(self.instance, "concurrency_min", 1))
+        hi = attrs.get("concurrency_max", getattr(self.instance, "concurrency_max", 8))
+        if lo > hi:
+            raise serializers.ValidationError(
+                {"concurrency_min": f"must not exceed concurrency_max ({hi}); got {lo}"}
+            )
+        return attrs
+
+
+class ConcurrencyField(serializers.Field):  # type: ignore[type-arg]
+    """Accepts 8, [1, 2, 4, 8], "1,2,4,8" or "1-8" (a range gives every level)."""
+
+    def to_internal_value(self, data: Any) -> list[int]:
+        levels: list[int]
+        try:
+            if isinstance(data, bool):
+                raise ValueError
+            if isinstance(data, int):
+                levels = [data]
+            elif isinstance(data, list):
+                if not all(isinstance(x, int) and not isinstance(x, bool) for x in data):
+                    raise ValueError
+                levels = list(data)
+            elif isinstance(data, str) and "-" in data and "," not in data:
+                lo_s, hi_s = data.split("-", 1)
+                lo, hi = int(lo_s), int(hi_s)
+                if lo > hi:
+                    raise ValueError
+                levels = list(range(lo, hi + 1))
+            elif isinstance(data, str):
+                levels = [int(x) for x in data.split(",") if x.strip()]
+            else:
+                raise ValueError
+        except ValueError:
+            raise serializers.ValidationError(
+                "give an integer, a list of integers, '1,2,4' or a range '1-8'"
+            ) from None
+        if not levels:
+            raise serializers.ValidationError("give at least one concurrency level")
+        bad = [c for c in levels if not 1 <= c <= MAX_CONCURRENCY]
+        if bad:
+            raise serializers.ValidationError(
+                f"each level must be between 1 and {MAX_CONCURRENCY}; got {bad[0]}"
+            )
+        return sorted(set(levels))
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
+class BenchmarkRunSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
+    scenario = serializers.SlugRelatedField(
+        slug_field="name",
+        queryset=Scenario.objects.all(),
+        error_messages={"does_not_exist": "unknown scenario {value!r}"},
+    )
+    concurrency = ConcurrencyField()
+
+    class Meta:
+        model = BenchmarkRun
+        fields = [
+            "id",
+            "name",
+            "scenario",
+            "deployment",
+            "target_url",
+            "mode",
+            "concurrency",
+            "iterations",
+            "warmup",
+            "seed",
+            "status",
+            "progress",
+            "summary",
+            "error",
+            "cancel_requested",
+            "is_baseline",
+            "regression",
+            "regression_detail",
+            "schedule",
+            "created_at",
+            "started_at",
+            "finished_at",
+        ]
+        read_only_fields = [
+            "status",
+            "progress",
+            "summary",
+            "error",
+            "cancel_requested",
+            "regression",
+            "regression_detail",
+            "schedule",
+            "created_at",
+            "started_at",
+            "finished_at",
+        ]
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if not attrs.get("deployment") and not attrs.get("target_url"):
+            raise serializers.ValidationError(
+                {"target_url": "give a deployment or a target URL to benchmark"}
+            )
+        return attrs
+
+
+class BenchmarkSampleSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
+    class Meta:
+        model = BenchmarkSample
+        fields = [
+            "mode",
+            "concurrency",
+            "index",
+            "ok",
+            "error",
+            "prompt_tokens",
+            "output_tokens",
+            "ttft_ms",
+            "tpot_ms",
+            "e2e_ms",
+            "started_at",
+        ]

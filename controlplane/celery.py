@@ -1,0 +1,13 @@
+"""The control plane's Celery app. Workers run ``syshax worker``; beat runs ``syshax beat``."""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings.local")
+
+app = Celery("controlplane")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()

@@ -1,0 +1,78 @@
+"""Shared API pieces: the error shape, the health endpoint and conditional-GET helpers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import connection
+from django.http import HttpRequest
+from rest_framework import exceptions, status
+from rest_framework.decorators import api_view, authentication_classes, permission_classes
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from syshax.policy_schema import PolicyError
+
+
+def _first_message(detail: Any) -> str:
+    if isinstance(detail, dict):
+        for key, value in detail.items():
+            inner = _first_message(value)
+            return inner if key == "non_field_errors" else f"{key}: {inner}"
+    if isinstance(detail, list) and detail:
+        return _first_message(detail[0])
+    return str(detail)
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    """Every API error is ``{"error": {"code", "message", "fields"}}``; never a stack trace."""
+    if isinstance(exc, DjangoValidationError):
+        exc = exceptions.ValidationError(
+            exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
+        )
+    elif isinstance(exc, PolicyError) or (
+        hasattr(exc, "field")
+        and hasattr(exc, "message")
+        and not isinstance(exc, exceptions.APIException)
+    ):
+        exc = exceptions.ValidationError({exc.field: [exc.message]})
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        return None
+    detail = response.data
+    code = getattr(exc, "default_code", "error")
+    if isinstance(exc, exceptions.APIException):
+        codes = exc.get_codes()
+        if isinstance(codes, str):
+            code = codes
+    body: dict[str, Any] = {"code": code, "message": _first_message(detail)}
+    if isinstance(exc, exceptions.ValidationError) and isinstance(detail, dict):
+        body["fields"] = detail
+    response.data = {"error": body}
+    return response
+
+
+@api_view(["GET"])
+@authentication_classes([])
+@permission_classes([])
+def health(request: Request) -> Response:
+    """Unauthenticated liveness and database check for load balancers and compose."""
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        database = "ok"
+    except Exception:
+        database = "unavailable"
+    healthy = database == "ok"
+    return Response(
+        {"status": "ok" if healthy else "degraded", "database": database},
+        status=status.HTTP_200_OK if healthy else status.HTTP_503_SERVICE_UNAVAILABLE,
+    )
+
+
+def etag_matches(request: HttpRequest | Request, etag: str) -> bool:
+    header = request.headers.get("If-None-Match", "")
+    candidates = {tag.strip() for tag in header.split(",")}
+    return etag in candidates or f"W/{etag}" in candidates or "*" in candidates

@@ -1,0 +1,199 @@
+from __future__ import annotations
+
+from django.contrib import admin, messages
+
+from controlplane.deployments import services
+from controlplane.deployments.models import (
+    AgentCommand,
+    ContainerInstance,
+    Deployment,
+    DeploymentEvent,
+    DeploymentProfile,
+)
+from controlplane.deployments.placement import PlacementError
+
+
+@admin.register(DeploymentProfile)
+class DeploymentProfileAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = [
+        "name",
+        "model",
+        "quantization",
+        "engine",
+        "tensor_parallel_size",
+        "gpu_memory_utilization",
+        "cpu_max_batch_size",
+        "pd_protocol",
+    ]
+    list_filter = ["engine", "quantization", "pd_protocol", "preemption_mode"]
+    search_fields = ["name", "model", "served_model_name"]
+    fieldsets = [
+        (
+            None,
+            {
+                "fields": [
+                    "name",
+                    "description",
+                    "model",
+                    "served_model_name",
+                    "quantization",
+                    "engine",
+                    "pd_protocol",
+                    "enable_cpu_engine",
+                ]
+            },
+        ),
+        (
+            "GPU/NPU engine",
+            {
+                "fields": [
+                    "gpu_image",
+                    "gpu_command",
+                    "gpu_extra_args",
+                    "gpu_env",
+                    "gpu_port",
+                    "tensor_parallel_size",
+                    "gpu_memory_utilization",
+                    "max_model_len",
+                    "max_num_seqs",
+                    "preemption_mode",
+                    "gpu_shm_size_gb",
+                    "sim_gpu_device",
+                ]
+            },
+        ),
+        (
+            "CPU engine",
+            {
+                "fields": [
+                    "cpu_image",
+                    "cpu_command",
+                    "cpu_extra_args",
+                    "cpu_env",
+                    "cpu_port",
+                    "cpu_max_batch_size",
+                    "omp_num_threads",
+                    "cpu_affinity_mode",
+                    "cpu_affinity",
+                    "cpu_kv_cache_space_gb",
+                    "cpu_memory_limit_gb",
+                    "sim_cpu_device",
+                ]
+            },
+        ),
+        ("Health", {"fields": ["health_timeout_seconds"]}),
+    ]
+
+
+class DeploymentEventInline(admin.TabularInline):  # type: ignore[type-arg]
+    model = DeploymentEvent
+    extra = 0
+    can_delete = False
+    fields = ["created_at", "generation", "step", "level", "message"]
+    readonly_fields = fields
+    ordering = ["-created_at"]
+
+    def has_add_permission(self, request, obj=None):  # type: ignore[no-untyped-def]
+        return False
+
+
+class ContainerInline(admin.TabularInline):  # type: ignore[type-arg]
+    model = ContainerInstance
+    extra = 0
+    fields = [
+        "role",
+        "generation",
+        "name",
+        "engine_id",
+        "status",
+        "health",
+        "exit_code",
+        "endpoint",
+    ]
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None):  # type: ignore[no-untyped-def]
+        return False
+
+
+@admin.register(Deployment)
+class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = [
+        "name",
+        "node",
+        "profile",
+        "desired_state",
+        "state",
+        "generation",
+        "step",
+        "state_changed_at",
+    ]
+    list_filter = ["state", "desired_state", "node", "profile"]
+    search_fields = ["name", "node__name", "profile__name"]
+    readonly_fields = [
+        "desired_state",
+        "state",
+        "state_reason",
+        "state_changed_at",
+        "generation",
+        "step",
+        "gpu_endpoint",
+        "cpu_endpoint",
+        "affinity_plan",
+    ]
+    inlines = [ContainerInline, DeploymentEventInline]
+    actions = ["deploy", "stop", "restart"]
+
+    def _each(self, request, queryset, operation, verb):  # type: ignore[no-untyped-def]
+        for deployment in queryset:
+            try:
+                operation(deployment, acting_user=request.user)
+            except PlacementError as exc:
+                self.message_user(request, f"{deployment}: {exc}", level=messages.ERROR)
+            else:
+                self.message_user(request, f"{deployment}: {verb} queued")
+
+    @admin.action(description="Deploy (GPU engine, then CPU engine)")
+    def deploy(self, request, queryset):  # type: ignore[no-untyped-def]
+        self._each(request, queryset, services.request_deploy, "deploy")
+
+    @admin.action(description="Stop")
+    def stop(self, request, queryset):  # type: ignore[no-untyped-def]
+        self._each(request, queryset, services.request_stop, "stop")
+
+    @admin.action(description="Restart (new generation)")
+    def restart(self, request, queryset):  # type: ignore[no-untyped-def]
+        self._each(request, queryset, services.request_restart, "restart")
+
+
+@admin.register(ContainerInstance)
+class ContainerInstanceAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = ["name", "deployment", "role", "generation", "status", "health", "updated_at"]
+    list_filter = ["role", "status", "health"]
+    search_fields = ["name", "engine_id", "deployment__name"]
+
+
+@admin.register(AgentCommand)
+class AgentCommandAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = [
+        "dispatch_id",
+        "node",
+        "deployment",
+        "action",
+        "role",
+        "generation",
+        "step",
+        "status",
+        "attempts",
+        "created_at",
+    ]
+    list_filter = ["status", "action", "role", "node"]
+    search_fields = ["dispatch_id", "deployment__name"]
+    readonly_fields = [f.name for f in AgentCommand._meta.fields]
+
+
+@admin.register(DeploymentEvent)
+class DeploymentEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = ["deployment", "created_at", "generation", "step", "level", "message"]
+    list_filter = ["level", "step"]
+    search_fields = ["message", "deployment__name"]

@@ -1,0 +1,161 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from rest_framework import serializers
+
+from controlplane.deployments.choices import (
+    CommandStatus,
+    ContainerHealth,
+    ContainerStatus,
+    EngineRole,
+)
+from controlplane.deployments.models import (
+    AgentCommand,
+    ContainerInstance,
+    Deployment,
+    DeploymentEvent,
+    DeploymentProfile,
+)
+
+
+class ProfileSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
+    class Meta:
+        model = DeploymentProfile
+        fields = "__all__"
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        # Model.clean() holds the single-row rules; run it on the merged state.
+        instance = DeploymentProfile(**{**self._current(), **attrs})
+        try:
+            instance.clean()
+        except DjangoValidationError as exc:
+            raise serializers.ValidationError(exc.message_dict) from None
+        return attrs
+
+    def _current(self) -> dict[str, Any]:
+        if self.instance is None:
+            return {}
+        return {
+            f.name: getattr(self.instance, f.name)
+            for f in DeploymentProfile._meta.concrete_fields
+            if f.name not in ("id", "created_at", "updated_at")
+        }
+
+
+class DeploymentEventSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
+    class Meta:
+        model = DeploymentEvent
+        fields = ["id", "created_at", "generation", "step", "level", "message", "detail"]
+
+
+class ContainerSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
+    class Meta:
+        model = ContainerInstance
+        fields = [
+            "id",
+            "deployment",
+            "role",
+            "generation",
+            "engine_id",
+            "name",
+            "status",
+            "health",
+            "exit_code",
+            "endpoint",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+
+class DeploymentSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
+    containers = serializers.SerializerMethodField()
+    start = serializers.BooleanField(write_only=True, required=False, default=False)
+
+    class Meta:
+        model = Deployment
+        fields = [
+            "id",
+            "name",
+            "profile",
+            "node",
+            "policy",
+            "desired_state",
+            "state",
+            "state_reason",
+            "state_changed_at",
+            "generation",
+            "step",
+            "gpu_endpoint",
+            "cpu_endpoint",
+            "affinity_plan",
+            "containers",
+            "created_at",
+            "updated_at",
+            "start",
+        ]
+        read_only_fields = [
+            "desired_state",
+            "state",
+            "state_reason",
+            "state_changed_at",
+            "generation",
+            "step",
+            "gpu_endpoint",
+            "cpu_endpoint",
+            "affinity_plan",
+            "created_at",
+            "updated_at",
+        ]
+
+    def get_containers(self, obj: Deployment) -> list[dict[str, Any]]:
+        current = [c for c in obj.containers.all() if c.generation == obj.generation]
+        return ContainerSerializer(current, many=True).data  # type: ignore[no-any-return]
+
+
+class ContainerStateSerializer(serializers.Serializer):  # type: ignore[type-arg]
+    deployment_id = serializers.IntegerField(min_value=1)
+    generation = serializers.IntegerField(min_value=0)
+    role = serializers.ChoiceField(choices=EngineRole.choices)
+    engine_id = serializers.CharField(max_length=128, allow_blank=True, required=False, default="")
+    name = serializers.CharField(max_length=128, allow_blank=True, required=False, default="")
+    status = serializers.ChoiceField(choices=ContainerStatus.choices)
+    health = serializers.ChoiceField(
+        choices=ContainerHealth.choices, required=False, default="unknown"
+    )
+    exit_code = serializers.IntegerField(required=False, allow_null=True, default=None)
+    endpoint = serializers.CharField(max_length=255, allow_blank=True, required=False, default="")
+
+
+class ContainerReportSerializer(serializers.Serializer):  # type: ignore[type-arg]
+    containers = ContainerStateSerializer(many=True, max_length=1000)
+
+
+class CommandResultSerializer(serializers.Serializer):  # type: ignore[type-arg]
+    status = serializers.ChoiceField(choices=[CommandStatus.SUCCEEDED, CommandStatus.FAILED])
+    detail = serializers.CharField(allow_blank=True, required=False, default="", max_length=20000)
+    containers = ContainerStateSerializer(many=True, required=False, default=list)
+    output = serializers.JSONField(required=False, default=dict)
+
+
+class AgentCommandSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
+    class Meta:
+        model = AgentCommand
+        fields = [
+            "dispatch_id",
+            "node",
+            "deployment",
+            "action",
+            "role",
+            "generation",
+            "step",
+            "attempts",
+            "spec",
+            "status",
+            "detail",
+            "output",
+            "created_at",
+            "completed_at",
+        ]
+        read_only_fields = fields

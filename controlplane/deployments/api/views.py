@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+from django.db.models import QuerySet
+from django.shortcuts import get_object_or_404
+from rest_framework import status
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.serializers import BaseSerializer
+from rest_framework.views import APIView
+
+from controlplane.access.permissions import ScopedPermission
+from controlplane.access.principal import MachinePrincipal
+from controlplane.core.viewsets import ScopedModelViewSet, ScopedReadOnlyViewSet
+from controlplane.deployments import services, workflow
+from controlplane.deployments.api.serializers import (
+    AgentCommandSerializer,
+    CommandResultSerializer,
+    ContainerReportSerializer,
+    ContainerSerializer,
+    DeploymentEventSerializer,
+    DeploymentSerializer,
+    ProfileSerializer,
+)
+from controlplane.deployments.models import (
+    AgentCommand,
+    ContainerInstance,
+    Deployment,
+    DeploymentProfile,
+)
+from controlplane.inventory.models import Node
+
+
+class ProfileViewSet(ScopedModelViewSet):
+    queryset = DeploymentProfile.objects.all()
+    serializer_class = ProfileSerializer
+    filterset_fields = ["engine", "quantization", "pd_protocol"]
+    search_fields = ["name", "model", "served_model_name"]
+
+
+class DeploymentViewSet(ScopedModelViewSet):
+    queryset = Deployment.objects.select_related("profile", "node", "policy").prefetch_related(
+        "containers"
+    )
+    serializer_class = DeploymentSerializer
+    filterset_fields = ["state", "desired_state", "node", "profile"]
+    search_fields = ["name", "node__name", "profile__name"]
+    agent_methods = ("GET",)
+    router_methods = ("GET",)
+    node_field = "node"
+
+    def perform_create(self, serializer: BaseSerializer[Deployment]) -> None:
+        data = dict(serializer.validated_data)
+        start = data.pop("start", False)
+        serializer.instance = services.create_deployment(
+            **data, acting_user=self.request.user, start=start
+        )
+
+    @action(detail=True, methods=["post"])
+    def deploy(self, request: Request, pk: str | None = None) -> Response:
+        deployment = services.request_deploy(self.get_object(), acting_user=request.user)
+        return Response(self.get_serializer(deployment).data, status=status.HTTP_202_ACCEPTED)
+
+    @action(detail=True, methods=["post"])
+    def stop(self, request: Request, pk: str | None = None) -> Response:
+        deployment = services.request_stop(self.get_object(), acting_user=request.user)
+        return Response(self.get_serializer(deployment).data, status=status.HTTP_202_ACCEPTED)
+
+    @action(detail=True, methods=["post"])
+    def restart(self, request: Request, pk: str | None = None) -> Response:
+        deployment = services.request_restart(self.get_object(), acting_user=request.user)
+        return Response(self.get_serializer(deployment).data, status=status.HTTP_202_ACCEPTED)
+
+    @action(detail=True, methods=["get"])
+    def events(self, request: Request, pk: str | None = None) -> Response:
+        deployment = self.get_object()
+        events = deployment.events.all()
+        after = request.query_params.get("after")
+        if after and after.isdigit():
+            events = events.filter(pk__gt=int(after))
+        page = self.paginate_queryset(events)
+        return self.get_paginated_response(DeploymentEventSerializer(page, many=True).data)
+
+    def perform_destroy(self, instance: Deployment) -> None:
+        if instance.state not in ("stopped", "pending", "failed"):
+            from rest_framework.exceptions import ValidationError
+
+            raise ValidationError({"state": f"stop the deployment first (it is {instance.state})"})
+        instance.delete()
+
+
+class ContainerViewSet(ScopedReadOnlyViewSet):
+    queryset = ContainerInstance.objects.select_related("deployment")
+    serializer_class = ContainerSerializer
+    filterset_fields = ["deployment", "role", "status", "generation"]
+    agent_methods = ("GET",)
+    node_field = "deployment__node"
+
+
+class CommandViewSet(ScopedReadOnlyViewSet):
+    queryset = AgentCommand.objects.select_related("node", "deployment")
+    serializer_class = AgentCommandSerializer
+    filterset_fields = ["node", "deployment", "status", "action"]
+    agent_methods = ("GET",)
+    node_field = "node"
+
+
+class _AgentOnlyView(APIView):
+    """Base for endpoints only the agent of the node concerned may write."""
+
+    permission_classes = [ScopedPermission]
+    agent_methods: tuple[str, ...] = ("POST", "PUT")
+    required_perm = "deployments.change_containerinstance"
+
+    def check_node(self, request: Request, node: Node) -> None:
+        user = request.user
+        if isinstance(user, MachinePrincipal) and user.node_id != node.pk:
+            self.permission_denied(request, message="this node belongs to another agent")
+
+    def get_queryset(self) -> QuerySet[ContainerInstance]:
+        return ContainerInstance.objects.all()
+
+
+class NodeContainersView(_AgentOnlyView):
+    def put(self, request: Request, pk: int) -> Response:
+        node = get_object_or_404(Node, pk=pk)
+        self.check_node(request, node)
+        serializer = ContainerReportSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        updated = services.sync_containers(node, serializer.validated_data["containers"])
+        return Response({"updated": updated})
+
+
+class CommandResultView(_AgentOnlyView):
+    agent_methods = ("POST",)
+
+    def post(self, request: Request, dispatch_id: str) -> Response:
+        command = get_object_or_404(AgentCommand.objects.select_related("node"), pk=dispatch_id)
+        self.check_node(request, command.node)
+        serializer = CommandResultSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        if data["containers"]:
+            services.sync_containers(command.node, data["containers"])
+        accepted_first = workflow.record_command_result(
+            command, status=data["status"], detail=data["detail"], output=data["output"]
+        )
+        return Response({"accepted": True, "duplicate": not accepted_first})

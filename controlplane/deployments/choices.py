@@ -1,0 +1,85 @@
+from django.db import models
+
+
+class Quantization(models.TextChoices):
+    NONE = "none", "none (model dtype)"
+    Q4_0 = "q4_0", "q4_0"
+    Q8_0 = "q8_0", "q8_0"
+    AWQ = "awq", "AWQ"
+    GPTQ = "gptq", "GPTQ"
+    FP8 = "fp8", "FP8"
+
+
+class PreemptionMode(models.TextChoices):
+    SWAP = "swap", "swap (KV cache to host memory)"
+    RECOMPUTE = "recompute", "recompute"
+
+
+class AffinityMode(models.TextChoices):
+    AUTO = "auto", "auto (spread over NUMA nodes)"
+    EXPLICIT = "explicit", "explicit CPU list"
+
+
+class EngineKind(models.TextChoices):
+    VLLM = "vllm", "vLLM"
+    SIMULATOR = "simulator", "syshax sim (simulated engine)"
+
+
+class PdProtocol(models.TextChoices):
+    SYSHAX = "syshax", "sysHAX style"
+    VLLM = "vllm", "vLLM kv_transfer_params"
+
+
+class DesiredState(models.TextChoices):
+    RUNNING = "running", "running"
+    STOPPED = "stopped", "stopped"
+
+
+class DeploymentState(models.TextChoices):
+    PENDING = "pending", "pending"
+    DEPLOYING = "deploying", "deploying"
+    RUNNING = "running", "running"
+    STOPPING = "stopping", "stopping"
+    STOPPED = "stopped", "stopped"
+    FAILED = "failed", "failed"
+    UNKNOWN = "unknown", "unknown (node lost)"
+
+
+class EngineRole(models.TextChoices):
+    GPU = "gpu", "GPU/NPU engine (prefill, decode)"
+    CPU = "cpu", "CPU engine (decode)"
+
+
+class ContainerStatus(models.TextChoices):
+    CREATED = "created", "created"
+    RUNNING = "running", "running"
+    EXITED = "exited", "exited"
+    MISSING = "missing", "missing"
+
+
+class ContainerHealth(models.TextChoices):
+    STARTING = "starting", "starting"
+    HEALTHY = "healthy", "healthy"
+    UNHEALTHY = "unhealthy", "unhealthy"
+    UNKNOWN = "unknown", "unknown"
+
+
+class EventLevel(models.TextChoices):
+    INFO = "info", "info"
+    WARNING = "warning", "warning"
+    ERROR = "error", "error"
+
+
+class CommandAction(models.TextChoices):
+    START = "start", "start"
+    STOP = "stop", "stop"
+    RESTART = "restart", "restart"
+    INSPECT = "inspect", "inspect"
+    LOGS = "logs", "logs"
+
+
+class CommandStatus(models.TextChoices):
+    QUEUED = "queued", "queued"
+    SUCCEEDED = "succeeded", "succeeded"
+    FAILED = "failed", "failed"
+    EXPIRED = "expired", "expired"

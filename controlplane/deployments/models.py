@@ -1,0 +1,287 @@
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+
+from controlplane.core.models import TimeStampedModel
+from controlplane.deployments.choices import (
+    AffinityMode,
+    CommandAction,
+    CommandStatus,
+    ContainerHealth,
+    ContainerStatus,
+    DeploymentState,
+    DesiredState,
+    EngineKind,
+    EngineRole,
+    EventLevel,
+    PdProtocol,
+    PreemptionMode,
+    Quantization,
+)
+from controlplane.inventory.cpulist import CpuListError, parse_cpu_list
+from controlplane.inventory.models import Node, node_name_validator
+from controlplane.policy.models import SchedulingPolicy
+
+port_validators = [MinValueValidator(1), MaxValueValidator(65535)]
+
+
+class DeploymentProfile(TimeStampedModel):
+    """Every knob of a GPU + CPU engine pair, independent of the node it lands on."""
+
+    name = models.SlugField(max_length=64, unique=True)
+    description = models.TextField(blank=True)
+    model = models.CharField(max_length=255, help_text="model path or hub id the engines load")
+    served_model_name = models.CharField(
+        max_length=255, blank=True, help_text="name clients use; defaults to the model"
+    )
+    quantization = models.CharField(
+        max_length=8, choices=Quantization.choices, default=Quantization.NONE
+    )
+    engine = models.CharField(max_length=16, choices=EngineKind.choices, default=EngineKind.VLLM)
+    pd_protocol = models.CharField(
+        max_length=8, choices=PdProtocol.choices, default=PdProtocol.SYSHAX
+    )
+    sim_gpu_device = models.CharField(
+        max_length=64, default="a100-80gb", help_text="simulator engines: GPU/NPU device preset"
+    )
+    sim_cpu_device = models.CharField(
+        max_length=64, default="kunpeng-920-7280z", help_text="simulator engines: CPU preset"
+    )
+    enable_cpu_engine = models.BooleanField(
+        default=True, help_text="run the CPU decode engine beside the GPU one"
+    )
+
+    gpu_image = models.CharField(max_length=255, default="vllm/vllm-openai:latest")
+    gpu_command = models.JSONField(
+        default=list, blank=True, help_text="argv prefix; empty: image default"
+    )
+    gpu_extra_args = models.JSONField(default=list, blank=True)
+    gpu_env = models.JSONField(default=dict, blank=True)
+    gpu_port = models.PositiveIntegerField(default=7001, validators=port_validators)
+    tensor_parallel_size = models.PositiveIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(64)]
+    )
+    gpu_memory_utilization = models.FloatField(
+        default=0.8, help_text="fraction of device memory vLLM may use, in (0, 1]; 0.8 recommended"
+    )
+    max_model_len = models.PositiveIntegerField(
+        default=8192, validators=[MinValueValidator(16), MaxValueValidator(1048576)]
+    )
+    max_num_seqs = models.PositiveIntegerField(
+        default=256, validators=[MinValueValidator(1), MaxValueValidator(65536)]
+    )
+    preemption_mode = models.CharField(
+        max_length=10, choices=PreemptionMode.choices, default=PreemptionMode.SWAP
+    )
+    gpu_shm_size_gb = models.FloatField(
+        default=16.0, validators=[MinValueValidator(0.0625)], help_text="/dev/shm for KV handoff"
+    )
+
+    cpu_image = models.CharField(max_length=255, default="vllm/vllm-cpu:latest")
+    cpu_command = models.JSONField(default=list, blank=True)
+    cpu_extra_args = models.JSONField(default=list, blank=True)
+    cpu_env = models.JSONField(default=dict, blank=True)
+    cpu_port = models.PositiveIntegerField(default=7002, validators=port_validators)
+    cpu_max_batch_size = models.PositiveIntegerField(
+        default=8, validators=[MinValueValidator(1), MaxValueValidator(4096)]
+    )
+    omp_num_threads = models.PositiveIntegerField(
+        null=True, blank=True, help_text="empty: planned from the cores (1-1.5x physical cores)"
+    )
+    cpu_affinity_mode = models.CharField(
+        max_length=8, choices=AffinityMode.choices, default=AffinityMode.AUTO
+    )
+    cpu_affinity = models.CharField(
+        max_length=4096, blank=True, help_text="explicit CPU list, e.g. 0-39,40-79"
+    )
+    cpu_kv_cache_space_gb = models.FloatField(
+        default=40.0, validators=[MinValueValidator(1.0)], help_text="VLLM_CPU_KVCACHE_SPACE"
+    )
+    cpu_memory_limit_gb = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(1.0)]
+    )
+    health_timeout_seconds = models.FloatField(
+        default=600.0, validators=[MinValueValidator(1.0), MaxValueValidator(7200.0)]
+    )
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(gpu_memory_utilization__gt=0, gpu_memory_utilization__lte=1),
+                name="profile_gpu_memory_utilization_range",
+            ),
+            models.CheckConstraint(
+                condition=~models.Q(gpu_port=models.F("cpu_port")),
+                name="profile_distinct_ports",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def model_name_for_clients(self) -> str:
+        return self.served_model_name or self.model
+
+    def clean(self) -> None:
+        errors: dict[str, str] = {}
+        if not 0 < self.gpu_memory_utilization <= 1:
+            errors["gpu_memory_utilization"] = (
+                f"must be in (0, 1]; got {self.gpu_memory_utilization}"
+            )
+        if self.gpu_port == self.cpu_port:
+            errors["cpu_port"] = f"must differ from gpu_port ({self.gpu_port})"
+        if self.cpu_affinity_mode == AffinityMode.EXPLICIT:
+            if not self.cpu_affinity:
+                errors["cpu_affinity"] = "is required when cpu_affinity_mode is explicit"
+            else:
+                try:
+                    parse_cpu_list(self.cpu_affinity)
+                except CpuListError as exc:
+                    errors["cpu_affinity"] = str(exc)
+        for field in ("gpu_command", "cpu_command", "gpu_extra_args", "cpu_extra_args"):
+            value = getattr(self, field)
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                errors[field] = "must be a list of strings"
+        for field in ("gpu_env", "cpu_env"):
+            value = getattr(self, field)
+            if not isinstance(value, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+            ):
+                errors[field] = "must map names to string values"
+        if errors:
+            raise ValidationError(errors)
+
+
+class Deployment(TimeStampedModel):
+    """A profile placed on a node. The row is the source of truth for the deploy workflow."""
+
+    name = models.CharField(max_length=63, unique=True, validators=[node_name_validator])
+    profile = models.ForeignKey(
+        DeploymentProfile, on_delete=models.PROTECT, related_name="deployments"
+    )
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="deployments")
+    policy = models.ForeignKey(
+        SchedulingPolicy,
+        on_delete=models.PROTECT,
+        related_name="deployments",
+        null=True,
+        blank=True,
+    )
+    desired_state = models.CharField(
+        max_length=8, choices=DesiredState.choices, default=DesiredState.STOPPED
+    )
+    state = models.CharField(
+        max_length=10,
+        choices=DeploymentState.choices,
+        default=DeploymentState.PENDING,
+        db_index=True,
+    )
+    state_reason = models.TextField(blank=True)
+    state_changed_at = models.DateTimeField(null=True, blank=True)
+    generation = models.PositiveIntegerField(
+        default=0, help_text="bumped by every deploy, restart and redeploy"
+    )
+    step = models.CharField(max_length=32, blank=True, help_text="current workflow step")
+    gpu_endpoint = models.URLField(blank=True)
+    cpu_endpoint = models.URLField(blank=True)
+    affinity_plan = models.JSONField(default=dict, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class DeploymentEvent(models.Model):
+    """The deployment's timeline: one row per workflow step or observation."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="events")
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    generation = models.PositiveIntegerField(default=0)
+    step = models.CharField(max_length=32)
+    level = models.CharField(max_length=8, choices=EventLevel.choices, default=EventLevel.INFO)
+    message = models.TextField()
+    detail = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["deployment", "created_at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.deployment}: {self.step} {self.message[:40]}"
+
+
+class ContainerInstance(models.Model):
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="containers")
+    role = models.CharField(max_length=4, choices=EngineRole.choices)
+    generation = models.PositiveIntegerField()
+    engine_id = models.CharField(
+        max_length=128, blank=True, help_text="runtime container/process id"
+    )
+    name = models.CharField(max_length=128)
+    status = models.CharField(
+        max_length=8, choices=ContainerStatus.choices, default=ContainerStatus.CREATED
+    )
+    health = models.CharField(
+        max_length=10, choices=ContainerHealth.choices, default=ContainerHealth.UNKNOWN
+    )
+    exit_code = models.IntegerField(null=True, blank=True)
+    endpoint = models.CharField(max_length=255, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["deployment", "generation", "role"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["deployment", "role", "generation"], name="container_unique_role_generation"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class AgentCommand(models.Model):
+    """A command sent to a node's agent. ``dispatch_id`` makes redelivery harmless."""
+
+    dispatch_id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="commands")
+    deployment = models.ForeignKey(
+        Deployment, null=True, blank=True, on_delete=models.CASCADE, related_name="commands"
+    )
+    action = models.CharField(max_length=8, choices=CommandAction.choices)
+    role = models.CharField(max_length=4, choices=EngineRole.choices, blank=True)
+    generation = models.PositiveIntegerField(default=0)
+    step = models.CharField(max_length=32, blank=True, help_text="workflow step it serves")
+    attempts = models.PositiveIntegerField(default=1)
+    spec = models.JSONField(default=dict, blank=True)
+    status = models.CharField(
+        max_length=10, choices=CommandStatus.choices, default=CommandStatus.QUEUED, db_index=True
+    )
+    detail = models.TextField(blank=True)
+    output = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["deployment", "generation", "step"],
+                condition=~models.Q(step=""),
+                name="command_unique_step_per_generation",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.role} {self.deployment} g{self.generation}"

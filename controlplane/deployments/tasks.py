@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from celery import shared_task
+
+from controlplane.deployments import workflow
+from controlplane.deployments.choices import DeploymentState
+from controlplane.deployments.models import Deployment
+
+
+@shared_task(name="deployments.advance", ignore_result=True)
+def advance_deployment(deployment_id: int) -> str:
+    return workflow.advance(deployment_id)
+
+
+@shared_task(name="deployments.resend_stale_commands", ignore_result=True)
+def resend_stale_commands() -> int:
+    return workflow.resend_stale_commands(older_than_seconds=60.0)
+
+
+@shared_task(name="deployments.reconcile_node", ignore_result=True)
+def reconcile_node(node_id: int) -> int:
+    """A node came back: re-check its deployments that went unknown while it was away."""
+    from controlplane.deployments.services import reconcile_returning_node
+
+    return reconcile_returning_node(node_id)
+
+
+@shared_task(name="deployments.resume_in_flight", ignore_result=True)
+def resume_in_flight() -> int:
+    """Nudge every deployment mid-workflow; harmless because advance is idempotent."""
+    ids = list(
+        Deployment.objects.filter(
+            state__in=[DeploymentState.DEPLOYING, DeploymentState.STOPPING]
+        ).values_list("pk", flat=True)
+    )
+    for deployment_id in ids:
+        advance_deployment.delay(deployment_id)
+    return len(ids)

@@ -1,0 +1,254 @@
+"""The deploy/stop workflow. The Deployment row holds its state; ``advance`` moves it one step.
+
+Every step sends one command to the node's agent and waits for the agent's result (see
+docs/deployment-lifecycle.md). ``advance`` is idempotent: it re-reads the row under a lock and
+finds each step's command by (deployment, generation, step), so running it twice — or after a
+redelivery — never sends a command twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from controlplane.deployments.choices import (
+    CommandAction,
+    CommandStatus,
+    DeploymentState,
+    DesiredState,
+    EventLevel,
+)
+from controlplane.deployments.models import AgentCommand, Deployment
+from controlplane.deployments.services import add_event, set_state
+from controlplane.deployments.specs import engine_spec
+
+log = logging.getLogger(__name__)
+
+AGENT_TASK = "syshax.agent.command"
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    action: str
+    role: str
+    # For stops: keep the current generation's engines (a redeploy removes only older ones).
+    keep_current: bool = False
+
+    @property
+    def describes(self) -> str:
+        verb = "stop" if self.action == CommandAction.STOP else "start"
+        scope = "previous " if self.keep_current else ""
+        return f"{verb} {scope}{self.role.upper()} engine"
+
+
+DEPLOY_STEPS = (
+    Step("stop-old-cpu", CommandAction.STOP, "cpu", keep_current=True),
+    Step("stop-old-gpu", CommandAction.STOP, "gpu", keep_current=True),
+    Step("start-gpu", CommandAction.START, "gpu"),
+    Step("start-cpu", CommandAction.START, "cpu"),
+)
+STOP_STEPS = (
+    Step("stop-cpu", CommandAction.STOP, "cpu"),
+    Step("stop-gpu", CommandAction.STOP, "gpu"),
+)
+CLEANUP_STEPS = (
+    Step("cleanup-cpu", CommandAction.STOP, "cpu"),
+    Step("cleanup-gpu", CommandAction.STOP, "gpu"),
+)
+
+
+def plan_for(deployment: Deployment) -> tuple[Step, ...]:
+    if deployment.state == DeploymentState.FAILED:
+        return CLEANUP_STEPS
+    if deployment.desired_state == DesiredState.RUNNING:
+        steps = DEPLOY_STEPS
+        if not deployment.profile.enable_cpu_engine:
+            steps = tuple(s for s in steps if s.name != "start-cpu")
+        return steps
+    return STOP_STEPS
+
+
+def command_spec(deployment: Deployment, step: Step) -> dict[str, Any]:
+    if step.action == CommandAction.START:
+        return engine_spec(deployment, step.role)
+    return {
+        "deployment": deployment.name,
+        "deployment_id": deployment.pk,
+        "role": step.role,
+        "keep_generation": deployment.generation if step.keep_current else None,
+    }
+
+
+def send_command(command: AgentCommand) -> None:
+    from controlplane.celery import app
+
+    app.send_task(
+        AGENT_TASK,
+        kwargs={
+            "dispatch_id": str(command.dispatch_id),
+            "action": command.action,
+            "deployment_id": command.deployment_id,
+            "generation": command.generation,
+            "role": command.role,
+            "spec": command.spec,
+        },
+        queue=command.node.command_queue,
+        task_id=str(command.dispatch_id),
+    )
+
+
+def advance(deployment_id: int) -> str:
+    """Move the deployment one step forward. Returns the step it now waits on, or its state."""
+    with transaction.atomic():
+        deployment = (
+            Deployment.objects.select_for_update()
+            .select_related("profile", "node")
+            .get(pk=deployment_id)
+        )
+        if deployment.state not in (
+            DeploymentState.DEPLOYING,
+            DeploymentState.STOPPING,
+            DeploymentState.FAILED,
+        ):
+            return deployment.state
+        steps = plan_for(deployment)
+        commands = {
+            c.step: c
+            for c in AgentCommand.objects.filter(
+                deployment=deployment,
+                generation=deployment.generation,
+                step__in=[s.name for s in steps],
+            )
+        }
+        for step in steps:
+            command = commands.get(step.name)
+            if command is None:
+                _dispatch(deployment, step)
+                return step.name
+            if command.status == CommandStatus.QUEUED:
+                return step.name
+            if command.status != CommandStatus.SUCCEEDED:
+                if deployment.state == DeploymentState.FAILED:
+                    # A cleanup step failed: record it and keep going so nothing is skipped.
+                    continue
+                _fail(deployment, step, command)
+                return DeploymentState.FAILED
+        _finish(deployment, steps)
+        return deployment.state
+
+
+def _dispatch(deployment: Deployment, step: Step) -> None:
+    command = AgentCommand.objects.create(
+        node=deployment.node,
+        deployment=deployment,
+        action=step.action,
+        role=step.role,
+        generation=deployment.generation,
+        step=step.name,
+        spec=command_spec(deployment, step),
+    )
+    deployment.step = step.name
+    deployment.save(update_fields=["step", "updated_at"])
+    add_event(
+        deployment,
+        step.name,
+        f"{step.describes}: sent to agent of node {deployment.node.name}",
+        detail={"dispatch_id": str(command.dispatch_id)},
+    )
+    transaction.on_commit(lambda: send_command(command))
+
+
+def _fail(deployment: Deployment, step: Step, command: AgentCommand) -> None:
+    role = step.role.upper()
+    reason = command.detail or f"{role} engine command {command.status}"
+    if not reason.startswith(role):
+        reason = f"{step.describes} failed: {reason}"
+    set_state(deployment, DeploymentState.FAILED, reason)
+    deployment.step = ""
+    deployment.save()
+    add_event(deployment, step.name, reason, level=EventLevel.ERROR)
+    # Clean up whatever part of this generation started, CPU first, so nothing is orphaned.
+    for cleanup in CLEANUP_STEPS:
+        _dispatch(deployment, cleanup)
+
+
+def _finish(deployment: Deployment, steps: tuple[Step, ...]) -> None:
+    if deployment.state == DeploymentState.FAILED:
+        add_event(deployment, "cleanup", "partial engines removed", level=EventLevel.WARNING)
+        deployment.step = ""
+        deployment.save(update_fields=["step", "updated_at"])
+        return
+    profile = deployment.profile
+    host = deployment.node.address or "127.0.0.1"
+    if deployment.desired_state == DesiredState.RUNNING:
+        deployment.gpu_endpoint = f"http://{host}:{profile.gpu_port}"
+        deployment.cpu_endpoint = (
+            f"http://{host}:{profile.cpu_port}" if profile.enable_cpu_engine else ""
+        )
+        set_state(deployment, DeploymentState.RUNNING, "")
+        message = "running; endpoints published to routers"
+    else:
+        deployment.gpu_endpoint = ""
+        deployment.cpu_endpoint = ""
+        set_state(deployment, DeploymentState.STOPPED, "")
+        message = "stopped"
+    deployment.step = ""
+    deployment.save()
+    add_event(deployment, deployment.state, message)
+
+
+def record_command_result(
+    command: AgentCommand, *, status: str, detail: str, output: dict[str, Any]
+) -> bool:
+    """Store an agent's result once. Returns False for a repeat (already completed)."""
+    with transaction.atomic():
+        updated = AgentCommand.objects.filter(pk=command.pk, status=CommandStatus.QUEUED).update(
+            status=status, detail=detail[:10000], output=output, completed_at=timezone.now()
+        )
+        if not updated:
+            return False
+        command.refresh_from_db()
+        if command.deployment_id is not None:
+            deployment = command.deployment
+            assert deployment is not None
+            level = EventLevel.INFO if status == CommandStatus.SUCCEEDED else EventLevel.ERROR
+            text = detail or f"{command.role.upper()} engine {command.action} {status}"
+            add_event(deployment, command.step or command.action, text, level=level)
+            from controlplane.deployments import tasks
+
+            deployment_id = command.deployment_id
+            transaction.on_commit(lambda: tasks.advance_deployment.delay(deployment_id))
+    return True
+
+
+def resend_stale_commands(older_than_seconds: float, max_attempts: int = 3) -> int:
+    """Re-send commands that got no result (lost message, agent down). Same dispatch_id, so an
+    agent that did run the first copy only reports again."""
+    cutoff = timezone.now() - timezone.timedelta(seconds=older_than_seconds)
+    count = 0
+    for command in AgentCommand.objects.filter(
+        status=CommandStatus.QUEUED, created_at__lt=cutoff
+    ).select_related("node"):
+        timeout = float(command.spec.get("health_timeout_seconds", 0) or 0)
+        if timezone.now() - command.created_at < timezone.timedelta(
+            seconds=older_than_seconds * command.attempts + timeout
+        ):
+            continue
+        if command.attempts >= max_attempts:
+            record_command_result(
+                command,
+                status=CommandStatus.EXPIRED,
+                detail=f"no result from the agent of node {command.node.name} after "
+                f"{command.attempts} attempts",
+                output={},
+            )
+        else:
+            AgentCommand.objects.filter(pk=command.pk).update(attempts=command.attempts + 1)
+            send_command(command)
+        count += 1
+    return count

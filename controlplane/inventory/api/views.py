@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django_filters import rest_framework as filters
+from rest_framework import status
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from controlplane.access.models import MachineCredential
+from controlplane.access.permissions import ScopedPermission
+from controlplane.access.principal import MachinePrincipal
+from controlplane.core.viewsets import ScopedModelViewSet, ScopedReadOnlyViewSet
+from controlplane.inventory import services
+from controlplane.inventory.api.serializers import (
+    AcceleratorSerializer,
+    HeartbeatInSerializer,
+    HeartbeatSerializer,
+    InventorySerializer,
+    NodeSerializer,
+)
+from controlplane.inventory.models import Accelerator, Node
+
+
+class NodeFilter(filters.FilterSet):
+    class Meta:
+        model = Node
+        fields = ["status", "name"]
+
+
+class NodeViewSet(ScopedModelViewSet):
+    queryset = Node.objects.select_related("cpu").prefetch_related("numa_nodes", "accelerators")
+    serializer_class = NodeSerializer
+    filterset_class = NodeFilter
+    search_fields = ["name", "address", "hostname"]
+    ordering_fields = ["name", "status", "last_heartbeat_at"]
+    agent_methods = ("GET", "PUT", "POST")
+    node_field = "pk"
+
+    def check_permissions(self, request: Request) -> None:
+        super().check_permissions(request)
+        # An agent may only report (inventory, heartbeat) and read; never edit or create nodes.
+        user = request.user
+        agent_actions = {"list", "retrieve", "inventory", "heartbeat", "heartbeats"}
+        if isinstance(user, MachinePrincipal) and self.action not in agent_actions:
+            self.permission_denied(request, message="agents may only report for their own node")
+
+    @action(detail=True, methods=["put"])
+    def inventory(self, request: Request, pk: str | None = None) -> Response:
+        node = self.get_object()
+        serializer = InventorySerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        changed = services.apply_inventory(
+            node, serializer.validated_data, acting_user=request.user
+        )
+        node.refresh_from_db()
+        return Response({"changed": changed, "inventory_hash": node.inventory_hash})
+
+    @action(detail=True, methods=["post"])
+    def heartbeat(self, request: Request, pk: str | None = None) -> Response:
+        node = self.get_object()
+        serializer = HeartbeatInSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        node = services.record_heartbeat(node, serializer.validated_data)
+        return Response(
+            {
+                "status": node.status,
+                "inventory_hash": node.inventory_hash,
+                "heartbeat_interval_seconds": settings.HEARTBEAT_INTERVAL_SECONDS,
+            }
+        )
+
+    @action(detail=True, methods=["get"])
+    def heartbeats(self, request: Request, pk: str | None = None) -> Response:
+        node = self.get_object()
+        page = self.paginate_queryset(node.heartbeats.all())
+        return self.get_paginated_response(HeartbeatSerializer(page, many=True).data)
+
+    @action(detail=True, methods=["post"], url_path="agent-token")
+    def agent_token(self, request: Request, pk: str | None = None) -> Response:
+        """Issue a new agent token for this node. The token is shown only in this answer."""
+        node = self.get_object()
+        credential, token = MachineCredential.issue(
+            "agent", f"agent-{node.name}", node=node, created_by=request.user
+        )
+        return Response(
+            {"token": token, "credential_id": credential.pk, "node": node.name},
+            status=status.HTTP_201_CREATED,
+        )
+
+
+class AcceleratorViewSet(ScopedReadOnlyViewSet):
+    queryset = Accelerator.objects.select_related("node")
+    serializer_class = AcceleratorSerializer
+    filterset_fields = ["node", "kind", "simulated"]
+    search_fields = ["model_name", "uuid", "node__name"]
+    agent_methods = ("GET",)
+    node_field = "node"
+
+
+class AgentSelfView(APIView):
+    """What an agent needs to start: its node, its heartbeat period and its command queue."""
+
+    permission_classes = [ScopedPermission]
+    agent_methods = ("GET",)
+
+    def get(self, request: Request) -> Response:
+        user = request.user
+        if not isinstance(user, MachinePrincipal) or not user.is_agent:
+            self.permission_denied(request, message="only an agent token has a node")
+        node = Node.objects.get(pk=user.node_id)
+        body: dict[str, Any] = {
+            "node": NodeSerializer(node).data,
+            "heartbeat_interval_seconds": settings.HEARTBEAT_INTERVAL_SECONDS,
+            "command_queue": node.command_queue,
+            "broker_url": settings.CELERY_BROKER_URL,
+            "broker_transport_options": settings.CELERY_BROKER_TRANSPORT_OPTIONS,
+        }
+        return Response(body)

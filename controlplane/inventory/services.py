@@ -1,0 +1,146 @@
+"""Operations on the inventory that touch several rows. Each is atomic and audited."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from controlplane.core import audit
+from controlplane.inventory.choices import NodeStatus
+from controlplane.inventory.models import Accelerator, CpuTopology, Heartbeat, Node, NumaNode
+
+
+def inventory_hash(payload: dict[str, Any]) -> str:
+    """A stable hash of the hardware an agent reported (live readings excluded)."""
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def apply_inventory(node: Node, payload: dict[str, Any], *, acting_user: Any) -> bool:
+    """Rewrite the node's topology and accelerators if they changed. Returns whether they did."""
+    digest = inventory_hash(payload)
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node.pk)
+        if node.inventory_hash == digest:
+            return False
+        cpu = payload["cpu"]
+        CpuTopology.objects.update_or_create(
+            node=node,
+            defaults={
+                "model_name": cpu.get("model", ""),
+                "architecture": cpu.get("architecture", ""),
+                "sockets": cpu["sockets"],
+                "physical_cores": cpu["physical_cores"],
+                "threads": cpu["threads"],
+                "isa_flags": sorted(set(cpu.get("isa_flags", []))),
+                "memory_total_bytes": cpu.get("memory_total_bytes", 0),
+            },
+        )
+        NumaNode.objects.filter(node=node).delete()
+        NumaNode.objects.bulk_create(
+            NumaNode(
+                node=node,
+                index=item["index"],
+                cpus=item["cpus"],
+                memory_total_bytes=item.get("memory_total_bytes", 0),
+            )
+            for item in payload.get("numa_nodes", [])
+        )
+        _sync_accelerators(node, payload.get("accelerators", []))
+        node.inventory_hash = digest
+        node.inventory_updated_at = timezone.now()
+        for field in ("agent_version", "hostname", "address"):
+            if payload.get(field):
+                setattr(node, field, payload[field])
+        node.save()
+        audit.record("inventory.updated", node, acting_user=acting_user, detail={"hash": digest})
+    return True
+
+
+def _sync_accelerators(node: Node, reported: list[dict[str, Any]]) -> None:
+    # Remove vanished cards first: a replacement card may take a removed card's index.
+    Accelerator.objects.filter(node=node).exclude(uuid__in=[a["uuid"] for a in reported]).delete()
+    for item in reported:
+        Accelerator.objects.update_or_create(
+            node=node,
+            uuid=item["uuid"],
+            defaults={
+                "kind": item["kind"],
+                "vendor": item.get("vendor", ""),
+                "model_name": item.get("model", ""),
+                "index": item["index"],
+                "memory_total_bytes": item.get("memory_total_bytes", 0),
+                "simulated": bool(item.get("simulated", False)),
+            },
+        )
+
+
+def record_heartbeat(node: Node, payload: dict[str, Any]) -> Node:
+    """Store one heartbeat row, refresh live accelerator readings and bring the node online."""
+    now = timezone.now()
+    readings = payload.get("accelerators", [])
+    with transaction.atomic():
+        Heartbeat.objects.create(
+            node=node,
+            received_at=now,
+            cpu_percent=payload.get("cpu_percent", 0.0),
+            memory_used_bytes=payload.get("memory_used_bytes", 0),
+            memory_total_bytes=payload.get("memory_total_bytes", 0),
+            accelerators=readings,
+        )
+        for reading in readings:
+            Accelerator.objects.filter(node=node, uuid=reading["uuid"]).update(
+                utilization_percent=reading.get("utilization_percent", 0.0),
+                memory_used_bytes=reading.get("memory_used_bytes", 0),
+                temperature_c=reading.get("temperature_c"),
+            )
+        # Compare-and-set: draining is an operator decision a heartbeat must not undo.
+        came_back = (
+            Node.objects.filter(pk=node.pk)
+            .exclude(status=NodeStatus.DRAINING)
+            .exclude(status=NodeStatus.ONLINE)
+            .update(status=NodeStatus.ONLINE, last_heartbeat_at=now)
+        )
+        Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now)
+        node.refresh_from_db()
+        if came_back:
+            audit.record("node.online", node, acting_user="agent")
+            transaction.on_commit(lambda: _node_came_back(node.pk))
+    return node
+
+
+def _node_came_back(node_id: int) -> None:
+    # Deployments learn of a returning node through the deployments app's reconciler.
+    from controlplane.deployments import tasks as deployment_tasks
+
+    deployment_tasks.reconcile_node.delay(node_id)
+
+
+def mark_lost_nodes() -> list[int]:
+    """Mark nodes offline whose last heartbeat is older than the grace period."""
+    cutoff = timezone.now() - Node.heartbeat_grace()
+    lost: list[int] = []
+    candidates = Node.objects.filter(status=NodeStatus.ONLINE, last_heartbeat_at__lt=cutoff)
+    for node_id in candidates.values_list("pk", flat=True):
+        with transaction.atomic():
+            changed = Node.objects.filter(
+                pk=node_id, status=NodeStatus.ONLINE, last_heartbeat_at__lt=cutoff
+            ).update(status=NodeStatus.OFFLINE)
+            if changed:
+                node = Node.objects.get(pk=node_id)
+                audit.record("node.offline", node, acting_user="reaper")
+                from controlplane.deployments.services import mark_node_deployments_unknown
+
+                mark_node_deployments_unknown(node)
+                lost.append(node_id)
+    return lost
+
+
+def prune_heartbeats(retention_hours: int) -> int:
+    cutoff = timezone.now() - timezone.timedelta(hours=retention_hours)
+    deleted, _ = Heartbeat.objects.filter(received_at__lt=cutoff).delete()
+    return deleted

@@ -1,0 +1,114 @@
+"""Changing the live policy: atomic, versioned, audited."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+
+from controlplane.core import audit
+from controlplane.policy.models import KNOB_NAMES, PolicyRevision, SchedulingPolicy
+from syshax.policy_schema import PolicyError, validate_knobs
+
+
+class NothingChanged(PolicyError):
+    def __init__(self) -> None:
+        super().__init__("policy", "the change sets every knob to its current value")
+
+
+def _actor(acting_user: Any) -> tuple[Any, str]:
+    if getattr(acting_user, "_meta", None) is not None:
+        return acting_user, ""
+    return None, str(acting_user or "system")
+
+
+def ensure_default_policy() -> SchedulingPolicy:
+    policy, created = SchedulingPolicy.objects.get_or_create(name="default")
+    if created:
+        PolicyRevision.objects.create(
+            policy=policy,
+            version=policy.version,
+            knobs=policy.knobs(),
+            reason="initial defaults (sysHAX example configuration)",
+            created_by_label="system",
+        )
+    return policy
+
+
+def create_policy(name: str, *, acting_user: Any, reason: str, **knobs: Any) -> SchedulingPolicy:
+    validated = validate_knobs(knobs, partial=True)
+    with transaction.atomic():
+        policy = SchedulingPolicy.objects.create(name=name, **validated.as_dict())
+        user, label = _actor(acting_user)
+        PolicyRevision.objects.create(
+            policy=policy,
+            version=policy.version,
+            knobs=policy.knobs(),
+            reason=reason,
+            created_by=user,
+            created_by_label=label,
+        )
+        audit.record("policy.created", policy, acting_user=acting_user)
+    return policy
+
+
+def update_policy(
+    policy: SchedulingPolicy,
+    *,
+    changes: dict[str, Any],
+    acting_user: Any,
+    reason: str,
+    rolled_back_to: int | None = None,
+) -> PolicyRevision:
+    """Apply knob changes as a new revision. Raises PolicyError naming the bad knob."""
+    if not reason or not reason.strip():
+        raise PolicyError("reason", "a reason is required for every policy change")
+    with transaction.atomic():
+        locked = SchedulingPolicy.objects.select_for_update().get(pk=policy.pk)
+        current = locked.knobs()
+        validated = validate_knobs({**current, **changes}).as_dict()
+        diff = {k: [current[k], validated[k]] for k in KNOB_NAMES if current[k] != validated[k]}
+        if not diff:
+            raise NothingChanged()
+        for key, (_, new) in diff.items():
+            setattr(locked, key, new)
+        locked.version += 1
+        locked.save()
+        user, label = _actor(acting_user)
+        revision = PolicyRevision.objects.create(
+            policy=locked,
+            version=locked.version,
+            knobs=locked.knobs(),
+            changed=diff,
+            reason=reason.strip(),
+            created_by=user,
+            created_by_label=label,
+            rolled_back_to=rolled_back_to,
+        )
+        audit.record(
+            "policy.changed",
+            locked,
+            acting_user=acting_user,
+            detail={"version": locked.version, "changed": diff, "reason": reason},
+        )
+    policy.refresh_from_db()
+    return revision
+
+
+def rollback_policy(
+    policy: SchedulingPolicy, *, to_version: int, acting_user: Any, reason: str = ""
+) -> PolicyRevision:
+    """Restore an earlier revision's knobs as a new revision (history is never rewritten)."""
+    try:
+        target = policy.revisions.get(version=to_version)
+    except PolicyRevision.DoesNotExist:
+        raise PolicyError(
+            "version", f"policy {policy.name!r} has no revision {to_version}"
+        ) from None
+    return update_policy(
+        policy,
+        changes=target.knobs,
+        acting_user=acting_user,
+        reason=reason or f"rollback to v{to_version}",
+        rolled_back_to=to_version,
+    )

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from controlplane.routers.models import RouterInstance, RouterStatsSample
+
+DECISIONS = ("gpu-only", "pd", "cpu-only", "rejected")
+
+
+class RouterInstanceSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
+    is_alive = serializers.BooleanField(read_only=True)
+
+    class Meta:
+        model = RouterInstance
+        fields = [
+            "id",
+            "name",
+            "version",
+            "listen_url",
+            "registered_at",
+            "last_seen_at",
+            "is_alive",
+            "policy_version",
+            "request_rate",
+            "stats",
+        ]
+        read_only_fields = fields
+
+
+class RouterSampleSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
+    class Meta:
+        model = RouterStatsSample
+        fields = ["received_at", "request_rate", "decisions", "policy_version"]
+
+
+class RegisterSerializer(serializers.Serializer):  # type: ignore[type-arg]
+    name = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", max_length=100)
+    version = serializers.CharField(max_length=64, allow_blank=True, required=False, default="")
+    listen_url = serializers.CharField(max_length=255, allow_blank=True, required=False, default="")
+
+
+class StatsSerializer(serializers.Serializer):  # type: ignore[type-arg]
+    policy_version = serializers.IntegerField(
+        min_value=0, required=False, allow_null=True, default=None
+    )
+    uptime_seconds = serializers.FloatField(min_value=0, required=False, default=0.0)
+    requests_total = serializers.IntegerField(min_value=0, required=False, default=0)
+    request_rate = serializers.FloatField(min_value=0, required=False, default=0.0)
+    decisions = serializers.DictField(
+        child=serializers.IntegerField(min_value=0), required=False, default=dict
+    )
+    outcomes = serializers.DictField(
+        child=serializers.IntegerField(min_value=0), required=False, default=dict
+    )
+    ttft_p50_ms = serializers.FloatField(min_value=0, required=False, allow_null=True, default=None)
+    ttft_p99_ms = serializers.FloatField(min_value=0, required=False, allow_null=True, default=None)
+    backend_errors = serializers.IntegerField(min_value=0, required=False, default=0)
+    fallbacks = serializers.IntegerField(min_value=0, required=False, default=0)
+
+    def validate_decisions(self, value: dict[str, int]) -> dict[str, int]:
+        unknown = sorted(set(value) - set(DECISIONS))
+        if unknown:
+            raise serializers.ValidationError(
+                f"unknown decision {unknown[0]!r}; known: {', '.join(DECISIONS)}"
+            )
+        return value

@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from controlplane.access.models import MachineCredential
+from controlplane.deployments.choices import DeploymentState
+from controlplane.deployments.models import Deployment
+from controlplane.routers.models import RouterInstance, RouterStatsSample
+
+
+class RouterNameTaken(Exception):
+    field = "name"
+
+    def __init__(self, name: str) -> None:
+        self.message = f"router {name!r} is registered with another credential"
+        super().__init__(self.message)
+
+
+def register_router(
+    credential: MachineCredential, *, name: str, version: str, listen_url: str
+) -> RouterInstance:
+    """Idempotent by name: a restarted router gets its own row back."""
+    with transaction.atomic():
+        router, created = RouterInstance.objects.select_for_update().get_or_create(
+            name=name,
+            defaults={"credential": credential, "version": version, "listen_url": listen_url},
+        )
+        if not created and router.credential_id != credential.pk:
+            raise RouterNameTaken(name)
+        router.version = version
+        router.listen_url = listen_url
+        router.last_seen_at = timezone.now()
+        router.save()
+    return router
+
+
+def record_stats(router: RouterInstance, stats: dict[str, Any]) -> None:
+    now = timezone.now()
+    router.last_seen_at = now
+    router.policy_version = stats.get("policy_version")
+    router.request_rate = stats.get("request_rate", 0.0)
+    router.stats = {**stats, "received_at": now.isoformat()}
+    with transaction.atomic():
+        router.save(update_fields=["last_seen_at", "policy_version", "request_rate", "stats"])
+        RouterStatsSample.objects.create(
+            router=router,
+            received_at=now,
+            request_rate=router.request_rate,
+            decisions=stats.get("decisions", {}),
+            policy_version=router.policy_version,
+        )
+
+
+def routable_deployments() -> list[dict[str, Any]]:
+    rows = (
+        Deployment.objects.filter(state=DeploymentState.RUNNING)
+        .select_related("profile", "policy")
+        .order_by("pk")
+    )
+    return [
+        {
+            "id": d.pk,
+            "name": d.name,
+            "model": d.profile.model_name_for_clients,
+            "policy": d.policy.name if d.policy else "default",
+            "pd_protocol": d.profile.pd_protocol,
+            "generation": d.generation,
+            "state": d.state,
+            "gpu_url": d.gpu_endpoint,
+            "cpu_url": d.cpu_endpoint,
+        }
+        for d in rows
+    ]
+
+
+def deployments_etag(payload: list[dict[str, Any]]) -> str:
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+    return f'"deployments-{digest}"'

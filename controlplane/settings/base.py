@@ -1,0 +1,207 @@
+"""Settings shared by every environment, read from the environment (docs/configuration.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from controlplane.settings.env import (
+    env_bool,
+    env_float,
+    env_int,
+    env_list,
+    env_str,
+    load_env_file,
+    parse_database_url,
+)
+
+BASE_DIR = Path(__file__).resolve().parent.parent.parent
+load_env_file(Path(env_str("SYSHAX_ENV_FILE", str(BASE_DIR / "syshax.env")) or ""))
+VAR_DIR = Path(env_str("SYSHAX_VAR_DIR", str(BASE_DIR / "var")) or BASE_DIR / "var")
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+DEBUG = env_bool("DEBUG", False)
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "django_filters",
+    "drf_spectacular",
+    "django_celery_beat",
+    "controlplane.core",
+    "controlplane.inventory",
+    "controlplane.access",
+    "controlplane.policy",
+    "controlplane.deployments",
+    "controlplane.routers",
+    "controlplane.benchmarks",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "controlplane.core.middleware.BodySizeLimitMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "controlplane.urls"
+WSGI_APPLICATION = "controlplane.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {
+    "default": parse_database_url(
+        env_str("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'controlplane.sqlite3'}",
+        base_dir=BASE_DIR,
+    )
+}
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # A file, not memory, so processes a test starts (worker, agent) share the test database.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-controlplane.sqlite3")}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = env_str("TIME_ZONE", "UTC") or "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+STATIC_ROOT.mkdir(exist_ok=True)
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+}
+WHITENOISE_USE_FINDERS = True
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/"
+
+# Bodies larger than this are refused with a JSON 413 before any view reads them.
+MAX_REQUEST_BODY_BYTES = env_int("MAX_REQUEST_BODY_BYTES", 2 * 1024 * 1024, minimum=1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "controlplane.access.authentication.MachineTokenAuthentication",
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["controlplane.access.permissions.ScopedPermission"],
+    "DEFAULT_FILTER_BACKENDS": [
+        "django_filters.rest_framework.DjangoFilterBackend",
+        "rest_framework.filters.SearchFilter",
+        "rest_framework.filters.OrderingFilter",
+    ],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 50,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "controlplane.core.api.exception_handler",
+    "UNAUTHENTICATED_USER": None,
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "syshax control plane API",
+    "DESCRIPTION": "Inventory, deployments, PD scheduling policy, routers and benchmarks.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["controlplane.access.permissions.ScopedPermission"],
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+
+# --- Celery -------------------------------------------------------------------------------
+# With REDIS_URL (or CELERY_BROKER_URL) set, Redis carries tasks and results. Without it the
+# broker is kombu's filesystem transport under var/celery: a real transport with real worker
+# and beat processes, so retries and routing behave as in production (docs/decisions.md).
+REDIS_URL = env_str("REDIS_URL")
+CELERY_DATA_DIR = VAR_DIR / "celery"
+_broker = env_str("CELERY_BROKER_URL") or REDIS_URL
+if _broker:
+    CELERY_BROKER_URL = _broker
+    CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND") or _broker
+    CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {
+        "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600, minimum=60),
+    }
+else:
+    for sub in ("queue", "processed", "results", "control"):
+        (CELERY_DATA_DIR / sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_RESULT_BACKEND = f"file://{CELERY_DATA_DIR / 'results'}"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(CELERY_DATA_DIR / "queue"),
+        "data_folder_out": str(CELERY_DATA_DIR / "queue"),
+        "processed_folder": str(CELERY_DATA_DIR / "processed"),
+        "control_folder": str(CELERY_DATA_DIR / "control"),
+        "store_processed": False,
+        "polling_interval": env_float("CELERY_POLLING_INTERVAL", 0.2, minimum=0.01),
+    }
+
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_RESULT_EXPIRES = 24 * 3600
+CELERY_TASK_DEFAULT_QUEUE = "controlplane"
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+CELERY_TIMEZONE = TIME_ZONE
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_ROUTES = {"syshax.agent.*": {"queue": "agents"}}
+# Housekeeping; beat writes these into django-celery-beat's tables, where admins can see them.
+CELERY_BEAT_SCHEDULE = {
+    "reap-lost-nodes": {
+        "task": "inventory.reap_lost_nodes",
+        "schedule": env_float("HEARTBEAT_INTERVAL_SECONDS", 5.0, minimum=0.1),
+    },
+    "prune-heartbeats": {"task": "inventory.prune_heartbeats", "schedule": 3600.0},
+    "resend-stale-commands": {"task": "deployments.resend_stale_commands", "schedule": 30.0},
+    "resume-in-flight-deployments": {"task": "deployments.resume_in_flight", "schedule": 60.0},
+}
+
+# --- Fleet behaviour ----------------------------------------------------------------------
+# A node is offline after HEARTBEAT_INTERVAL * HEARTBEAT_TOLERANCE seconds without a heartbeat.
+HEARTBEAT_INTERVAL_SECONDS = env_float("HEARTBEAT_INTERVAL_SECONDS", 5.0, minimum=0.1)
+HEARTBEAT_TOLERANCE = env_float("HEARTBEAT_TOLERANCE", 3.0, minimum=1.0)
+HEARTBEAT_RETENTION_HOURS = env_int("HEARTBEAT_RETENTION_HOURS", 24, minimum=1)
+ROUTER_GRACE_SECONDS = env_float("ROUTER_GRACE_SECONDS", 30.0, minimum=1.0)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO") or "INFO"},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}

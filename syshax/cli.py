@@ -1,0 +1,71 @@
+"""The ``syshax`` console script.
+
+Each subcommand lives in its own module, imported only when that subcommand runs, so
+``syshax router`` never loads Django and ``syshax sim`` starts in milliseconds. A subcommand
+module provides ``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "init": ("syshax.commands.init", "write a local env file with the embedded defaults"),
+    "config": ("syshax.commands.config", "show or change a live scheduling-policy knob"),
+    "manage": ("syshax.commands.manage", "run a Django management command of the control plane"),
+    "web": ("syshax.commands.web", "serve the control plane (dashboard, admin, REST API)"),
+    "worker": ("syshax.commands.worker", "run a Celery worker of the control plane"),
+    "beat": ("syshax.commands.beat", "run Celery beat with the database scheduler"),
+    "sim": ("syshax.sim.cli", "run a simulated vLLM-compatible engine"),
+    "agent": ("agents.cli", "run the node agent"),
+    "router": ("router.cli", "run the OpenAI-compatible PD router"),
+    "benchmark": ("syshax.loadgen.cli", "run a benchmark scenario"),
+    "up": ("syshax.commands.up", "run the whole system locally on the embedded defaults"),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: syshax COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run 'syshax COMMAND --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help", "help"}:
+        print(_usage())
+        return 0
+    if args[0] in {"-V", "--version"}:
+        from syshax import __version__
+
+        print(__version__)
+        return 0
+    name = args[0]
+    if name not in COMMANDS:
+        print(f"syshax: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, help_ = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            print(f"syshax: command {name!r} is not available in this build", file=sys.stderr)
+            return 2
+        raise
+    parser = argparse.ArgumentParser(prog=f"syshax {name}", description=help_)
+    module.add_arguments(parser)
+    parsed = parser.parse_args(args[1:])
+    try:
+        return int(module.run(parsed) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--loglevel", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings.local")
+    from controlplane.celery import app
+
+    app.start(
+        [
+            "beat",
+            "-S",
+            "django_celery_beat.schedulers:DatabaseScheduler",
+            "--loglevel",
+            args.loglevel,
+        ]
+    )
+    return 0
