@@ -133,7 +133,7 @@ class DeploymentProfile(TimeStampedModel):
         errors: dict[str, str] = {}
         if not 0 < self.gpu_memory_utilization <= 1:
             errors["gpu_memory_utilization"] = (
-                f"must be in (0, 1]; got {self.gpu_memory_utilization}"
+                f"must be in (0, 1]; got {self.gpu_memory_utilization:g}"
             )
         if self.gpu_port == self.cpu_port:
             errors["cpu_port"] = f"must differ from gpu_port ({self.gpu_port})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from controlplane.settings.env import (
@@ -82,7 +83,10 @@ DATABASES = {
 }
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # A file, not memory, so processes a test starts (worker, agent) share the test database.
-    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-controlplane.sqlite3")}
+    # Named per process: concurrent test runs never share (or delete) each other's file.
+    DATABASES["default"]["TEST"] = {
+        "NAME": str(VAR_DIR / f"test-controlplane-{os.getpid()}.sqlite3")
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

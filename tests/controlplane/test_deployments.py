@@ -1,0 +1,127 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from controlplane.deployments import workflow
+from controlplane.deployments.models import AgentCommand, Deployment
+
+
+def create(client, node, profile, **extra: Any):
+    return client.post("/api/v1/deployments/", {"name": "dep-1", "node": node.pk,
+                                                 "profile": profile.pk, **extra}, format="json")
+
+
+def test_tensor_parallel_larger_than_the_node_is_a_400_naming_both_numbers(
+    admin_client, node, make_profile
+) -> None:
+    response = create(admin_client, node, make_profile(tensor_parallel_size=4))
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert message.startswith("tensor_parallel_size")
+    assert "is 4" in message and "1 accelerator(s)" in message
+
+
+def test_cards_under_20_gb_are_refused(admin_client, make_node, make_profile) -> None:
+    small = make_node("small", accel_gb=16)
+    response = create(admin_client, small, make_profile())
+    assert response.status_code == 400
+    assert "16.0 GB; each card needs at least 20 GB" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("value", [0, -0.1, 1.01])
+def test_gpu_memory_utilization_must_be_in_0_1(admin_client, value) -> None:
+    response = admin_client.post("/api/v1/profiles/", {"name": "p", "model": "m",
+                                                       "gpu_memory_utilization": value}, format="json")
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == f"gpu_memory_utilization: must be in (0, 1]; got {value}"
+
+
+def test_explicit_affinity_must_lie_within_the_node(admin_client, node, make_profile) -> None:
+    profile = make_profile(cpu_affinity_mode="explicit", cpu_affinity="0-3,6-11")
+    response = create(admin_client, node, profile)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == (
+        "cpu_affinity: CPUs 8-11 are outside node 'node-a''s cores 0-7")
+
+
+def test_same_ports_for_both_engines_is_refused(admin_client) -> None:
+    response = admin_client.post("/api/v1/profiles/", {"name": "p", "model": "m", "gpu_port": 7001,
+                                                       "cpu_port": 7001}, format="json")
+    assert response.status_code == 400
+    assert "must differ from gpu_port (7001)" in response.json()["error"]["message"]
+
+
+def agent_reports(agent_client, command: AgentCommand, status: str = "succeeded", detail: str = ""):
+    return agent_client.post(f"/api/v1/commands/{command.dispatch_id}/result",
+                             {"status": status, "detail": detail}, format="json")
+
+
+def pending(deployment: Deployment) -> AgentCommand:
+    return AgentCommand.objects.get(deployment=deployment, generation=deployment.generation,
+                                    step=deployment.step)
+
+
+def test_deploy_runs_gpu_before_cpu_and_publishes_endpoints(
+    admin_client, agent_client, node, make_profile, django_capture_on_commit_callbacks
+) -> None:
+    with django_capture_on_commit_callbacks():
+        response = create(admin_client, node, make_profile(), start=True)
+    assert response.status_code == 201, response.content
+    deployment = Deployment.objects.get(pk=response.json()["id"])
+    order = []
+    for _ in range(4):
+        workflow.advance(deployment.pk)
+        deployment.refresh_from_db()
+        command = pending(deployment)
+        order.append(command.step)
+        # advance is idempotent: a second run sends nothing new.
+        workflow.advance(deployment.pk)
+        assert AgentCommand.objects.filter(deployment=deployment).count() == len(order)
+        assert agent_reports(agent_client, command).json() == {"accepted": True, "duplicate": False}
+        assert agent_reports(agent_client, command).json()["duplicate"] is True
+    workflow.advance(deployment.pk)
+    deployment.refresh_from_db()
+    assert order == ["stop-old-cpu", "stop-old-gpu", "start-gpu", "start-cpu"]
+    assert deployment.state == "running"
+    assert (deployment.gpu_endpoint, deployment.cpu_endpoint) == (
+        "http://127.0.0.1:7001", "http://127.0.0.1:7002")
+    start_cpu = AgentCommand.objects.get(deployment=deployment, step="start-cpu")
+    assert start_cpu.spec["ipc_peer"] == AgentCommand.objects.get(
+        deployment=deployment, step="start-gpu").spec["name"]
+    steps = [e.step for e in deployment.events.all()]
+    assert steps[-1] == "running"
+
+
+def test_a_failed_cpu_engine_fails_the_deployment_and_cleans_up(
+    admin_client, agent_client, node, make_profile
+) -> None:
+    deployment = Deployment.objects.get(pk=create(admin_client, node, make_profile(), start=True).json()["id"])
+    for _ in range(3):
+        workflow.advance(deployment.pk)
+        deployment.refresh_from_db()
+        agent_reports(agent_client, pending(deployment))
+    workflow.advance(deployment.pk)
+    deployment.refresh_from_db()
+    assert deployment.step == "start-cpu"
+    agent_reports(agent_client, pending(deployment), "failed",
+                  "CPU engine exited with code 1: OSError: no KV segment")
+    workflow.advance(deployment.pk)
+    deployment.refresh_from_db()
+    assert deployment.state == "failed"
+    assert deployment.state_reason == "CPU engine exited with code 1: OSError: no KV segment"
+    cleanup = AgentCommand.objects.filter(deployment=deployment, step__startswith="cleanup")
+    assert sorted(c.role for c in cleanup) == ["cpu", "gpu"]
+    assert all(c.spec["keep_generation"] is None for c in cleanup)
+
+
+def test_another_agent_cannot_report_this_nodes_command(
+    admin_client, other_agent_client, node, make_profile
+) -> None:
+    deployment = Deployment.objects.get(pk=create(admin_client, node, make_profile(), start=True).json()["id"])
+    workflow.advance(deployment.pk)
+    deployment.refresh_from_db()
+    response = agent_reports(other_agent_client, pending(deployment))
+    assert response.status_code == 403
+    assert pending(deployment).status == "queued"
