@@ -45,7 +45,7 @@ def test_the_worker_advances_a_deploy_and_commands_reach_the_node_queue(
         assert command.step == "stop-old-cpu"
         message = take_from_queue(node.command_queue, timeout=30)
         assert message["headers"]["task"] == AGENT_TASK
-        args, kwargs, _ = message["body"]
+        _args, kwargs, _ = message["body"]
         assert kwargs["dispatch_id"] == str(command.dispatch_id)
         assert kwargs["action"] == "stop"
 
@@ -53,7 +53,9 @@ def test_the_worker_advances_a_deploy_and_commands_reach_the_node_queue(
 
         record_command_result(command, status="succeeded", detail="", output={})
         wait_until(
-            lambda: AgentCommand.objects.filter(deployment=deployment, step="stop-old-gpu").exists(),
+            lambda: AgentCommand.objects.filter(
+                deployment=deployment, step="stop-old-gpu"
+            ).exists(),
             60,
             "the worker to move to the next step after the agent's result",
         )

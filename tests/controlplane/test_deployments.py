@@ -9,8 +9,11 @@ from controlplane.deployments.models import AgentCommand, Deployment
 
 
 def create(client, node, profile, **extra: Any):
-    return client.post("/api/v1/deployments/", {"name": "dep-1", "node": node.pk,
-                                                 "profile": profile.pk, **extra}, format="json")
+    return client.post(
+        "/api/v1/deployments/",
+        {"name": "dep-1", "node": node.pk, "profile": profile.pk, **extra},
+        format="json",
+    )
 
 
 def test_tensor_parallel_larger_than_the_node_is_a_400_naming_both_numbers(
@@ -32,10 +35,16 @@ def test_cards_under_20_gb_are_refused(admin_client, make_node, make_profile) ->
 
 @pytest.mark.parametrize("value", [0, -0.1, 1.01])
 def test_gpu_memory_utilization_must_be_in_0_1(admin_client, value) -> None:
-    response = admin_client.post("/api/v1/profiles/", {"name": "p", "model": "m",
-                                                       "gpu_memory_utilization": value}, format="json")
+    response = admin_client.post(
+        "/api/v1/profiles/",
+        {"name": "p", "model": "m", "gpu_memory_utilization": value},
+        format="json",
+    )
     assert response.status_code == 400
-    assert response.json()["error"]["message"] == f"gpu_memory_utilization: must be in (0, 1]; got {value}"
+    assert (
+        response.json()["error"]["message"]
+        == f"gpu_memory_utilization: must be in (0, 1]; got {value}"
+    )
 
 
 def test_explicit_affinity_must_lie_within_the_node(admin_client, node, make_profile) -> None:
@@ -43,24 +52,32 @@ def test_explicit_affinity_must_lie_within_the_node(admin_client, node, make_pro
     response = create(admin_client, node, profile)
     assert response.status_code == 400
     assert response.json()["error"]["message"] == (
-        "cpu_affinity: CPUs 8-11 are outside node 'node-a''s cores 0-7")
+        "cpu_affinity: CPUs 8-11 are outside node 'node-a''s cores 0-7"
+    )
 
 
 def test_same_ports_for_both_engines_is_refused(admin_client) -> None:
-    response = admin_client.post("/api/v1/profiles/", {"name": "p", "model": "m", "gpu_port": 7001,
-                                                       "cpu_port": 7001}, format="json")
+    response = admin_client.post(
+        "/api/v1/profiles/",
+        {"name": "p", "model": "m", "gpu_port": 7001, "cpu_port": 7001},
+        format="json",
+    )
     assert response.status_code == 400
     assert "must differ from gpu_port (7001)" in response.json()["error"]["message"]
 
 
 def agent_reports(agent_client, command: AgentCommand, status: str = "succeeded", detail: str = ""):
-    return agent_client.post(f"/api/v1/commands/{command.dispatch_id}/result",
-                             {"status": status, "detail": detail}, format="json")
+    return agent_client.post(
+        f"/api/v1/commands/{command.dispatch_id}/result",
+        {"status": status, "detail": detail},
+        format="json",
+    )
 
 
 def pending(deployment: Deployment) -> AgentCommand:
-    return AgentCommand.objects.get(deployment=deployment, generation=deployment.generation,
-                                    step=deployment.step)
+    return AgentCommand.objects.get(
+        deployment=deployment, generation=deployment.generation, step=deployment.step
+    )
 
 
 def test_deploy_runs_gpu_before_cpu_and_publishes_endpoints(
@@ -86,10 +103,14 @@ def test_deploy_runs_gpu_before_cpu_and_publishes_endpoints(
     assert order == ["stop-old-cpu", "stop-old-gpu", "start-gpu", "start-cpu"]
     assert deployment.state == "running"
     assert (deployment.gpu_endpoint, deployment.cpu_endpoint) == (
-        "http://127.0.0.1:7001", "http://127.0.0.1:7002")
+        "http://127.0.0.1:7001",
+        "http://127.0.0.1:7002",
+    )
     start_cpu = AgentCommand.objects.get(deployment=deployment, step="start-cpu")
-    assert start_cpu.spec["ipc_peer"] == AgentCommand.objects.get(
-        deployment=deployment, step="start-gpu").spec["name"]
+    assert (
+        start_cpu.spec["ipc_peer"]
+        == AgentCommand.objects.get(deployment=deployment, step="start-gpu").spec["name"]
+    )
     steps = [e.step for e in deployment.events.all()]
     assert steps[-1] == "running"
 
@@ -97,7 +118,9 @@ def test_deploy_runs_gpu_before_cpu_and_publishes_endpoints(
 def test_a_failed_cpu_engine_fails_the_deployment_and_cleans_up(
     admin_client, agent_client, node, make_profile
 ) -> None:
-    deployment = Deployment.objects.get(pk=create(admin_client, node, make_profile(), start=True).json()["id"])
+    deployment = Deployment.objects.get(
+        pk=create(admin_client, node, make_profile(), start=True).json()["id"]
+    )
     for _ in range(3):
         workflow.advance(deployment.pk)
         deployment.refresh_from_db()
@@ -105,8 +128,12 @@ def test_a_failed_cpu_engine_fails_the_deployment_and_cleans_up(
     workflow.advance(deployment.pk)
     deployment.refresh_from_db()
     assert deployment.step == "start-cpu"
-    agent_reports(agent_client, pending(deployment), "failed",
-                  "CPU engine exited with code 1: OSError: no KV segment")
+    agent_reports(
+        agent_client,
+        pending(deployment),
+        "failed",
+        "CPU engine exited with code 1: OSError: no KV segment",
+    )
     workflow.advance(deployment.pk)
     deployment.refresh_from_db()
     assert deployment.state == "failed"
@@ -119,7 +146,9 @@ def test_a_failed_cpu_engine_fails_the_deployment_and_cleans_up(
 def test_another_agent_cannot_report_this_nodes_command(
     admin_client, other_agent_client, node, make_profile
 ) -> None:
-    deployment = Deployment.objects.get(pk=create(admin_client, node, make_profile(), start=True).json()["id"])
+    deployment = Deployment.objects.get(
+        pk=create(admin_client, node, make_profile(), start=True).json()["id"]
+    )
     workflow.advance(deployment.pk)
     deployment.refresh_from_db()
     response = agent_reports(other_agent_client, pending(deployment))

@@ -12,13 +12,30 @@ KUNPENG = {
     "agent_version": "0.1.0",
     "hostname": "kp-01",
     "address": "10.0.0.5",
-    "cpu": {"model": "Kunpeng 920 7280Z", "architecture": "aarch64", "sockets": 2,
-            "physical_cores": 160, "threads": 160, "isa_flags": ["asimd", "sve", "i8mm"],
-            "memory_total_bytes": 512 * 1024**3},
-    "numa_nodes": [{"index": i, "cpus": f"{i * 40}-{i * 40 + 39}",
-                    "memory_total_bytes": 128 * 1024**3} for i in range(4)],
-    "accelerators": [{"kind": "gpu", "vendor": "NVIDIA", "model": "A100-SXM4-80GB", "index": 0,
-                      "uuid": "GPU-1", "memory_total_bytes": 80 * 1024**3, "simulated": True}],
+    "cpu": {
+        "model": "Kunpeng 920 7280Z",
+        "architecture": "aarch64",
+        "sockets": 2,
+        "physical_cores": 160,
+        "threads": 160,
+        "isa_flags": ["asimd", "sve", "i8mm"],
+        "memory_total_bytes": 512 * 1024**3,
+    },
+    "numa_nodes": [
+        {"index": i, "cpus": f"{i * 40}-{i * 40 + 39}", "memory_total_bytes": 128 * 1024**3}
+        for i in range(4)
+    ],
+    "accelerators": [
+        {
+            "kind": "gpu",
+            "vendor": "NVIDIA",
+            "model": "A100-SXM4-80GB",
+            "index": 0,
+            "uuid": "GPU-1",
+            "memory_total_bytes": 80 * 1024**3,
+            "simulated": True,
+        }
+    ],
 }
 
 
@@ -52,8 +69,18 @@ def test_a_heartbeat_writes_one_row_and_brings_the_node_online(node, agent_clien
     agent_client.put(f"/api/v1/nodes/{node.pk}/inventory", KUNPENG, format="json")
     response = agent_client.post(
         f"/api/v1/nodes/{node.pk}/heartbeat",
-        {"cpu_percent": 37.5, "memory_used_bytes": 10, "accelerators": [
-            {"uuid": "GPU-1", "utilization_percent": 61.0, "memory_used_bytes": 5, "temperature_c": 55}]},
+        {
+            "cpu_percent": 37.5,
+            "memory_used_bytes": 10,
+            "accelerators": [
+                {
+                    "uuid": "GPU-1",
+                    "utilization_percent": 61.0,
+                    "memory_used_bytes": 5,
+                    "temperature_c": 55,
+                }
+            ],
+        },
         format="json",
     )
     assert response.status_code == 200
@@ -83,9 +110,15 @@ def test_a_silent_node_goes_offline_its_deployments_unknown_and_it_comes_back(
     assert response.json()["status"] == "online"
 
 
-def test_a_draining_node_stays_draining_while_it_heartbeats(node, agent_client, admin_client) -> None:
-    assert admin_client.patch(f"/api/v1/nodes/{node.pk}/", {"status": "draining"},
-                              format="json").status_code == 200
+def test_a_draining_node_stays_draining_while_it_heartbeats(
+    node, agent_client, admin_client
+) -> None:
+    assert (
+        admin_client.patch(
+            f"/api/v1/nodes/{node.pk}/", {"status": "draining"}, format="json"
+        ).status_code
+        == 200
+    )
     agent_client.post(f"/api/v1/nodes/{node.pk}/heartbeat", {}, format="json")
     node.refresh_from_db()
     assert node.status == "draining"
@@ -105,8 +138,20 @@ def test_node_returning_settles_unknown_deployments_from_reported_containers(
     node, agent_client, make_deployment
 ) -> None:
     deployment = make_deployment(node=node, state="unknown", desired_state="running", generation=2)
-    report = {"containers": [
-        {"deployment_id": deployment.pk, "generation": 2, "role": role, "status": "running",
-         "health": "healthy"} for role in ("gpu", "cpu")]}
-    assert agent_client.put(f"/api/v1/nodes/{node.pk}/containers", report, format="json").status_code == 200
+    report = {
+        "containers": [
+            {
+                "deployment_id": deployment.pk,
+                "generation": 2,
+                "role": role,
+                "status": "running",
+                "health": "healthy",
+            }
+            for role in ("gpu", "cpu")
+        ]
+    }
+    assert (
+        agent_client.put(f"/api/v1/nodes/{node.pk}/containers", report, format="json").status_code
+        == 200
+    )
     assert Deployment.objects.get(pk=deployment.pk).state == "running"

@@ -28,7 +28,9 @@ def test_each_change_is_a_revision_with_who_when_and_why(admin_user) -> None:
 def test_rollback_restores_an_earlier_revision_as_a_new_one(admin_user) -> None:
     policy = services.ensure_default_policy()
     services.update_policy(policy, changes={"mode": "gpu-only"}, acting_user=admin_user, reason="a")
-    services.update_policy(policy, changes={"gpu_cache_threshold": 70}, acting_user=admin_user, reason="b")
+    services.update_policy(
+        policy, changes={"gpu_cache_threshold": 70}, acting_user=admin_user, reason="b"
+    )
     revision = services.rollback_policy(policy, to_version=1, acting_user=admin_user)
     policy.refresh_from_db()
     assert (policy.version, policy.mode, policy.gpu_cache_threshold) == (4, "auto", 90.0)
@@ -39,7 +41,9 @@ def test_rollback_restores_an_earlier_revision_as_a_new_one(admin_user) -> None:
 def test_a_change_without_reason_or_without_effect_is_refused(admin_user) -> None:
     policy = services.ensure_default_policy()
     with pytest.raises(PolicyError, match="reason"):
-        services.update_policy(policy, changes={"mode": "cpu-only"}, acting_user=admin_user, reason=" ")
+        services.update_policy(
+            policy, changes={"mode": "cpu-only"}, acting_user=admin_user, reason=" "
+        )
     with pytest.raises(PolicyError, match="current value"):
         services.update_policy(policy, changes={"mode": "auto"}, acting_user=admin_user, reason="x")
 
@@ -50,13 +54,21 @@ def test_a_change_without_reason_or_without_effect_is_refused(admin_user) -> Non
         ({"gpu_cache_threshold": 120}, "gpu_cache_threshold", "at most 100"),
         ({"cpu_max_batch_size": -1}, "cpu_max_batch_size", "at least 0"),
         ({"mode": "fastest"}, "mode", "one of auto, gpu-only, cpu-only, forced-pd"),
-        ({"token_limit_min": 500}, "token_limit_min", "must not exceed token_limit_max (500 > 100)"),
+        (
+            {"token_limit_min": 500},
+            "token_limit_min",
+            "must not exceed token_limit_max (500 > 100)",
+        ),
         ({"enable_auto_pd_offload": "maybe"}, "enable_auto_pd_offload", "true or false"),
         ({"metrics_interval": 1}, "metrics_interval", "unknown field"),
     ],
 )
-def test_bad_knobs_get_a_400_naming_the_field_and_limit(admin_client, change, field, fragment) -> None:
-    response = admin_client.patch("/api/v1/policies/default/", {**change, "reason": "t"}, format="json")
+def test_bad_knobs_get_a_400_naming_the_field_and_limit(
+    admin_client, change, field, fragment
+) -> None:
+    response = admin_client.patch(
+        "/api/v1/policies/default/", {**change, "reason": "t"}, format="json"
+    )
     assert response.status_code == 400, response.content
     error = response.json()["error"]
     assert error["message"].startswith(field)
@@ -71,8 +83,9 @@ def test_routers_get_an_etag_and_a_304_when_nothing_changed(admin_client, router
     unchanged = router_client.get("/api/v1/routing/policies/default", HTTP_IF_NONE_MATCH=etag)
     assert unchanged.status_code == 304
     assert unchanged.content == b""
-    admin_client.patch("/api/v1/policies/default/", {"cpu_max_batch_size": 2, "reason": "t"},
-                       format="json")
+    admin_client.patch(
+        "/api/v1/policies/default/", {"cpu_max_batch_size": 2, "reason": "t"}, format="json"
+    )
     changed = router_client.get("/api/v1/routing/policies/default", HTTP_IF_NONE_MATCH=etag)
     assert changed.status_code == 200
     assert changed["ETag"] != etag
@@ -80,18 +93,29 @@ def test_routers_get_an_etag_and_a_304_when_nothing_changed(admin_client, router
     assert changed.json()["knobs"]["cpu_max_batch_size"] == 2
 
 
-def test_a_conditional_get_with_nothing_new_costs_one_query(router_client, django_assert_max_num_queries) -> None:
+def test_a_conditional_get_with_nothing_new_costs_one_query(
+    router_client, django_assert_max_num_queries
+) -> None:
     etag = router_client.get("/api/v1/routing/policies/default")["ETag"]
     # One query authenticates the token, one reads the policy's version.
     with django_assert_max_num_queries(2):
-        assert router_client.get("/api/v1/routing/policies/default", HTTP_IF_NONE_MATCH=etag).status_code == 304
+        assert (
+            router_client.get(
+                "/api/v1/routing/policies/default", HTTP_IF_NONE_MATCH=etag
+            ).status_code
+            == 304
+        )
 
 
 def test_revision_history_and_rollback_over_the_api(admin_client) -> None:
-    admin_client.patch("/api/v1/policies/default/", {"mode": "forced-pd", "reason": "try PD"}, format="json")
+    admin_client.patch(
+        "/api/v1/policies/default/", {"mode": "forced-pd", "reason": "try PD"}, format="json"
+    )
     history = admin_client.get("/api/v1/policies/default/revisions").json()["results"]
     assert [(r["version"], r["reason"]) for r in history] == [
-        (2, "try PD"), (1, "initial defaults (sysHAX example configuration)")]
+        (2, "try PD"),
+        (1, "initial defaults (sysHAX example configuration)"),
+    ]
     assert history[0]["changed"] == {"mode": ["auto", "forced-pd"]}
     response = admin_client.post("/api/v1/policies/default/rollback", {"version": 1}, format="json")
     assert response.status_code == 200

@@ -20,15 +20,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=60,
+    )
 
 
 def test_production_refuses_to_start_without_a_secret_key(tmp_path) -> None:
     result = run_python(
         "import django; django.setup()",
-        DJANGO_SETTINGS_MODULE="controlplane.settings.production", SECRET_KEY="",
-        SYSHAX_VAR_DIR=str(tmp_path), SYSHAX_ENV_FILE=str(tmp_path / "none"),
+        DJANGO_SETTINGS_MODULE="controlplane.settings.production",
+        SECRET_KEY="",
+        SYSHAX_VAR_DIR=str(tmp_path),
+        SYSHAX_ENV_FILE=str(tmp_path / "none"),
     )
     assert result.returncode != 0
     assert "SECRET_KEY (or SECRET_KEY_FILE) must be set" in result.stderr
@@ -36,8 +44,12 @@ def test_production_refuses_to_start_without_a_secret_key(tmp_path) -> None:
 
 def test_the_local_secret_is_generated_once_into_var(tmp_path) -> None:
     code = "from django.conf import settings; print(settings.SECRET_KEY)"
-    env = {"DJANGO_SETTINGS_MODULE": "controlplane.settings.local", "SECRET_KEY": "",
-           "SYSHAX_VAR_DIR": str(tmp_path), "SYSHAX_ENV_FILE": str(tmp_path / "none")}
+    env = {
+        "DJANGO_SETTINGS_MODULE": "controlplane.settings.local",
+        "SECRET_KEY": "",
+        "SYSHAX_VAR_DIR": str(tmp_path),
+        "SYSHAX_ENV_FILE": str(tmp_path / "none"),
+    }
     first, second = run_python(code, **env), run_python(code, **env)
     assert first.returncode == 0, first.stderr
     assert first.stdout == second.stdout
@@ -47,7 +59,9 @@ def test_the_local_secret_is_generated_once_into_var(tmp_path) -> None:
 
 def test_bad_environment_values_name_the_variable(monkeypatch) -> None:
     monkeypatch.setenv("HEARTBEAT_TOLERANCE", "lots")
-    with pytest.raises(ImproperlyConfiguredEnv, match="HEARTBEAT_TOLERANCE='lots' is not an integer"):
+    with pytest.raises(
+        ImproperlyConfiguredEnv, match="HEARTBEAT_TOLERANCE='lots' is not an integer"
+    ):
         env_int("HEARTBEAT_TOLERANCE", 3)
     monkeypatch.setenv("DEBUG", "perhaps")
     with pytest.raises(ImproperlyConfiguredEnv, match="DEBUG='perhaps' is not a boolean"):
@@ -59,9 +73,19 @@ def test_bad_environment_values_name_the_variable(monkeypatch) -> None:
 def test_database_urls(tmp_path) -> None:
     pg = parse_database_url("postgres://u:p%40ss@db:5433/cp", base_dir=ROOT)
     assert (pg["ENGINE"], pg["NAME"], pg["USER"], pg["PASSWORD"], pg["HOST"], pg["PORT"]) == (
-        "django.db.backends.postgresql", "cp", "u", "p@ss", "db", "5433")
-    assert parse_database_url("sqlite:///var/x.db", base_dir=tmp_path)["NAME"] == str(tmp_path / "var/x.db")
-    assert parse_database_url(f"sqlite:///{tmp_path}/y.db", base_dir=ROOT)["NAME"] == str(tmp_path / "y.db")
+        "django.db.backends.postgresql",
+        "cp",
+        "u",
+        "p@ss",
+        "db",
+        "5433",
+    )
+    assert parse_database_url("sqlite:///var/x.db", base_dir=tmp_path)["NAME"] == str(
+        tmp_path / "var/x.db"
+    )
+    assert parse_database_url(f"sqlite:///{tmp_path}/y.db", base_dir=ROOT)["NAME"] == str(
+        tmp_path / "y.db"
+    )
 
 
 def test_secret_files_and_env_files(tmp_path, monkeypatch) -> None:
@@ -76,7 +100,7 @@ def test_secret_files_and_env_files(tmp_path, monkeypatch) -> None:
     assert (os.environ["SYSHAX_T1"], os.environ["SYSHAX_T2"]) == ("one", "kept")
     monkeypatch.delenv("SYSHAX_T1")
     (tmp_path / "bad.env").write_text("not a pair\n")
-    with pytest.raises(ImproperlyConfiguredEnv, match="bad.env:1: expected KEY=VALUE"):
+    with pytest.raises(ImproperlyConfiguredEnv, match=r"bad\.env:1: expected KEY=VALUE"):
         load_env_file(tmp_path / "bad.env")
 
 
@@ -106,7 +130,10 @@ def test_syshax_init_writes_an_env_file_once(tmp_path, capsys) -> None:
 
 def test_syshax_config_shows_and_changes_the_policy(db, capsys) -> None:
     assert syshax_main(["config", "auto_pd_offload", "false"]) == 0
-    assert "enable_auto_pd_offload = False (policy default is now version 2)" in capsys.readouterr().out
+    assert (
+        "enable_auto_pd_offload = False (policy default is now version 2)"
+        in capsys.readouterr().out
+    )
     assert syshax_main(["config", "cpu_max_batch_size", "8"]) == 2  # unchanged value
     assert "current value" in capsys.readouterr().err
     assert syshax_main(["config", "cpu_max_batch_size", "lots"]) == 2

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from django.conf import settings
@@ -41,24 +41,27 @@ def free_port() -> int:
 
 
 @contextmanager
-def running(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+def running(
+    argv: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """Run a process in its own group for the duration of the block; kill the group after."""
     with log_path.open("wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                   env=env or child_env(), start_new_session=True)
+        process = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env or child_env(),
+            start_new_session=True,
+        )
         try:
             yield process
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
-                try:
+                with suppress(subprocess.TimeoutExpired):
                     process.wait(15)
-                except subprocess.TimeoutExpired:
-                    pass
-            try:
+            with suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             process.wait(5)
 
 
