@@ -7,13 +7,18 @@ from typing import Any
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import connection
 from django.http import HttpRequest
-from rest_framework import exceptions, status
+from drf_spectacular.utils import extend_schema, inline_serializer
+from rest_framework import exceptions, serializers, status
 from rest_framework.decorators import api_view, authentication_classes, permission_classes
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from syshax.policy_schema import PolicyError
+
+HEALTH_SCHEMA = inline_serializer(
+    "Health", {"status": serializers.CharField(), "database": serializers.CharField()}
+)
 
 
 def _first_message(detail: Any) -> str:
@@ -54,6 +59,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     return response
 
 
+@extend_schema(responses={200: HEALTH_SCHEMA, 503: HEALTH_SCHEMA})
 @api_view(["GET"])
 @authentication_classes([])
 @permission_classes([])

@@ -83,3 +83,10 @@ class CommandStatus(models.TextChoices):
     SUCCEEDED = "succeeded", "succeeded"
     FAILED = "failed", "failed"
     EXPIRED = "expired", "expired"
+
+
+class CommandOutcome(models.TextChoices):
+    """What an agent may report for a command."""
+
+    SUCCEEDED = "succeeded", "succeeded"
+    FAILED = "failed", "failed"

@@ -142,6 +142,15 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["controlplane.access.permissions.ScopedPermission"],
     "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {
+        "NodeStatusEnum": "controlplane.inventory.choices.NodeStatus",
+        "ContainerStatusEnum": "controlplane.deployments.choices.ContainerStatus",
+        "CommandStatusEnum": "controlplane.deployments.choices.CommandStatus",
+        "CommandOutcomeEnum": "controlplane.deployments.choices.CommandOutcome",
+        "RunStatusEnum": "controlplane.benchmarks.choices.RunStatus",
+        "DeploymentStateEnum": "controlplane.deployments.choices.DeploymentState",
+        "DesiredStateEnum": "controlplane.deployments.choices.DesiredState",
+    },
 }
 
 # --- Celery -------------------------------------------------------------------------------

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.benchmarks.models import MAX_CONCURRENCY, BenchmarkRun, BenchmarkSample, Scenario
@@ -32,6 +33,15 @@ class ScenarioSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
         return attrs
 
 
+@extend_schema_field(
+    {
+        "oneOf": [
+            {"type": "integer"},
+            {"type": "array", "items": {"type": "integer"}},
+            {"type": "string", "example": "1-8"},
+        ]
+    }
+)
 class ConcurrencyField(serializers.Field):  # type: ignore[type-arg]
     """Accepts 8, [1, 2, 4, 8], "1,2,4,8" or "1-8" (a range gives every level)."""
 

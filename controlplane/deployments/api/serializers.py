@@ -6,7 +6,7 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 
 from controlplane.deployments.choices import (
-    CommandStatus,
+    CommandOutcome,
     ContainerHealth,
     ContainerStatus,
     EngineRole,
@@ -133,7 +133,7 @@ class ContainerReportSerializer(serializers.Serializer):  # type: ignore[type-ar
 
 
 class CommandResultSerializer(serializers.Serializer):  # type: ignore[type-arg]
-    status = serializers.ChoiceField(choices=[CommandStatus.SUCCEEDED, CommandStatus.FAILED])
+    status = serializers.ChoiceField(choices=CommandOutcome.choices)
     detail = serializers.CharField(allow_blank=True, required=False, default="", max_length=20000)
     containers = ContainerStateSerializer(many=True, required=False, default=list)
     output = serializers.JSONField(required=False, default=dict)

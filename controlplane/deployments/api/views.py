@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from django.db.models import QuerySet
 from django.shortcuts import get_object_or_404
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -122,6 +124,7 @@ class _AgentOnlyView(APIView):
 
 
 class NodeContainersView(_AgentOnlyView):
+    @extend_schema(request=ContainerReportSerializer, responses=OpenApiTypes.OBJECT)
     def put(self, request: Request, pk: int) -> Response:
         node = get_object_or_404(Node, pk=pk)
         self.check_node(request, node)
@@ -134,6 +137,7 @@ class NodeContainersView(_AgentOnlyView):
 class CommandResultView(_AgentOnlyView):
     agent_methods = ("POST",)
 
+    @extend_schema(request=CommandResultSerializer, responses=OpenApiTypes.OBJECT)
     def post(self, request: Request, dispatch_id: str) -> Response:
         command = get_object_or_404(AgentCommand.objects.select_related("node"), pk=dispatch_id)
         self.check_node(request, command.node)

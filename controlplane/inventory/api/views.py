@@ -4,6 +4,8 @@ from typing import Any
 
 from django.conf import settings
 from django_filters import rest_framework as filters
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -107,6 +109,7 @@ class AgentSelfView(APIView):
     permission_classes = [ScopedPermission]
     agent_methods = ("GET",)
 
+    @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
         user = request.user
         if not isinstance(user, MachinePrincipal) or not user.is_agent:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 from django.shortcuts import get_object_or_404
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -112,6 +114,7 @@ class RoutingPolicyView(APIView):
     permission_classes = [ScopedPermission]
     router_methods = ("GET",)
 
+    @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request: Request, name: str) -> Response:
         policy = get_object_or_404(SchedulingPolicy, name=name)
         etag = policy.etag

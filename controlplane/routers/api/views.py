@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 from django.shortcuts import get_object_or_404
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -46,6 +48,7 @@ class _RouterOnlyView(APIView):
 
 
 class RouterRegisterView(_RouterOnlyView):
+    @extend_schema(request=RegisterSerializer, responses=OpenApiTypes.OBJECT)
     def post(self, request: Request) -> Response:
         principal = self.principal(request)
         serializer = RegisterSerializer(data=request.data)
@@ -55,6 +58,7 @@ class RouterRegisterView(_RouterOnlyView):
 
 
 class RouterStatsView(_RouterOnlyView):
+    @extend_schema(request=StatsSerializer, responses=OpenApiTypes.OBJECT)
     def post(self, request: Request, pk: int) -> Response:
         principal = self.principal(request)
         router = get_object_or_404(RouterInstance, pk=pk)
@@ -72,6 +76,7 @@ class RoutingDeploymentsView(APIView):
     permission_classes = [ScopedPermission]
     router_methods = ("GET",)
 
+    @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
         payload = services.routable_deployments()
         etag = services.deployments_etag(payload)
