@@ -3,6 +3,8 @@ embedded defaults) drives the deploy workflow, and commands reach the node's own
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from django.db import connections
 
@@ -30,7 +32,8 @@ def take_from_queue(queue: str, timeout: float) -> dict:
 def test_the_worker_advances_a_deploy_and_commands_reach_the_node_queue(
     tmp_path, make_node, make_profile, admin_user
 ) -> None:
-    node = make_node("live-node")
+    # A fresh name, so the node's queue holds nothing from an earlier run.
+    node = make_node(f"live-{uuid.uuid4().hex[:8]}")
     deployment = services.create_deployment(
         name="live", profile=make_profile(), node=node, acting_user=admin_user
     )
