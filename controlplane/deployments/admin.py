@@ -142,7 +142,7 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "affinity_plan",
     ]
     inlines = [ContainerInline, DeploymentEventInline]
-    actions = ["deploy", "stop", "restart"]
+    actions = ["deploy", "stop", "restart", "run_benchmark"]
 
     def _each(self, request, queryset, operation, verb):  # type: ignore[no-untyped-def]
         for deployment in queryset:
@@ -160,6 +160,24 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     @admin.action(description="Stop")
     def stop(self, request, queryset):  # type: ignore[no-untyped-def]
         self._each(request, queryset, services.request_stop, "stop")
+
+    @admin.action(description="Run the short benchmark scenario (hetero mode)")
+    def run_benchmark(self, request, queryset):  # type: ignore[no-untyped-def]
+        from controlplane.benchmarks.models import Scenario
+        from controlplane.benchmarks.services import create_run
+
+        scenario = Scenario.objects.get(name="short")
+        for deployment in queryset:
+            run = create_run(
+                acting_user=request.user,
+                name=f"{deployment.name} short (admin)",
+                scenario=scenario,
+                deployment=deployment,
+                mode="hetero",
+                concurrency=[8],
+                iterations=100,
+            )
+            self.message_user(request, f"{deployment}: benchmark run {run.pk} queued")
 
     @admin.action(description="Restart (new generation)")
     def restart(self, request, queryset):  # type: ignore[no-untyped-def]
