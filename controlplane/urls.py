@@ -7,4 +7,5 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("controlplane.api_urls")),
     path("accounts/", include("django.contrib.auth.urls")),
+    path("", include("controlplane.dashboard.urls")),
 ]

@@ -43,6 +43,7 @@ INSTALLED_APPS = [
     "controlplane.deployments",
     "controlplane.routers",
     "controlplane.benchmarks",
+    "controlplane.dashboard",
 ]
 
 MIDDLEWARE = [

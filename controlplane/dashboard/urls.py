@@ -1,0 +1,11 @@
+from __future__ import annotations
+
+from django.urls import path
+
+from controlplane.dashboard import views
+
+app_name = "dashboard"
+
+urlpatterns = [
+    path("", views.overview, name="overview"),
+]
