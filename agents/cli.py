@@ -1,0 +1,109 @@
+"""``syshax agent``: run the node agent (docs/agent.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+
+from agents.discovery import SIMULATED_PRESETS, parse_simulated
+from agents.main import Agent, AgentConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--control-plane",
+        default=os.environ.get("SYSHAX_CONTROL_PLANE"),
+        help="control plane base URL, e.g. http://10.0.0.1:8000 (env SYSHAX_CONTROL_PLANE)",
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("SYSHAX_AGENT_TOKEN"),
+        help="the node's sxa_ token (env SYSHAX_AGENT_TOKEN)",
+    )
+    parser.add_argument("--name", help="node name; must match the token's node if given")
+    parser.add_argument("--runtime", choices=["docker", "process"], help="default process")
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        help="seconds between heartbeats (default: the control plane's)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        help="where engine records, command results and logs live "
+        "(default var/agent/<name or hostname>)",
+    )
+    parser.add_argument("--broker", help="Celery broker URL (default: from agent/self)")
+    parser.add_argument(
+        "--simulate-accelerator",
+        action="append",
+        default=[],
+        metavar="PRESET",
+        help="declare a simulated card (repeatable; PRESET*N for N cards): "
+        + ", ".join(sorted(SIMULATED_PRESETS)),
+    )
+    parser.add_argument("--docker-url", help="Docker API URL (default DOCKER_HOST)")
+    parser.add_argument(
+        "--mount",
+        action="append",
+        default=[],
+        metavar="SRC[:DST][:ro|rw]",
+        help="bind mount for every engine container (docker runtime; "
+        "repeatable), e.g. a model cache",
+    )
+    parser.add_argument("--address", help="address reported in the inventory")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="JSON file with any of these options (underscored keys); command-line flags win",
+    )
+    parser.add_argument("--log-level", default="INFO")
+
+
+def build_config(args: argparse.Namespace) -> AgentConfig:
+    file_opts: dict[str, object] = {}
+    if args.config:
+        file_opts = json.loads(args.config.read_text())
+
+    def pick(name: str, default: object = None) -> object:
+        value = getattr(args, name, None)
+        return value if value not in (None, []) else file_opts.get(name, default)
+
+    control_plane, token = pick("control_plane"), pick("token")
+    if not control_plane or not token:
+        raise SystemExit("syshax agent: --control-plane and --token are required")
+    name = pick("name")
+    state_dir = pick("state_dir") or Path("var/agent") / str(name or socket.gethostname())
+    simulate = pick("simulate_accelerator", [])
+    assert isinstance(simulate, list)
+    try:
+        presets = parse_simulated(str(s) for s in simulate)
+    except ValueError as exc:
+        raise SystemExit(f"syshax agent: {exc}") from None
+    interval = pick("heartbeat_interval")
+    mounts = pick("mount", [])
+    assert isinstance(mounts, list)
+    return AgentConfig(
+        control_plane=str(control_plane),
+        token=str(token),
+        state_dir=Path(str(state_dir)),
+        name=str(name) if name else None,
+        runtime=str(pick("runtime", "process")),
+        heartbeat_interval=float(str(interval)) if interval else None,
+        broker=str(pick("broker")) if pick("broker") else None,
+        simulate=presets,
+        docker_url=str(pick("docker_url")) if pick("docker_url") else None,
+        address=str(pick("address")) if pick("address") else None,
+        mounts=[str(m) for m in mounts],
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return Agent(build_config(args)).run()

@@ -1,0 +1,298 @@
+"""The agent's life: connect, report inventory, beat, take commands, and survive outages.
+
+Threads: the Celery consumer runs in the main thread (it owns the signal handlers); heartbeats
+run in a daemon thread. Engines never depend on either: when the control plane is unreachable
+the engines keep running, heartbeats back off with jitter, command results wait in an outbox
+on disk, and when the control plane answers again the agent reconciles (inventory, the full
+container set, the outbox).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from agents.client import ApiError, ControlPlaneClient, Unreachable, backoff_delay
+from agents.commands import CommandExecutor
+from agents.discovery import collect_heartbeat, collect_inventory, inventory_hash
+from agents.runtimes import Runtime
+from agents.specs import Mount
+
+log = logging.getLogger("syshax.agent")
+T = TypeVar("T")
+
+INVENTORY_RESCAN_BEATS = 12  # re-discover hardware every N beats; resend only on change
+
+
+@dataclass
+class AgentConfig:
+    control_plane: str
+    token: str
+    state_dir: Path
+    name: str | None = None
+    runtime: str = "process"
+    heartbeat_interval: float | None = None
+    broker: str | None = None
+    simulate: list[str] = field(default_factory=list)
+    docker_url: str | None = None
+    address: str | None = None
+    backoff_cap: float = 30.0
+    mounts: list[str] = field(default_factory=list)  # SRC[:DST][:ro|rw], docker runtime only
+
+
+def make_runtime(config: AgentConfig) -> Runtime:
+    if config.runtime == "docker":
+        from agents.runtimes.dockerapi import DockerRuntime
+
+        return DockerRuntime(config.docker_url, default_mounts=parse_mounts(config.mounts))
+    if config.runtime == "process":
+        from agents.runtimes.process import ProcessRuntime
+
+        return ProcessRuntime(config.state_dir)
+    raise ValueError(f"--runtime must be docker or process, got {config.runtime!r}")
+
+
+def parse_mounts(specs: list[str]) -> list[Mount]:
+    """``/models`` -> /models:/models read-only; ``/a:/b:rw`` -> writable /a at /b."""
+    out = []
+    for spec in specs:
+        parts = spec.split(":")
+        mode = parts.pop() if len(parts) > 1 and parts[-1] in ("ro", "rw") else "ro"
+        if not parts[0] or len(parts) > 2:
+            raise ValueError(f"--mount {spec!r}: expected SRC[:DST][:ro|rw]")
+        out.append(Mount(parts[0], parts[-1], read_only=mode == "ro"))
+    return out
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, runtime: Runtime | None = None) -> None:
+        self.config = config
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        self.outbox = config.state_dir / "outbox"
+        self.outbox.mkdir(exist_ok=True)
+        self.client = ControlPlaneClient(config.control_plane, config.token)
+        self.runtime = runtime or make_runtime(config)
+        self.stop_event = threading.Event()
+        self.node_id = 0
+        self.node_name = ""
+        self.interval = config.heartbeat_interval or 5.0
+        self.info: dict[str, Any] = {}
+        self.inventory: dict[str, Any] = {}
+        self.reported_hash = ""
+        self.executor: CommandExecutor | None = None
+        self.online = False
+        self._report_lock = threading.Lock()
+
+    # ------------------------------------------------------------ retries
+
+    def retry(self, fn: Callable[[], T], what: str) -> T:
+        """Call ``fn`` until it answers, backing off with jitter while unreachable."""
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except Unreachable as exc:
+                delay = backoff_delay(attempt, cap=self.config.backoff_cap)
+                log.warning("%s: control plane unreachable (%s); retry in %.1fs", what, exc, delay)
+                attempt += 1
+                if self.stop_event.wait(delay):
+                    raise
+            except ApiError as exc:
+                if exc.status not in (401, 403):
+                    raise
+                # A revoked or not-yet-issued token: keep trying slowly rather than exit, so an
+                # operator can fix the token without touching the engines.
+                log.error("%s: %s", what, exc)
+                if self.stop_event.wait(self.config.backoff_cap):
+                    raise
+
+    # ------------------------------------------------------------ lifecycle
+
+    def connect(self) -> None:
+        self.info = self.retry(self.client.agent_self, "agent/self")
+        node = self.info["node"]
+        self.node_id, self.node_name = int(node["id"]), str(node["name"])
+        if self.config.name and self.config.name != self.node_name:
+            raise SystemExit(
+                f"--name {self.config.name!r} does not match the token's node {self.node_name!r}"
+            )
+        self.interval = self.config.heartbeat_interval or float(
+            self.info.get("heartbeat_interval_seconds", 5.0)
+        )
+        self.executor = CommandExecutor(
+            self.runtime, node=self.node_name, state_dir=self.config.state_dir
+        )
+        self.inventory = self.discover()
+        self.retry(self.sync_inventory, "inventory")
+        self.retry(self.reconcile, "reconcile")
+        self.online = True
+        log.info("agent connected as node %s (#%d)", self.node_name, self.node_id)
+
+    def discover(self) -> dict[str, Any]:
+        return collect_inventory(
+            node_name=self.node_name,
+            simulated=self.config.simulate,
+            address=self.config.address or _address_towards(self.config.control_plane),
+        )
+
+    def sync_inventory(self) -> None:
+        answer = self.client.put_inventory(self.node_id, self.inventory)
+        # Heartbeats carry the hash the control plane computed for what we sent, so the two
+        # sides agree even if their hashing ever differs.
+        self.reported_hash = str(answer.get("inventory_hash") or inventory_hash(self.inventory))
+        log.info("inventory sent (changed=%s)", answer.get("changed"))
+
+    def reconcile(self) -> None:
+        """Tell the control plane the full engine set and deliver results it has not seen."""
+        assert self.executor is not None
+        self.client.put_containers(self.node_id, self.executor.all_container_states())
+        self.flush_outbox()
+
+    def beat(self) -> None:
+        assert self.executor is not None
+        payload = collect_heartbeat(self.inventory, busy_uuids=self.executor.busy_accelerators())
+        payload["inventory_hash"] = self.reported_hash
+        answer = self.client.heartbeat(self.node_id, payload)
+        if answer.get("inventory_hash") != payload["inventory_hash"]:
+            self.sync_inventory()
+        if "heartbeat_interval_seconds" in answer and self.config.heartbeat_interval is None:
+            self.interval = float(answer["heartbeat_interval_seconds"])
+
+    def heartbeat_loop(self) -> None:
+        failures = 0
+        beats = 0
+        while not self.stop_event.is_set():
+            beats += 1
+            if beats % INVENTORY_RESCAN_BEATS == 0:
+                fresh = self.discover()
+                if inventory_hash(fresh) != inventory_hash(self.inventory):
+                    self.inventory = fresh
+                    self.reported_hash = ""  # differs from the control plane's: resent next beat
+            try:
+                self.beat()
+                if failures:
+                    log.info("control plane is back after %d failed beat(s)", failures)
+                    self.reconcile()
+                failures = 0
+                self.online = True
+                delay = self.interval
+            except Unreachable as exc:
+                failures += 1
+                self.online = False
+                delay = max(
+                    0.2,
+                    backoff_delay(failures, base=self.interval / 2, cap=self.config.backoff_cap),
+                )
+                log.warning(
+                    "heartbeat failed (%s); engines keep running; retry in %.1fs", exc, delay
+                )
+            except ApiError as exc:
+                log.error("heartbeat refused: %s", exc)
+                delay = self.interval
+            except Exception:
+                log.exception("heartbeat crashed")
+                delay = self.interval
+            self.stop_event.wait(delay)
+
+    # ------------------------------------------------------------ commands
+
+    def handle_command(self, **kwargs: Any) -> dict[str, Any]:
+        assert self.executor is not None
+        dispatch_id = str(kwargs["dispatch_id"])
+        log.info(
+            "command %s: %s deployment=%s gen=%s role=%s",
+            dispatch_id,
+            kwargs.get("action"),
+            kwargs.get("deployment_id"),
+            kwargs.get("generation"),
+            kwargs.get("role"),
+        )
+        result = self.executor.execute(
+            dispatch_id=dispatch_id,
+            action=str(kwargs["action"]),
+            deployment_id=int(kwargs["deployment_id"]),
+            generation=kwargs.get("generation"),
+            role=kwargs.get("role"),
+            spec=kwargs.get("spec"),
+        )
+        log.info("command %s %s: %s", dispatch_id, result["status"], result["detail"][:200])
+        self.report(dispatch_id, result)
+        return result
+
+    def _outbox_path(self, dispatch_id: str) -> Path:
+        return self.outbox / (re.sub(r"[^A-Za-z0-9_.-]", "_", dispatch_id) + ".json")
+
+    def report(self, dispatch_id: str, result: dict[str, Any]) -> None:
+        # Written first, removed once delivered: a crash between the two re-sends, and the
+        # control plane accepts a repeated result and ignores it.
+        path = self._outbox_path(dispatch_id)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"dispatch_id": dispatch_id, "result": result}))
+        os.replace(tmp, path)
+        try:
+            self.flush_outbox()
+            assert self.executor is not None
+            self.client.put_containers(self.node_id, self.executor.all_container_states())
+        except (Unreachable, ApiError) as exc:
+            log.warning("result of %s kept in the outbox: %s", dispatch_id, exc)
+
+    def flush_outbox(self) -> None:
+        with self._report_lock:
+            for path in sorted(self.outbox.glob("*.json")):
+                item = json.loads(path.read_text())
+                try:
+                    self.client.command_result(item["dispatch_id"], item["result"])
+                except ApiError as exc:
+                    if exc.status >= 500 or exc.status in (401, 403):
+                        raise
+                    # 404 etc.: the control plane no longer knows this dispatch; drop it.
+                    log.warning("result of %s refused: %s", item["dispatch_id"], exc)
+                path.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------ run
+
+    def run(self) -> int:
+        from agents.consumer import make_app, run_worker
+
+        self.connect()
+        beats = threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True)
+        beats.start()
+        broker = self.config.broker or self.info.get("broker_url")
+        if not broker:
+            raise SystemExit("no broker URL: the control plane sent none and --broker is unset")
+        queue = str(self.info.get("command_queue") or f"node.{self.node_name}")
+        app = make_app(
+            broker_url=broker,
+            queue=queue,
+            handler=self.handle_command,
+            transport_options=self.info.get("broker_transport_options"),
+        )
+        try:
+            run_worker(app, queue=queue, hostname=f"agent@{self.node_name}")
+        finally:
+            self.stop_event.set()
+            beats.join(timeout=5)
+            self.client.close()
+        return 0
+
+
+def _address_towards(url: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    from agents.discovery import primary_address
+
+    host = urlsplit(url).hostname
+    if not host:
+        return None
+    try:
+        return primary_address(socket.gethostbyname(host))
+    except OSError:
+        return None

@@ -1,0 +1,192 @@
+"""The Docker-Engine-API runtime (Docker, or Podman's Docker-compatible service).
+
+GPU engine: device requests for its real accelerators, ``ipc_mode="shareable"`` and a sized
+``/dev/shm``. CPU engine: ``ipc_mode="container:<gpu engine>"`` so both see one ``/dev/shm``
+(the KV-cache handoff), a cpuset and a memory limit. Both: host networking, labels, restart
+policy. Simulated accelerators get no device request: there is no device to hand over, and a
+request for one would make the engine refuse to start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import docker
+import docker.errors
+from docker.models.containers import Container
+from docker.types import DeviceRequest, Mount
+
+from agents.runtimes import EngineRuntimeError, EngineState
+from agents.specs import EngineSpec
+from agents.specs import Mount as SpecMount
+
+_STATUS = {
+    "created": "created",
+    "running": "running",
+    "restarting": "running",
+    "paused": "running",
+    "exited": "exited",
+    "dead": "exited",
+    "removing": "exited",
+    "stopped": "exited",
+    "configured": "created",
+}
+
+
+def container_kwargs(
+    name: str, spec: EngineSpec, labels: Mapping[str, str], role: str, ipc_peer_id: str | None
+) -> dict[str, Any]:
+    """The ``containers.create`` keyword arguments for one engine (pure, tested on its own)."""
+    ipc = spec.ipc_for(role)
+    kwargs: dict[str, Any] = {
+        "image": spec.image,
+        "command": spec.argv,
+        "name": name,
+        "labels": dict(labels),
+        "environment": dict(spec.env),
+        "network_mode": "host",
+        "detach": True,
+        "restart_policy": {"Name": spec.restart_policy}
+        | ({"MaximumRetryCount": 5} if spec.restart_policy == "on-failure" else {}),
+        "mounts": [
+            Mount(target=m.target, source=m.source, type="bind", read_only=m.read_only)
+            for m in spec.mounts
+        ],
+    }
+    if ipc == "peer":
+        if ipc_peer_id is None:
+            raise EngineRuntimeError("ipc 'peer' needs the GPU engine's container")
+        kwargs["ipc_mode"] = f"container:{ipc_peer_id}"
+    elif ipc == "shareable":
+        kwargs["ipc_mode"] = "shareable"
+    else:
+        kwargs["ipc_mode"] = "private"
+    # Docker refuses shm_size on a container that borrows another's IPC namespace.
+    if spec.shm_size_bytes and ipc != "peer":
+        kwargs["shm_size"] = spec.shm_size_bytes
+    if spec.cpuset:
+        kwargs["cpuset_cpus"] = spec.cpuset
+    if spec.memory_limit_bytes:
+        kwargs["mem_limit"] = spec.memory_limit_bytes
+    if spec.working_dir:
+        kwargs["working_dir"] = spec.working_dir
+    real = [a for a in spec.accelerators if not a.simulated]
+    if real:
+        kwargs["device_requests"] = [
+            DeviceRequest(
+                driver="nvidia", device_ids=[a.uuid for a in real], capabilities=[["gpu"]]
+            )
+        ]
+    return kwargs
+
+
+class DockerRuntime:
+    name = "docker"
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        timeout: float = 60.0,
+        default_mounts: Sequence[SpecMount] = (),
+    ) -> None:
+        # Mounts every engine gets (model caches, or the host's Python for the tiny test image),
+        # configured on the agent rather than sent in each spec.
+        self.default_mounts = tuple(default_mounts)
+        self.client = (
+            docker.DockerClient(base_url=base_url, version="auto", timeout=int(timeout))
+            if base_url
+            else docker.from_env(version="auto", timeout=int(timeout))
+        )
+
+    def _state(self, container: Container) -> EngineState:
+        attrs = container.attrs
+        state = attrs.get("State") or {}
+        raw = str(state.get("Status") or container.status).lower()
+        status = _STATUS.get(raw, "exited")
+        labels = dict((attrs.get("Config") or {}).get("Labels") or {})
+        port = labels.get("syshax.port")
+        host = labels.get("syshax.host", "127.0.0.1")
+        return EngineState(
+            engine_id=str(container.id),
+            name=str(container.name),
+            labels=labels,
+            status=status,
+            exit_code=int(state.get("ExitCode", 0)) if status == "exited" else None,
+            restarts=int(attrs.get("RestartCount") or 0),
+            endpoint=f"http://{host}:{port}" if port and port != "0" else None,
+            extra={"docker_status": raw, "last_exit_code": state.get("ExitCode")},
+        )
+
+    def start(
+        self, name: str, spec: EngineSpec, labels: Mapping[str, str], ipc_peer: EngineState | None
+    ) -> EngineState:
+        role = labels.get("syshax.role", "gpu")
+        # The endpoint rides in labels so a re-adopted container still knows where it listens.
+        full_labels = {**labels, "syshax.port": str(spec.port), "syshax.host": spec.host}
+        targets = {m.target for m in spec.mounts}
+        extra = tuple(m for m in self.default_mounts if m.target not in targets)
+        kwargs = container_kwargs(
+            name,
+            replace(spec, mounts=spec.mounts + extra),
+            full_labels,
+            role,
+            ipc_peer.engine_id if ipc_peer else None,
+        )
+        try:
+            container = self.client.containers.run(**kwargs)
+        except docker.errors.APIError as exc:
+            raise EngineRuntimeError(
+                f"container engine refused {name}: {exc.explanation}"
+            ) from None
+        except docker.errors.ImageNotFound as exc:  # pragma: no cover - subclass of APIError
+            raise EngineRuntimeError(f"image {spec.image!r} not found: {exc}") from None
+        container.reload()
+        return self._state(container)
+
+    def _get(self, engine_id: str) -> Container | None:
+        try:
+            return self.client.containers.get(engine_id)
+        except docker.errors.NotFound:
+            return None
+
+    def inspect(self, engine_id: str) -> EngineState | None:
+        container = self._get(engine_id)
+        return self._state(container) if container is not None else None
+
+    def stop(self, engine_id: str, timeout: float = 10.0) -> None:
+        container = self._get(engine_id)
+        if container is None:
+            return
+        try:
+            container.stop(timeout=int(timeout))
+        except docker.errors.NotFound:
+            return
+        except docker.errors.APIError:
+            pass  # already stopped or stopping: removal below forces it
+        try:
+            container.remove(force=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as exc:
+            # e.g. a GPU engine whose IPC namespace another container still uses
+            raise EngineRuntimeError(
+                f"cannot remove {container.name}: {exc.explanation or exc}"
+            ) from None
+
+    def logs(self, engine_id: str, tail: int = 50) -> str:
+        container = self._get(engine_id)
+        if container is None:
+            return ""
+        raw = container.logs(tail=tail, stdout=True, stderr=True)
+        return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+
+    def list(self, labels: Mapping[str, str]) -> list[EngineState]:
+        filters: dict[str, str | list[str] | bool] = {
+            "label": [f"{k}={v}" for k, v in labels.items()]
+        }
+        containers = self.client.containers.list(all=True, filters=filters)
+        states = [self._state(c) for c in containers]
+        # Filter again: some engines implement label filters loosely.
+        return [s for s in states if all(s.labels.get(k) == v for k, v in labels.items())]

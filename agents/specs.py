@@ -1,0 +1,291 @@
+"""The engine ``spec`` of a command (docs/agent.md) and pure builders of it from profile values.
+
+The control plane imports this module to build specs, so it depends only on the standard
+library and on :mod:`agents.affinity`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from agents.affinity import AffinityPlan
+
+ROLES = ("gpu", "cpu")
+IPC_MODES = ("shareable", "peer", "private")
+RESTART_POLICIES = ("no", "on-failure", "unless-stopped", "always")
+LABEL_PREFIX = "syshax."
+SIMULATED_UUID_PREFIX = "SIM-"  # agents.discovery names simulated cards SIM-<uuid>
+# Keys the control plane may add for the operator's benefit; they do not change the engine.
+INFORMATIONAL_KEYS = frozenset(
+    {
+        "deployment",
+        "deployment_id",
+        "generation",
+        "role",
+        "engine",
+        "model",
+        "keep_generation",
+        "tail",
+    }
+)
+
+
+class SpecError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"spec.{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    uuid: str
+    index: int = 0
+    simulated: bool = False
+
+
+@dataclass(frozen=True)
+class Mount:
+    source: str
+    target: str
+    read_only: bool = True
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    command: tuple[str, ...]
+    args: tuple[str, ...] = ()
+    image: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+    port: int = 0
+    host: str = "127.0.0.1"
+    cpuset: str | None = None
+    memory_limit_bytes: int | None = None
+    shm_size_bytes: int | None = None
+    accelerators: tuple[Accelerator, ...] = ()
+    ipc: str | None = None  # None: "shareable" for the GPU role, "peer" for the CPU role
+    health_path: str = "/health"
+    models_path: str | None = "/v1/models"
+    health_timeout_seconds: float = 120.0
+    restart_policy: str = "unless-stopped"
+    mounts: tuple[Mount, ...] = ()
+    working_dir: str | None = None
+    name: str | None = None  # engine/container name; default syshax-<deployment>-g<gen>-<role>
+    ipc_peer: str | None = None  # informational: the GPU engine's name the CPU engine joins
+    ignored_keys: tuple[str, ...] = ()
+
+    @property
+    def argv(self) -> list[str]:
+        return [*self.command, *self.args]
+
+    @property
+    def endpoint(self) -> str | None:
+        return f"http://{self.host}:{self.port}" if self.port else None
+
+    def ipc_for(self, role: str) -> str:
+        if self.ipc:
+            return self.ipc
+        return "shareable" if role == "gpu" else "peer"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["command"] = list(self.command)
+        data["args"] = list(self.args)
+        data["env"] = dict(self.env)
+        del data["ignored_keys"]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineSpec:
+        # Unknown keys are not fatal (the control plane may grow informational ones); they are
+        # returned in the command's output so a typo is still visible.
+        fields = set(cls.__dataclass_fields__) - {"ignored_keys"}
+        ignored = tuple(sorted(set(data) - fields - INFORMATIONAL_KEYS))
+        command = _str_list(data.get("command"), "command")
+        args = _str_list(data.get("args"), "args")
+        if not command and not args:
+            raise SpecError("command", "command or args is required (a list of strings)")
+        port = data.get("port", 0)
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise SpecError("port", f"must be an integer 0-65535, got {port!r}")
+        env = data.get("env") or {}
+        if not isinstance(env, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+        ):
+            raise SpecError("env", "must map strings to strings")
+        ipc = data.get("ipc")
+        if ipc is not None and ipc not in IPC_MODES:
+            raise SpecError("ipc", f"must be one of {', '.join(IPC_MODES)}, got {ipc!r}")
+        restart = data.get("restart_policy", "unless-stopped")
+        if restart not in RESTART_POLICIES:
+            raise SpecError(
+                "restart_policy", f"must be one of {', '.join(RESTART_POLICIES)}, got {restart!r}"
+            )
+        timeout = data.get("health_timeout_seconds", 120.0)
+        if not isinstance(timeout, int | float) or timeout <= 0:
+            raise SpecError("health_timeout_seconds", f"must be a positive number, got {timeout!r}")
+        for key in ("memory_limit_bytes", "shm_size_bytes"):
+            value = data.get(key)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise SpecError(key, f"must be a positive integer or null, got {value!r}")
+        try:
+            accelerators = tuple(
+                _accelerator(a, i) for i, a in enumerate(data.get("accelerators") or ())
+            )
+            mounts = tuple(Mount(**m) for m in data.get("mounts") or ())
+        except TypeError as exc:
+            raise SpecError("accelerators/mounts", str(exc)) from None
+        return cls(
+            command=tuple(command),
+            args=tuple(args),
+            image=str(data.get("image") or ""),
+            env=dict(env),
+            port=port,
+            host=str(data.get("host") or "127.0.0.1"),
+            cpuset=data.get("cpuset") or None,
+            memory_limit_bytes=data.get("memory_limit_bytes"),
+            shm_size_bytes=data.get("shm_size_bytes"),
+            accelerators=accelerators,
+            ipc=ipc,
+            health_path=str(data.get("health_path") or "/health"),
+            models_path=data.get("models_path", "/v1/models"),
+            health_timeout_seconds=float(timeout),
+            restart_policy=restart,
+            mounts=mounts,
+            working_dir=data.get("working_dir") or None,
+            name=data.get("name") or None,
+            ipc_peer=data.get("ipc_peer") or None,
+            ignored_keys=ignored,
+        )
+
+
+def _accelerator(value: object, index: int) -> Accelerator:
+    """A card as ``{"uuid", "index", "simulated"}`` or as a bare UUID string."""
+    if isinstance(value, str):
+        return Accelerator(value, index, value.startswith(SIMULATED_UUID_PREFIX))
+    if isinstance(value, Mapping):
+        return Accelerator(**value)
+    raise TypeError(f"accelerator {value!r} is neither a UUID nor an object")
+
+
+def _str_list(value: object, name: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise SpecError(name, "must be a list of strings")
+    return list(value)
+
+
+def engine_name(deployment_id: int, generation: int, role: str) -> str:
+    return f"syshax-{deployment_id}-g{generation}-{role}"
+
+
+def engine_labels(
+    *, node: str, deployment_id: int, generation: int, role: str, dispatch_id: str
+) -> dict[str, str]:
+    return {
+        f"{LABEL_PREFIX}managed": "true",
+        f"{LABEL_PREFIX}node": node,
+        f"{LABEL_PREFIX}deployment": str(deployment_id),
+        f"{LABEL_PREFIX}generation": str(generation),
+        f"{LABEL_PREFIX}role": role,
+        f"{LABEL_PREFIX}dispatch": dispatch_id,
+    }
+
+
+# ---------------------------------------------------------------- builders from profile values
+
+
+def gpu_engine_args(
+    *,
+    model: str,
+    port: int,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.8,
+    max_model_len: int | None = None,
+    preemption_mode: str | None = "swap",
+    served_model_name: str | None = None,
+    host: str = "0.0.0.0",
+) -> list[str]:
+    """vLLM OpenAI-server args of the GPU engine (``syshax sim`` accepts the same flags)."""
+    args = [
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(tensor_parallel_size),
+        "--gpu-memory-utilization",
+        str(gpu_memory_utilization),
+    ]
+    if max_model_len:
+        args += ["--max-model-len", str(max_model_len)]
+    if preemption_mode:
+        args += ["--preemption-mode", preemption_mode]
+    if served_model_name:
+        args += ["--served-model-name", served_model_name]
+    return args
+
+
+def build_gpu_spec(
+    *,
+    image: str,
+    command: Sequence[str],
+    args: Sequence[str],
+    port: int,
+    accelerators: Sequence[Accelerator],
+    shm_size_bytes: int,
+    cpuset: str | None = None,
+    env: Mapping[str, str] | None = None,
+    host: str = "127.0.0.1",
+    health_timeout_seconds: float = 300.0,
+    mounts: Sequence[Mount] = (),
+) -> EngineSpec:
+    return EngineSpec(
+        command=tuple(command),
+        args=tuple(args),
+        image=image,
+        env=dict(env or {}),
+        port=port,
+        host=host,
+        cpuset=cpuset,
+        shm_size_bytes=shm_size_bytes,
+        accelerators=tuple(accelerators),
+        ipc="shareable",
+        health_timeout_seconds=health_timeout_seconds,
+        mounts=tuple(mounts),
+    )
+
+
+def build_cpu_spec(
+    *,
+    image: str,
+    command: Sequence[str],
+    args: Sequence[str],
+    port: int,
+    plan: AffinityPlan,
+    kv_cache_space_gib: int,
+    memory_limit_bytes: int,
+    env: Mapping[str, str] | None = None,
+    host: str = "127.0.0.1",
+    health_timeout_seconds: float = 300.0,
+    mounts: Sequence[Mount] = (),
+) -> EngineSpec:
+    """The CPU engine: cpuset and thread env from the affinity plan, in the GPU engine's IPC."""
+    full_env = {**(env or {}), **plan.env(), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib)}
+    return EngineSpec(
+        command=tuple(command),
+        args=tuple(args),
+        image=image,
+        env=full_env,
+        port=port,
+        host=host,
+        cpuset=plan.cpuset,
+        memory_limit_bytes=memory_limit_bytes,
+        ipc="peer",
+        health_timeout_seconds=health_timeout_seconds,
+        mounts=tuple(mounts),
+    )

@@ -1,0 +1,45 @@
+"""Helpers shared by the agent tests (a uniquely named module: every test dir has a conftest)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_engine_spec(root: Path, **extra: Any) -> dict[str, Any]:
+    """An engine spec serving ``root`` with ``python -m http.server`` on a free port."""
+    port = free_port()
+    spec: dict[str, Any] = {
+        "command": [
+            sys.executable,
+            "-m",
+            "http.server",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--directory",
+            str(root),
+        ],
+        "port": port,
+        "health_timeout_seconds": 20,
+    }
+    spec.update(extra)
+    return spec
+
+
+PROJECT = Path(__file__).resolve().parents[2]
+IMAGE = "localhost/syshax-hostroot:1"  # built by scripts/podman_setup.sh
+
+
+def host_mounts(*extra: Path) -> list[dict[str, object]]:
+    """Bind mounts that let the tiny image run this host's Python, venv and project read-only."""
+    paths = {Path("/usr"), Path(sys.base_prefix).resolve(), PROJECT, *extra}
+    return [{"source": str(p), "target": str(p), "read_only": True} for p in sorted(paths)]

@@ -1,0 +1,238 @@
+"""The Docker-API runtime against a real engine: Podman's Docker-compatible service."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+from agent_helpers import IMAGE, free_port, host_mounts, http_engine_spec
+
+from agents.commands import CommandExecutor
+from agents.runtimes.dockerapi import DockerRuntime, container_kwargs
+from agents.specs import EngineSpec
+
+
+def container_spec(root: Path, **extra: Any) -> dict[str, Any]:
+    return http_engine_spec(root, image=IMAGE, mounts=host_mounts(root), **extra)
+
+
+def run(
+    executor: CommandExecutor,
+    action: str,
+    role: str | None,
+    spec: dict[str, Any] | None,
+    deployment_id: int = 11,
+    generation: int = 1,
+) -> dict[str, Any]:
+    return executor.execute(
+        dispatch_id=str(uuid.uuid4()),
+        action=action,
+        deployment_id=deployment_id,
+        generation=generation,
+        role=role,
+        spec=spec,
+    )
+
+
+def shm(runtime: DockerRuntime, engine_id: str, code: str) -> tuple[int, str]:
+    container = runtime.client.containers.get(engine_id)
+    exit_code, out = container.exec_run([sys.executable, "-c", code])
+    return int(exit_code), out.decode(errors="replace").strip()
+
+
+def test_container_kwargs_for_the_gpu_and_cpu_engines() -> None:
+    gpu = EngineSpec.from_dict(
+        {
+            "command": ["vllm"],
+            "args": ["--port", "7001"],
+            "image": "vllm:x",
+            "port": 7001,
+            "shm_size_bytes": 8 << 30,
+            "restart_policy": "on-failure",
+            "accelerators": [{"uuid": "GPU-1", "index": 0}, {"uuid": "SIM-2", "simulated": True}],
+        }
+    )
+    kw = container_kwargs("syshax-1-g1-gpu", gpu, {"syshax.role": "gpu"}, "gpu", None)
+    assert kw["ipc_mode"] == "shareable" and kw["shm_size"] == 8 << 30
+    assert kw["network_mode"] == "host" and kw["command"] == ["vllm", "--port", "7001"]
+    assert kw["restart_policy"] == {"Name": "on-failure", "MaximumRetryCount": 5}
+    (request,) = kw["device_requests"]
+    assert request["DeviceIDs"] == ["GPU-1"]  # the simulated card gets no device request
+    sim_only = EngineSpec.from_dict(
+        {"command": ["s"], "accelerators": [{"uuid": "SIM-2", "simulated": True}]}
+    )
+    assert "device_requests" not in container_kwargs("n", sim_only, {}, "gpu", None)
+
+    cpu = EngineSpec.from_dict(
+        {
+            "command": ["vllm"],
+            "image": "vllm-cpu:x",
+            "port": 7002,
+            "cpuset": "4-27,40-63",
+            "memory_limit_bytes": 64 << 30,
+            "shm_size_bytes": 1 << 30,
+            "env": {
+                "OMP_NUM_THREADS": "48",
+                "CUSTOM_CPU_AFFINITY": "4-27,40-63",
+                "VLLM_CPU_KVCACHE_SPACE": "40",
+            },
+        }
+    )
+    kw = container_kwargs("syshax-1-g1-cpu", cpu, {}, "cpu", "abc123")
+    assert kw["ipc_mode"] == "container:abc123" and "shm_size" not in kw
+    assert kw["cpuset_cpus"] == "4-27,40-63" and kw["mem_limit"] == 64 << 30
+    assert kw["environment"]["OMP_NUM_THREADS"] == "48"
+
+
+def test_gpu_then_cpu_share_one_ipc_namespace_on_podman(
+    docker_runtime: DockerRuntime, web_root: Path, tmp_path: Path
+) -> None:
+    executor = CommandExecutor(docker_runtime, node="node-a", state_dir=tmp_path / "state")
+    refused = run(executor, "start", "cpu", container_spec(web_root))
+    assert "IPC peer GPU engine syshax-11-g1-gpu is not running" in refused["detail"]
+
+    gpu = run(executor, "start", "gpu", container_spec(web_root, shm_size_bytes=64 << 20))
+    assert gpu["status"] == "succeeded", gpu["detail"]
+    assert gpu["containers"][0]["health"] == "healthy"
+    cpu = run(
+        executor,
+        "start",
+        "cpu",
+        container_spec(
+            web_root,
+            cpuset="0",
+            memory_limit_bytes=512 << 20,
+            env={"OMP_NUM_THREADS": "1", "CUSTOM_CPU_AFFINITY": "0"},
+        ),
+    )
+    assert cpu["status"] == "succeeded", cpu["detail"]
+    gpu_id, cpu_id = gpu["containers"][0]["engine_id"], cpu["containers"][0]["engine_id"]
+
+    attrs = docker_runtime.client.containers.get(cpu_id).attrs
+    assert attrs["HostConfig"]["IpcMode"] == f"container:{gpu_id}"
+    assert attrs["HostConfig"]["CpusetCpus"] == "0"
+    assert attrs["HostConfig"]["Memory"] == 512 << 20
+    assert attrs["Config"]["Labels"]["syshax.generation"] == "1"
+    assert "OMP_NUM_THREADS=1" in attrs["Config"]["Env"]
+
+    # A segment written in the GPU engine's /dev/shm is visible to the CPU engine ...
+    assert (
+        shm(docker_runtime, gpu_id, "open('/dev/shm/syshax-probe','w').write('kv-blocks')")[0] == 0
+    )
+    assert shm(docker_runtime, cpu_id, "print(open('/dev/shm/syshax-probe').read())") == (
+        0,
+        "kv-blocks",
+    )
+    # ... and the same engine set up without the shared namespace cannot see it.
+    private = run(
+        executor, "start", "cpu", container_spec(web_root, ipc="private"), deployment_id=12
+    )
+    assert private["status"] == "succeeded", private["detail"]
+    code, out = shm(
+        docker_runtime,
+        private["containers"][0]["engine_id"],
+        "print(open('/dev/shm/syshax-probe').read())",
+    )
+    assert code != 0 and "FileNotFoundError" in out
+
+    again = run(executor, "start", "cpu", container_spec(web_root))
+    assert again["output"]["adopted"] is True  # same generation: same container
+    assert len(docker_runtime.list({"syshax.deployment": "11"})) == 2
+
+    stopped = run(executor, "stop", None, None)
+    assert [c["role"] for c in stopped["containers"]] == ["cpu", "gpu"]
+    assert docker_runtime.list({"syshax.deployment": "11"}) == []
+
+
+def test_a_failing_container_reports_its_exit_code_and_logs_and_is_removed(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    executor = CommandExecutor(docker_runtime, node="node-a", state_dir=tmp_path / "state")
+    spec = {
+        "command": [sys.executable, "-c", "print('CUDA out of memory'); raise SystemExit(2)"],
+        "image": IMAGE,
+        "port": 1,
+        "mounts": host_mounts(),
+        "restart_policy": "no",
+        "health_timeout_seconds": 30,
+    }
+    result = run(executor, "start", "gpu", spec, deployment_id=13)
+    assert result["status"] == "failed"
+    assert result["detail"].startswith("GPU engine exited with code 2: CUDA out of memory")
+    assert docker_runtime.list({"syshax.deployment": "13"}) == []
+
+
+def sim_spec(device: str, **extra: Any) -> dict[str, Any]:
+    port = free_port()
+    return {
+        "image": IMAGE,
+        "command": [sys.executable, "-m", "syshax.cli", "sim"],
+        "args": [
+            "--device",
+            device,
+            "--model",
+            "qwen2.5-7b-instruct",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--speed",
+            "50",
+        ],
+        "port": port,
+        "mounts": host_mounts(),
+        "health_timeout_seconds": 60,
+        **extra,
+    }
+
+
+def completion(port: int, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        timeout=30,
+        json={"model": "qwen2.5-7b-instruct", "prompt": "hello there", **body},
+    )
+
+
+def test_simulator_kv_handoff_works_across_the_shared_ipc_namespace_only(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    executor = CommandExecutor(docker_runtime, node="node-a", state_dir=tmp_path / "state")
+    gpu_spec = sim_spec("a100-80gb", shm_size_bytes=256 << 20)
+    cpu_spec = sim_spec(
+        "xeon-8480", cpuset="0-1", env={"OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    )
+    lone_spec = sim_spec("xeon-8480", ipc="private")
+    for role, spec, dep in (("gpu", gpu_spec, 21), ("cpu", cpu_spec, 21), ("cpu", lone_spec, 22)):
+        started = run(executor, "start", role, spec, deployment_id=dep)
+        assert started["status"] == "succeeded", started["detail"]
+
+    def prefill() -> dict[str, Any]:
+        answer = completion(gpu_spec["port"], {"max_tokens": 8, "num_decode_tokens": 0})
+        assert answer.status_code == 200, answer.text
+        data: dict[str, Any] = answer.json()
+        assert data["choices"][0]["finish_reason"] == "scheduled"
+        return data
+
+    def decode(port: int, first: dict[str, Any]) -> httpx.Response:
+        return completion(
+            port,
+            {
+                "max_tokens": 7,
+                "num_decode_tokens": 4,
+                "request_id_inference": first["id"],
+                "generated_text": first["choices"][0]["text"],
+            },
+        )
+
+    first = prefill()
+    handed = decode(cpu_spec["port"], first)
+    assert handed.status_code == 200, handed.text  # the CPU container read the GPU's segment
+    assert handed.json()["id"] == first["id"]
+
+    refused = decode(lone_spec["port"], prefill())
+    assert refused.status_code == 404  # another IPC namespace: the segment is not there
+    assert "ipc" in refused.text.lower()
