@@ -25,6 +25,8 @@ class PlacementError(Exception):
 def check_placement(profile: DeploymentProfile, node: Node) -> list[PlacementError]:
     """Every reason the profile cannot run on the node (empty when it fits)."""
     problems: list[PlacementError] = []
+    if node.status == "draining":
+        problems.append(PlacementError("node", f"node {node.name!r} is draining"))
     accelerators = list(node.accelerators.all())
     tp = profile.tensor_parallel_size
     if tp > len(accelerators):

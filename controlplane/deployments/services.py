@@ -54,6 +54,21 @@ def _queue_advance(deployment_id: int) -> None:
     transaction.on_commit(lambda: tasks.advance_deployment.delay(deployment_id))
 
 
+def placement_plan(
+    profile: DeploymentProfile, node: Node, deployment: Deployment | None = None
+) -> dict[str, Any]:
+    """Check the profile fits the node and plan the CPU engine's cores; raise the first
+    PlacementError (it names the field and the limit)."""
+    problems = check_placement(profile, node)
+    if problems:
+        raise problems[0]
+    if not profile.enable_cpu_engine:
+        return {}
+    from controlplane.deployments.affinity import plan_for
+
+    return plan_for(profile, node, deployment=deployment)
+
+
 def create_deployment(
     *,
     name: str,
@@ -63,14 +78,13 @@ def create_deployment(
     acting_user: Any,
     start: bool = False,
 ) -> Deployment:
-    problems = check_placement(profile, node)
-    if problems:
-        raise problems[0]
+    plan = placement_plan(profile, node)
     with transaction.atomic():
         deployment = Deployment.objects.create(
             name=name,
             profile=profile,
             node=node,
+            affinity_plan=plan,
             policy=policy or ensure_default_policy(),
             created_by=acting_user if getattr(acting_user, "_meta", None) is not None else None,
         )
@@ -83,11 +97,9 @@ def create_deployment(
 
 def request_deploy(deployment: Deployment, *, acting_user: Any) -> Deployment:
     """Start (or redeploy after a profile change): a new generation, GPU first then CPU."""
-    problems = check_placement(deployment.profile, deployment.node)
-    if problems:
-        raise problems[0]
     with transaction.atomic():
         locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        locked.affinity_plan = placement_plan(locked.profile, locked.node, locked)
         locked.generation += 1
         locked.desired_state = DesiredState.RUNNING
         locked.step = ""

@@ -154,3 +154,41 @@ def test_another_agent_cannot_report_this_nodes_command(
     response = agent_reports(other_agent_client, pending(deployment))
     assert response.status_code == 403
     assert pending(deployment).status == "queued"
+
+
+def test_deploying_plans_the_cpu_engine_over_the_numa_nodes(admin_client, node, make_profile) -> None:
+    response = create(admin_client, node, make_profile(), start=True)
+    plan = Deployment.objects.get(pk=response.json()["id"]).affinity_plan
+    # node-a: 2 NUMA nodes x 4 cores; 2 cores kept for the GPU engine's host threads.
+    assert plan["physical_cores"] == 6
+    # The two host cores come from NUMA 0 (the GPU's node), so NUMA 1 gives all four.
+    assert plan["cores_per_numa_node"] == {"0": 2, "1": 4}
+    assert (plan["gpu_cpuset"], plan["cpuset"]) == ("0-1", "2-7")
+    assert plan["omp_num_threads"] == 6
+    assert plan["gpu_cpuset"]
+
+
+def test_cores_held_by_another_deployment_are_not_available(
+    admin_client, node, make_profile, make_deployment
+) -> None:
+    make_deployment(node=node, state="running", affinity_plan={"cpuset": "0-3"})
+    profile = make_profile(cpu_affinity_mode="explicit", cpu_affinity="2-5")
+    response = create(admin_client, node, profile)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("cpu_affinity: CPUs 2-3 are held by")
+
+
+def test_omp_threads_must_be_1_to_1_5x_the_cores(admin_client, node, make_profile) -> None:
+    response = create(admin_client, node, make_profile(omp_num_threads=64))
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == (
+        "omp_num_threads: is 64; with 6 physical cores it must be between 6 and 9 "
+        "(1-1.5x the cores)")
+
+
+def test_a_draining_node_takes_no_new_deployment(admin_client, node, make_profile) -> None:
+    node.status = "draining"
+    node.save()
+    response = create(admin_client, node, make_profile())
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "node: node 'node-a' is draining"

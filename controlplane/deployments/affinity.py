@@ -1,0 +1,94 @@
+"""Plan the CPU engine's cores on a node with the agents' pure planner (agents.affinity),
+leaving out cores that other active deployments on the node already hold."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agents.affinity import AffinityError, AffinityRequest, Topology, plan_affinity
+from controlplane.deployments.choices import AffinityMode, DeploymentState
+from controlplane.deployments.models import Deployment, DeploymentProfile
+from controlplane.deployments.placement import PlacementError
+from controlplane.inventory.cpulist import format_cpu_list, parse_cpu_list
+from controlplane.inventory.models import Node
+
+ACTIVE = (DeploymentState.DEPLOYING, DeploymentState.RUNNING, DeploymentState.UNKNOWN)
+
+
+def node_topology(node: Node, exclude: set[int] | None = None) -> Topology:
+    """The node's NUMA layout as the planner wants it. Linux numbers SMT siblings
+    ``cpu + physical_cores``; without sibling data each CPU is its own core."""
+    exclude = exclude or set()
+    node_cpus = {
+        n.index: [c for c in parse_cpu_list(n.cpus) if c not in exclude]
+        for n in node.numa_nodes.all()
+    }
+    cpu = getattr(node, "cpu", None)
+    physical = cpu.physical_cores if cpu is not None else 0
+    smt = cpu is not None and cpu.threads == 2 * physical and physical > 0
+    core_of = {c: (c % physical if smt else c) for cpus in node_cpus.values() for c in cpus}
+    return Topology.from_cpu_map({i: cpus for i, cpus in node_cpus.items() if cpus}, core_of)
+
+
+def held_cpus(node: Node, *, excluding: Deployment | None = None) -> dict[int, str]:
+    """CPU -> the name of the active deployment on the node whose CPU engine holds it."""
+    held: dict[int, str] = {}
+    others = Deployment.objects.filter(node=node, state__in=ACTIVE)
+    if excluding is not None and excluding.pk:
+        others = others.exclude(pk=excluding.pk)
+    for other in others:
+        for cpu in parse_cpu_list(str((other.affinity_plan or {}).get("cpuset", ""))):
+            held[cpu] = other.name
+    return held
+
+
+def plan_for(
+    profile: DeploymentProfile, node: Node, *, deployment: Deployment | None = None
+) -> dict[str, Any]:
+    """The CPU engine's cpuset, OMP_NUM_THREADS and CUSTOM_CPU_AFFINITY, as stored on the
+    deployment. Raises PlacementError naming the field when it cannot be placed."""
+    held = held_cpus(node, excluding=deployment)
+    explicit = profile.cpu_affinity_mode == AffinityMode.EXPLICIT
+    if explicit:
+        clash = sorted(set(parse_cpu_list(profile.cpu_affinity)) & set(held))
+        if clash:
+            raise PlacementError(
+                "cpu_affinity",
+                f"CPUs {format_cpu_list(clash)} are held by deployment {held[clash[0]]!r}",
+            )
+    topology = node_topology(node, exclude=set(held))
+    if not topology.numa_nodes:
+        raise PlacementError(
+            "cpu_affinity",
+            f"node {node.name!r} has no free CPU cores"
+            + (f" (held by {', '.join(sorted(set(held.values())))})" if held else ""),
+        )
+    tp = profile.tensor_parallel_size
+    # Keep two cores per GPU engine process for its host threads, on nodes big enough to spare them.
+    gpu_host = min(2 * tp, topology.physical_cores // 4)
+    request = AffinityRequest(
+        gpu_host_cores=0 if explicit else gpu_host,
+        cpu_affinity=profile.cpu_affinity if explicit else None,
+    )
+    try:
+        plan = plan_affinity(topology, request)
+    except AffinityError as exc:
+        raise PlacementError(exc.field, exc.message) from None
+    omp = plan.omp_num_threads
+    if profile.omp_num_threads:
+        low, high = plan.physical_cores, int(plan.physical_cores * 1.5)
+        if not low <= profile.omp_num_threads <= high:
+            raise PlacementError(
+                "omp_num_threads",
+                f"is {profile.omp_num_threads}; with {plan.physical_cores} physical cores it "
+                f"must be between {low} and {high} (1-1.5x the cores)",
+            )
+        omp = profile.omp_num_threads
+    return {
+        "cpuset": plan.cpuset,
+        "physical_cores": plan.physical_cores,
+        "omp_num_threads": omp,
+        "custom_cpu_affinity": plan.custom_cpu_affinity,
+        "gpu_cpuset": plan.gpu_host_cpuset,
+        "cores_per_numa_node": {str(k): v for k, v in plan.cores_per_numa_node.items()},
+    }
