@@ -7,8 +7,9 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
 from controlplane.access.api.views import CredentialViewSet
-from controlplane.benchmarks.api.views import BenchmarkRunViewSet, ScenarioViewSet
+from controlplane.benchmarks.api.views import AdvisorView, BenchmarkRunViewSet, ScenarioViewSet
 from controlplane.core.api import health
+from controlplane.core.metrics import MetricsView
 from controlplane.deployments.api.views import (
     CommandResultView,
     CommandViewSet,
@@ -49,6 +50,8 @@ urlpatterns = [
     path("routers/<int:pk>/stats", RouterStatsView.as_view(), name="router-stats"),
     path("routing/policies/<slug:name>", RoutingPolicyView.as_view(), name="routing-policy"),
     path("routing/deployments", RoutingDeploymentsView.as_view(), name="routing-deployments"),
+    path("advisor", AdvisorView.as_view(), name="advisor"),
+    path("metrics", MetricsView.as_view(), name="metrics"),
     path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("", include(router.urls)),

@@ -77,6 +77,12 @@ class BenchmarkRun(models.Model):
     error = models.TextField(blank=True)
     cancel_requested = models.BooleanField(default=False)
     is_baseline = models.BooleanField(default=False)
+    regression_threshold_percent = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0), MaxValueValidator(1000)],
+        help_text="compare with the deployment's baseline run; empty: no comparison",
+    )
     regression = models.BooleanField(default=False, db_index=True)
     regression_detail = models.JSONField(default=dict, blank=True)
     schedule = models.ForeignKey(

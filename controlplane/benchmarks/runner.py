@@ -1,11 +1,29 @@
-"""Executes a BenchmarkRun with the load generator (filled in with the load generator)."""
+"""Execute a BenchmarkRun: claim it, measure, store the summary and every request's sample.
+
+The row is the source of truth. ``claim`` moves it queued -> running with a compare-and-set,
+so a redelivered task finds it taken and does nothing. Failed requests are stored with
+their errors; a run that raises keeps the rows measured so far.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db import transaction
 from django.utils import timezone
 
 from controlplane.benchmarks.choices import RunStatus
-from controlplane.benchmarks.models import BenchmarkRun
+from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample
+from controlplane.routers.models import RouterInstance
+
+log = logging.getLogger(__name__)
+
+
+class RunError(Exception):
+    pass
 
 
 def claim(run_id: int) -> bool:
@@ -17,12 +35,112 @@ def claim(run_id: int) -> bool:
     )
 
 
+def target_url(run: BenchmarkRun) -> str:
+    """The run's own URL, or a live router for a deployment's run (modes are forced per
+    request, so the three modes run on the same engines)."""
+    if run.target_url:
+        return run.target_url
+    routers = [r for r in RouterInstance.objects.order_by("-last_seen_at") if r.is_alive]
+    for router in routers:
+        if router.listen_url:
+            return router.listen_url
+    raise RunError(
+        f"no live router to reach deployment {run.deployment}; start one or give target_url"
+    )
+
+
+def _finish(run_id: int, status: str, **fields: Any) -> None:
+    BenchmarkRun.objects.filter(pk=run_id).update(
+        status=status, finished_at=timezone.now(), **fields
+    )
+
+
 def execute(run_id: int) -> str:
+    from controlplane.benchmarks.measure import Cancelled, Plan, measure
+    from syshax.loadgen.report import to_json
+
     if not claim(run_id):
         return BenchmarkRun.objects.get(pk=run_id).status
-    run = BenchmarkRun.objects.get(pk=run_id)
-    run.status = RunStatus.FAILED
-    run.error = "the load generator is not wired to the control plane yet"
-    run.finished_at = timezone.now()
-    run.save(update_fields=["status", "error", "finished_at"])
-    return run.status
+    run = BenchmarkRun.objects.select_related("scenario", "deployment").get(pk=run_id)
+    try:
+        plan = Plan(
+            url=target_url(run),
+            mode=run.mode,
+            levels=list(run.concurrency),
+            iterations=run.iterations,
+            warmup=run.warmup,
+            seed=run.seed,
+            input_tokens=run.scenario.input_tokens,
+            output_tokens=run.scenario.output_tokens,
+        )
+    except (RunError, ValueError) as exc:
+        _finish(run_id, RunStatus.FAILED, error=str(exc))
+        return RunStatus.FAILED
+
+    @sync_to_async
+    def report(done: int, total: int) -> bool:
+        BenchmarkRun.objects.filter(pk=run_id).update(progress=done / total if total else 1.0)
+        return not BenchmarkRun.objects.filter(pk=run_id, cancel_requested=True).exists()
+
+    started = timezone.now()
+    try:
+        rows = asyncio.run(measure(plan, report))
+    except Cancelled:
+        _finish(run_id, RunStatus.CANCELLED, error="cancelled by request")
+        return RunStatus.CANCELLED
+    except Exception as exc:
+        log.exception("benchmark run %s failed", run_id)
+        _finish(run_id, RunStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
+        return RunStatus.FAILED
+    config = {
+        "run": run_id,
+        "scenario": {
+            "name": run.scenario.name,
+            "input_tokens": plan.input_tokens,
+            "output_tokens": plan.output_tokens,
+        },
+        "target": plan.url,
+        "mode": run.mode,
+        "concurrency": plan.levels,
+        "iterations": plan.iterations,
+        "warmup": plan.warmup,
+        "seed": plan.seed,
+        "started_at": started.isoformat(),
+    }
+    summary = to_json(config, rows, samples=False)
+    sent = [record.sent_at for row in rows for record in row.records if record.sent_at]
+    origin = min(sent) if sent else 0.0
+    with transaction.atomic():
+        BenchmarkSample.objects.filter(run_id=run_id).delete()
+        BenchmarkSample.objects.bulk_create(
+            BenchmarkSample(
+                run_id=run_id,
+                mode=row.mode,
+                concurrency=row.concurrency,
+                index=position,
+                ok=record.ok,
+                error=record.error or "",
+                prompt_tokens=record.prompt_tokens,
+                output_tokens=record.output_tokens,
+                ttft_ms=None if record.ttft is None else record.ttft * 1000,
+                tpot_ms=None if record.tpot is None else record.tpot * 1000,
+                e2e_ms=None if record.latency is None else record.latency * 1000,
+                started_at=max(0.0, record.sent_at - origin),
+            )
+            for row in rows
+            for position, record in enumerate(row.records)
+        )
+        failed = sum(row.summary.failed for row in rows)
+        _finish(
+            run_id,
+            RunStatus.SUCCEEDED,
+            summary=summary,
+            progress=1.0,
+            error=f"{failed} request(s) failed; see the samples" if failed else "",
+        )
+    run.refresh_from_db()
+    if run.regression_threshold_percent is not None:
+        from controlplane.benchmarks.services import flag_regression
+
+        flag_regression(run, run.regression_threshold_percent)
+    return RunStatus.SUCCEEDED

@@ -41,3 +41,40 @@ def request_cancel(run: BenchmarkRun, *, acting_user: Any) -> BenchmarkRun:
         locked.save(update_fields=["cancel_requested", "status"])
         audit.record("benchmark.cancel", locked, acting_user=acting_user)
     return locked
+
+
+def baseline_for(run: BenchmarkRun) -> BenchmarkRun | None:
+    """The deployment's baseline run of the same scenario (the newest marked baseline)."""
+    if run.deployment_id is None:
+        return None
+    return (
+        BenchmarkRun.objects.filter(
+            deployment_id=run.deployment_id,
+            scenario_id=run.scenario_id,
+            is_baseline=True,
+            status=RunStatus.SUCCEEDED,
+        )
+        .exclude(pk=run.pk)
+        .order_by("-finished_at")
+        .first()
+    )
+
+
+def flag_regression(run: BenchmarkRun, threshold_percent: float) -> bool:
+    """Compare a finished run with its baseline and record the verdict on the run."""
+    from controlplane.benchmarks.analysis import compare_to_baseline
+
+    baseline = baseline_for(run)
+    if baseline is None:
+        run.regression = False
+        run.regression_detail = {"baseline": None, "note": "no baseline run to compare with"}
+    else:
+        changes = compare_to_baseline(run.summary, baseline.summary, threshold_percent)
+        run.regression = bool(changes)
+        run.regression_detail = {
+            "baseline": baseline.pk,
+            "threshold_percent": threshold_percent,
+            "changes": [change.__dict__ for change in changes],
+        }
+    run.save(update_fields=["regression", "regression_detail"])
+    return run.regression

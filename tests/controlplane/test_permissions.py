@@ -124,6 +124,9 @@ def cases(ids: dict[str, Any]) -> list[Case]:
             {"name": "tiny", "input_tokens": 8, "output_tokens": 8},
         ),
         Case("GET", "/api/v1/benchmark-runs/", readers),
+        Case("GET", "/api/v1/benchmark-runs/compare?ids=1", {"user": 400, "admin": 400}),
+        Case("GET", "/api/v1/advisor?goal=latency", readers),
+        Case("GET", "/api/v1/metrics", readers),
         Case("GET", "/api/v1/schema/", readers),
     ]
 

@@ -1,0 +1,204 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from django_celery_beat.models import PeriodicTask
+
+from controlplane.benchmarks import analysis, runner, schedules, services
+from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
+
+
+def summary(*rows: tuple[str, int, float, float, float, float]) -> dict:
+    """rows of (mode, concurrency, throughput, ttft mean, tpot mean, e2e p99)."""
+    return {"rows": [
+        {"mode": m, "concurrency": c, "summary": {
+            "output_throughput": tput, "failed": 0,
+            "ttft": {"mean": ttft, "p99": ttft * 1.5}, "tpot": {"mean": tpot, "p99": tpot * 1.5},
+            "e2e": {"p99": e2e}}}
+        for m, c, tput, ttft, tpot, e2e in rows]}
+
+
+DOCUMENTED = summary(("cpu", 8, 32.6, 892, 30.7, 4561), ("gpu", 8, 158.2, 146, 6.3, 1815),
+                     ("hetero", 8, 217.8, 153, 4.6, 150))
+
+
+def test_the_builtin_scenarios_are_those_of_the_mission(db) -> None:
+    shapes = {s.name: (s.input_tokens, s.output_tokens, s.concurrency_min, s.concurrency_max)
+              for s in Scenario.objects.filter(builtin=True)}
+    assert shapes == {"short": (128, 256, 1, 16), "medium": (512, 1024, 1, 8),
+                      "long": (2048, 512, 1, 4)}
+
+
+def test_an_unknown_scenario_is_rejected(admin_client) -> None:
+    response = admin_client.post("/api/v1/benchmark-runs/", {
+        "scenario": "enormous", "target_url": "http://127.0.0.1:7010", "concurrency": 8},
+        format="json")
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "scenario: unknown scenario 'enormous'"
+
+
+@pytest.mark.parametrize(("given", "stored"), [(8, [8]), ("1-4", [1, 2, 3, 4]),
+                                               ("1,2,4,8", [1, 2, 4, 8]), ([16, 2], [2, 16])])
+def test_concurrency_may_be_a_number_list_or_range(admin_client, given, stored,
+                                                   django_capture_on_commit_callbacks) -> None:
+    with django_capture_on_commit_callbacks() as callbacks:
+        response = admin_client.post("/api/v1/benchmark-runs/", {
+            "scenario": "short", "target_url": "http://127.0.0.1:7010", "concurrency": given},
+            format="json")
+    assert response.status_code == 201, response.content
+    assert response.json()["concurrency"] == stored
+    assert len(callbacks) == 1
+
+
+@pytest.mark.parametrize("given", [0, "8-1", "a,b", 5000, [True]])
+def test_bad_concurrency_names_the_limit(admin_client, given) -> None:
+    response = admin_client.post("/api/v1/benchmark-runs/", {
+        "scenario": "short", "target_url": "http://127.0.0.1:7010", "concurrency": given},
+        format="json")
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("concurrency:")
+
+
+def test_regressions_are_changes_worse_than_the_threshold() -> None:
+    slower = summary(("hetero", 8, 190.0, 150, 5.5, 160))
+    changes = analysis.compare_to_baseline(slower, DOCUMENTED, threshold_percent=10)
+    assert [(c.figure, c.change_percent) for c in changes] == [
+        ("throughput_tok_s", 12.76), ("tpot_mean_ms", 19.57)]
+    assert analysis.compare_to_baseline(slower, DOCUMENTED, threshold_percent=20) == []
+    assert analysis.compare_to_baseline(DOCUMENTED, DOCUMENTED, threshold_percent=0) == []
+
+
+def test_the_advisor_follows_the_guidance_table_from_measured_figures() -> None:
+    assert analysis.advise([DOCUMENTED], "latency").mode == "gpu"
+    best = analysis.advise([DOCUMENTED], "throughput", cpu_max_batch_size=8)
+    assert best.mode == "hetero"
+    assert best.policy == {"mode": "auto", "enable_auto_pd_offload": True, "cpu_max_batch_size": 8}
+    assert "217.8 tok/s" in best.reason
+    assert analysis.advise([DOCUMENTED], "slo", ttft_slo_ms=250, tpot_slo_ms=8).mode == "hetero"
+    assert analysis.advise([DOCUMENTED], "slo", ttft_slo_ms=100).mode is None
+    only_cpu = summary(("cpu", 4, 30.0, 900, 31, 5000))
+    assert analysis.advise([only_cpu], "latency").mode == "cpu"
+    assert analysis.advise([], "throughput").mode is None
+    with pytest.raises(ValueError, match="goal must be one of"):
+        analysis.advise([DOCUMENTED], "cheapest")
+
+
+def test_compare_and_advisor_endpoints(admin_client, make_deployment) -> None:
+    deployment = make_deployment()
+    scenario = Scenario.objects.get(name="short")
+    runs = [BenchmarkRun.objects.create(scenario=scenario, deployment=deployment, status="succeeded",
+                                        summary=DOCUMENTED) for _ in range(2)]
+    body = admin_client.get(f"/api/v1/benchmark-runs/compare?ids={runs[0].pk},{runs[1].pk}").json()
+    assert [len(run["rows"]) for run in body["runs"]] == [3, 3]
+    assert body["runs"][0]["rows"][1]["throughput_tok_s"] == 158.2
+    assert admin_client.get("/api/v1/benchmark-runs/compare?ids=999").status_code == 400
+    advice = admin_client.get(f"/api/v1/advisor?goal=throughput&deployment={deployment.pk}").json()
+    assert advice["mode"] == "hetero" and advice["runs_considered"] == 2
+    assert advice["figures"]["gpu"]["ttft_mean_ms"] == 146
+    bad = admin_client.get("/api/v1/advisor?goal=slo")
+    assert bad.status_code == 400 and "ttft_slo_ms" in bad.json()["error"]["message"]
+
+
+def test_a_broken_schedule_is_disabled_not_fatal(db, make_deployment) -> None:
+    from controlplane.benchmarks.tasks import scheduled_run
+
+    deployment = make_deployment()
+    good = schedules.create_schedule("nightly", deployment=deployment, scenario="short")
+    assert json.loads(good.kwargs)["deployment"] == deployment.name
+    broken = PeriodicTask.objects.create(name="broken", task=schedules.TASK_NAME,
+                                         interval=_interval(),
+                                         kwargs=json.dumps({"deployment": "nope"}))
+    result = scheduled_run.apply(kwargs={"deployment": "nope"},
+                                 headers={"periodic_task_name": "broken"})
+    assert result.successful() and result.result is None
+    broken.refresh_from_db()
+    assert broken.enabled is False
+    assert "no deployment named 'nope'" in broken.description
+    with pytest.raises(schedules.ScheduleError, match="mode: must be one of"):
+        schedules.create_schedule("bad", deployment=deployment, mode="turbo")
+
+
+def _interval():
+    from django_celery_beat.models import IntervalSchedule
+
+    return IntervalSchedule.objects.create(every=1, period=IntervalSchedule.DAYS)
+
+
+def test_a_scheduled_run_is_compared_with_the_baseline_and_flagged(db, make_deployment) -> None:
+    deployment = make_deployment()
+    scenario = Scenario.objects.get(name="short")
+    BenchmarkRun.objects.create(scenario=scenario, deployment=deployment, status="succeeded",
+                                summary=DOCUMENTED, is_baseline=True)
+    current = BenchmarkRun.objects.create(
+        scenario=scenario, deployment=deployment, status="succeeded",
+        summary=summary(("hetero", 8, 150.0, 153, 4.6, 150)))
+    assert services.flag_regression(current, 10.0) is True
+    assert current.regression_detail["changes"][0]["figure"] == "throughput_tok_s"
+
+
+def test_metrics_expose_fleet_state_and_regressions(admin_client, anonymous_client,
+                                                    make_deployment) -> None:
+    deployment = make_deployment(state="running")
+    BenchmarkRun.objects.create(scenario=Scenario.objects.get(name="short"), deployment=deployment,
+                                status="succeeded", regression=True,
+                                finished_at="2026-01-01T00:00:00Z")
+    assert anonymous_client.get("/api/v1/metrics").status_code == 401
+    text = admin_client.get("/api/v1/metrics").content.decode()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("syshax_deployments", (("state", "running"),))] == 1
+    key = ("syshax_benchmark_regression", (("deployment", deployment.name), ("scenario", "short")))
+    assert samples[key] == 1
+    assert samples[("syshax_policy_version", (("policy", "default"),))] == 1
+
+
+@pytest.fixture
+def simulated_gpu(tmp_path):
+    ready = tmp_path / "port"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "syshax.cli", "sim", "--device", "a100-80gb", "--model",
+         "deepseek-r1-distill-qwen-32b", "--port", "0", "--ready-file", str(ready),
+         "--speed", "20", "--seed", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not (ready.exists() and ready.read_text().strip()):
+            assert process.poll() is None and time.monotonic() < deadline, "sim did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{int(Path(ready).read_text())}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_measures_a_real_engine_and_stores_summary_and_samples(simulated_gpu) -> None:
+    scenario = Scenario.objects.create(name="tiny", input_tokens=16, output_tokens=8)
+    run = BenchmarkRun.objects.create(scenario=scenario, target_url=simulated_gpu, mode="gpu",
+                                      concurrency=[1, 4], iterations=6, warmup=1)
+    assert runner.execute(run.pk) == "succeeded"
+    assert runner.execute(run.pk) == "succeeded"  # a redelivery does nothing more
+    run.refresh_from_db()
+    assert run.progress == 1.0 and run.error == ""
+    assert [(row["mode"], row["concurrency"]) for row in run.summary["rows"]] == [("gpu", 1), ("gpu", 4)]
+    assert run.summary["rows"][0]["summary"]["completed"] == 6
+    samples = BenchmarkSample.objects.filter(run=run)
+    assert samples.count() == 12
+    assert all(s.ok and s.output_tokens == 8 and s.ttft_ms > 0 for s in samples)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_against_nothing_fails_with_every_request_counted() -> None:
+    scenario = Scenario.objects.create(name="tiny2", input_tokens=4, output_tokens=4)
+    run = BenchmarkRun.objects.create(scenario=scenario, target_url="http://127.0.0.1:9",
+                                      mode="gpu", concurrency=[1], iterations=3)
+    assert runner.execute(run.pk) == "failed"
+    run.refresh_from_db()
+    assert run.status == "failed" and run.error
