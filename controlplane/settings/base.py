@@ -217,5 +217,11 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO") or "INFO"},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+        # One line per HTTP request of every client is noise at INFO.
+        "httpx": {"level": "WARNING"},
+        # The filesystem broker has no host name, and kombu says so on every connection.
+        "kombu.connection": {"level": "ERROR"},
+    },
 }

@@ -1,15 +1,18 @@
 """``syshax up``: the whole system on this machine, on the embedded defaults.
 
-Started in order: database migrations and an admin user, the web app, a Celery worker and
-beat. Ctrl-C (or SIGTERM) stops everything and leaves no process behind; running it again
-reuses the state under var/.
+In order: migrations and an admin user; the web app, a Celery worker and beat; one node
+agent with the process runtime, this host's real CPU topology and a simulated A100 80GB; the
+default hetero deployment of simulated engines (GPU first, then CPU); a router on 7010.
+Ctrl-C stops the deployment through the workflow, then every process, and leaves none
+behind. Running it again reuses the state under var/.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import secrets
+import shlex
 import signal
 import sys
 import time
@@ -24,39 +27,252 @@ from syshax.supervisor import Supervisor, python_argv
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="dashboard/API port")
+    parser.add_argument("--router-port", type=int, default=7010)
+    parser.add_argument("--gpu-port", type=int, default=7001, help="simulated GPU engine port")
+    parser.add_argument("--cpu-port", type=int, default=7002, help="simulated CPU engine port")
+    parser.add_argument(
+        "--no-engines",
+        action="store_true",
+        help="only the control plane, worker and beat (no agent, engines, router)",
+    )
+    parser.add_argument(
+        "--benchmark",
+        action="store_true",
+        help="run MISSION.md's short scenario in cpu, gpu and hetero mode",
+    )
+    parser.add_argument("--benchmark-iterations", type=int, default=32)
     parser.add_argument(
         "--exit",
         action="store_true",
-        help="stop everything once the system is up (and any --benchmark ran)",
+        help="serve one completion through the router, then stop everything",
     )
-    parser.add_argument("--startup-timeout", type=float, default=120.0)
+    parser.add_argument("--startup-timeout", type=float, default=180.0)
 
 
-def _ensure_admin(var_dir: Path) -> str | None:
-    """Create the admin user on first run. Returns the password only when it was just made."""
-    from django.contrib.auth import get_user_model
+class Stack:
+    def __init__(self, args: argparse.Namespace, var_dir: Path) -> None:
+        self.args = args
+        self.var_dir = var_dir
+        self.sup = Supervisor(var_dir / "logs")
+        self.base = f"http://{args.host}:{args.port}"
+        self.router = f"http://{args.host}:{args.router_port}"
+        self.deployment_id: int | None = None
+        self.agent_state = var_dir / "agent"
 
-    User = get_user_model()
-    if User.objects.filter(username="admin").exists():
-        return None
-    password = secrets.token_urlsafe(12)
-    User.objects.create_superuser("admin", "admin@localhost", password)
-    return password
+    def say(self, text: str) -> None:
+        print(text, flush=True)
 
-
-def _wait_http(url: str, timeout: float, sup: Supervisor) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        dead = sup.first_exited()
+    def alive(self) -> None:
+        dead = self.sup.first_exited()
         if dead is not None:
-            raise RuntimeError(f"{dead.name} exited during start-up:\n{sup.tail(dead)}")
+            raise RuntimeError(f"{dead.name} exited:\n{self.sup.tail(dead)}")
+
+    def wait_http(self, url: str, what: str) -> None:
+        from syshax.commands.up_stack import wait_for
+
+        def answers() -> bool:
+            try:
+                return httpx.get(url, timeout=2).status_code < 500
+            except httpx.HTTPError:
+                return False
+
+        wait_for(answers, self.args.startup_timeout, what, self.alive)
+
+    def child_env(self) -> dict[str, str]:
+        # Children find the console script next to this interpreter.
+        bin_dir = str(Path(sys.executable).parent)
+        return {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+    def start_control_plane(self) -> None:
+        env = self.child_env()
+        self.sup.start(
+            "web",
+            python_argv("web", "--bind", f"{self.args.host}:{self.args.port}", "--no-migrate"),
+            env,
+        )
+        self.sup.start("worker", python_argv("worker", "--concurrency", "2"), env)
+        self.sup.start("beat", python_argv("beat"), env)
+        self.wait_http(f"{self.base}/api/v1/health", "the web app")
+
+    def start_engines_and_router(self) -> None:
+        from syshax.commands import up_stack
+
+        node = up_stack.local_node_name()
+        tokens = up_stack.ensure_tokens(self.var_dir, node)
+        env = self.child_env()
+        self.sup.start(
+            "agent",
+            python_argv(
+                "agent",
+                "--control-plane",
+                self.base,
+                "--token",
+                tokens["agent"],
+                "--name",
+                node,
+                "--runtime",
+                "process",
+                "--simulate-accelerator",
+                "a100-80gb",
+                "--state-dir",
+                str(self.agent_state),
+                "--address",
+                "127.0.0.1",
+            ),
+            env,
+        )
+        up_stack.wait_for(
+            lambda: up_stack.node_ready(node),
+            self.args.startup_timeout,
+            f"node {node} to report its hardware",
+            self.alive,
+        )
+        self.say(f"node       {node}: online (host CPUs, simulated A100 80GB)")
+        self.deployment_id = up_stack.ensure_deployment(
+            node, self.args.gpu_port, self.args.cpu_port
+        )
+        up_stack.deploy(self.deployment_id)
+        self.say("deploying  GPU engine, then CPU engine in its IPC namespace:")
+        timeline = up_stack.Timeline(self.deployment_id, self.say)
+
+        def settled() -> str | None:
+            state = timeline.poll()
+            return state if state in ("running", "failed") else None
+
+        state = up_stack.wait_for(settled, self.args.startup_timeout, "the deployment", self.alive)
+        if state != "running":
+            raise RuntimeError(
+                f"deployment failed: {up_stack.deployment_state(self.deployment_id)[1]}"
+            )
+        self.sup.start(
+            "router",
+            python_argv(
+                "router",
+                "--control-plane",
+                self.base,
+                "--token",
+                tokens["router"],
+                "--name",
+                "local-router",
+                "--host",
+                self.args.host,
+                "--port",
+                str(self.args.router_port),
+                "--state-dir",
+                str(self.var_dir / "router"),
+            ),
+            env,
+        )
+        self.wait_for_model()
+
+    def wait_for_model(self) -> None:
+        from syshax.commands.up_stack import SIM_MODEL, wait_for
+
+        def listed() -> bool:
+            try:
+                body = httpx.get(f"{self.router}/v1/models", timeout=2).json()
+            except (httpx.HTTPError, ValueError):
+                return False
+            return any(m.get("id") == SIM_MODEL for m in body.get("data", []))
+
+        wait_for(listed, self.args.startup_timeout, "the router to serve the model", self.alive)
+
+    def smoke(self) -> None:
+        from syshax.commands.up_stack import SIM_MODEL
+
+        response = httpx.post(
+            f"{self.router}/v1/completions",
+            timeout=120,
+            json={"model": SIM_MODEL, "prompt": "Explain prefill and decode.", "max_tokens": 16},
+        )
+        response.raise_for_status()
+        body = response.json()
+        self.say(
+            f"completion through the router: {body['choices'][0]['text'].strip()[:60]!r} "
+            f"({body['usage']['completion_tokens']} tokens)"
+        )
+
+    def benchmark(self) -> int:
+        argv = python_argv(
+            "benchmark",
+            "--scenario",
+            "short",
+            "--concurrency",
+            "8",
+            "--iterations",
+            str(self.args.benchmark_iterations),
+            "--mode",
+            "all",
+            "--target",
+            self.router,
+            "--json",
+            str(self.var_dir / "up" / "benchmark-short.json"),
+        )
+        import subprocess
+
+        return subprocess.run(argv, env={**os.environ, **self.child_env()}).returncode
+
+    def banner(self, password: str | None) -> None:
+        from syshax.commands.up_stack import SIM_MODEL
+
+        self.say(f"dashboard  {self.base}/")
+        self.say(f"admin      {self.base}/admin/")
+        self.say(f"API        {self.base}/api/v1/  (OpenAPI UI: {self.base}/api/v1/docs/)")
+        if password:
+            self.say(f"admin user admin / {password}   (shown once; change it in the admin)")
+        if self.deployment_id is not None:
+            self.say(f"router     {self.router}/v1  (OpenAI-compatible)")
+            body = json.dumps({"model": SIM_MODEL, "prompt": "Hello", "max_tokens": 32})
+            self.say(
+                "\ntry it:\n  curl " + f"{self.router}/v1/completions -H 'Content-Type: "
+                f"application/json' -d {shlex.quote(body)}"
+            )
+            self.say(
+                "  python -c \"from openai import OpenAI; c = OpenAI(base_url='"
+                f"{self.router}/v1', api_key='none'); print(c.completions.create(model='"
+                f"{SIM_MODEL}', prompt='Hello', max_tokens=32).choices[0].text)\""
+            )
+        self.say(f"logs       {self.sup.log_dir}/")
+
+    def shutdown(self) -> None:
+        from syshax.commands import up_stack
+
+        self.say("stopping...")
+        if self.deployment_id is not None and self.sup.first_exited() is None:
+            try:
+                up_stack.stop(self.deployment_id)
+                up_stack.wait_for(
+                    lambda: (
+                        up_stack.deployment_state(self.deployment_id or 0)[0]
+                        in ("stopped", "failed")
+                    ),
+                    60,
+                    "the engines to stop",
+                    lambda: None,
+                )
+            except Exception as exc:
+                self.say(f"  could not stop the deployment cleanly: {exc}")
+        self.sup.stop_all()
+        kill_recorded_engines(self.agent_state)
+        self.say("stopped.")
+
+
+def kill_recorded_engines(state_dir: Path) -> int:
+    """Kill engines the process runtime recorded that still run, so nothing is orphaned."""
+    import psutil
+
+    killed = 0
+    for record_path in (state_dir / "engines").glob("*.json"):
         try:
-            if httpx.get(url, timeout=2).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+            record = json.loads(record_path.read_text())
+            process = psutil.Process(int(record["pid"]))
+            if abs(process.create_time() - float(record.get("create_time", 0))) > 1:
+                continue
+            os.killpg(process.pid, signal.SIGKILL)
+            killed += 1
+        except (OSError, ValueError, KeyError, psutil.Error):
+            continue
+    return killed
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,47 +283,43 @@ def run(args: argparse.Namespace) -> int:
     from django.conf import settings
     from django.core.management import call_command
 
+    from syshax.commands.up_stack import ensure_admin
+
     var_dir = Path(settings.VAR_DIR)
     call_command("migrate", interactive=False, verbosity=0)
-    password = _ensure_admin(var_dir)
+    password = ensure_admin()
+    stack = Stack(args, var_dir)
+    interrupted = False
 
-    sup = Supervisor(var_dir / "logs")
-    stopping = False
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        nonlocal interrupted
+        interrupted = True
+        raise KeyboardInterrupt
 
-    def _stop(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
-    base = f"http://{args.host}:{args.port}"
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    status = 0
     try:
-        sup.start("web", python_argv("web", "--bind", f"{args.host}:{args.port}", "--no-migrate"))
-        sup.start("worker", python_argv("worker", "--concurrency", "2"))
-        sup.start("beat", python_argv("beat"))
-        _wait_http(f"{base}/api/v1/health", args.startup_timeout, sup)
-        print(f"dashboard  {base}/", flush=True)
-        print(f"admin      {base}/admin/", flush=True)
-        print(f"API        {base}/api/v1/  (OpenAPI UI: {base}/api/v1/docs/)", flush=True)
-        if password:
-            print(
-                f"admin user: admin / {password}   (shown once; change it in the admin)", flush=True
-            )
-        print(f"logs       {sup.log_dir}/", flush=True)
+        stack.start_control_plane()
+        if not args.no_engines:
+            stack.start_engines_and_router()
+        stack.banner(password)
+        if args.benchmark:
+            status = stack.benchmark()
         if args.exit:
-            return 0
-        print("Ctrl-C stops everything.", flush=True)
-        while not stopping:
-            dead = sup.first_exited()
-            if dead is not None:
-                print(f"{dead.name} exited:\n{sup.tail(dead)}", file=sys.stderr)
-                return 1
+            if not args.no_engines:
+                stack.smoke()
+            return status
+        stack.say("Ctrl-C stops everything.")
+        while True:
+            stack.alive()
             time.sleep(0.5)
-        return 0
-    except RuntimeError as exc:
+    except KeyboardInterrupt:
+        return 0 if interrupted else 130
+    except (RuntimeError, httpx.HTTPError) as exc:
         print(f"syshax up: {exc}", file=sys.stderr)
         return 1
     finally:
-        print("stopping...", flush=True)
-        sup.stop_all()
-        print("stopped.", flush=True)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stack.shutdown()

@@ -1,0 +1,162 @@
+"""Control-plane side of ``syshax up``: the local node, its tokens, the default hetero
+deployment of simulated engines, and waiting for them. Uses the ORM and the same services the
+API and admin use; nothing here bypasses the workflow."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+LOCAL_PROFILE = "local-hetero-sim"
+LOCAL_DEPLOYMENT = "local-hetero"
+SIM_MODEL = "deepseek-r1-distill-qwen-32b"
+
+
+def local_node_name() -> str:
+    name = re.sub(r"[^a-z0-9-]+", "-", socket.gethostname().lower()).strip("-")[:55]
+    return name or "local"
+
+
+def ensure_admin() -> str | None:
+    """Create the admin user on the first run; return its password only then."""
+    from django.contrib.auth import get_user_model
+
+    users = get_user_model()
+    if users.objects.filter(username="admin").exists():
+        return None
+    password = secrets.token_urlsafe(12)
+    users.objects.create_superuser("admin", "admin@localhost", password)
+    return password
+
+
+def _token_store(var_dir: Path) -> Path:
+    path = var_dir / "up" / "tokens.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def ensure_tokens(var_dir: Path, node_name: str) -> dict[str, str]:
+    """Agent and router tokens for the local stack, kept in var/up/tokens.json (mode 0600).
+    Only their hashes are in the database; a missing or revoked one is issued again."""
+    from controlplane.access.models import MachineCredential, hash_token
+    from controlplane.inventory.models import Node
+
+    store = _token_store(var_dir)
+    tokens: dict[str, str] = json.loads(store.read_text()) if store.exists() else {}
+    node, _ = Node.objects.get_or_create(name=node_name, defaults={"address": "127.0.0.1"})
+    wanted = {
+        "agent": ("agent", f"agent-{node_name}", node),
+        "router": ("router", "local-router", None),
+    }
+    for key, (kind, name, bound) in wanted.items():
+        token = tokens.get(key, "")
+        valid = (
+            MachineCredential.objects.filter(
+                key_hash=hash_token(token), revoked_at__isnull=True, node=bound
+            ).exists()
+            if token
+            else False
+        )
+        if not valid:
+            tokens[key] = MachineCredential.issue(kind, name, node=bound)[1]
+    store.write_text(json.dumps(tokens))
+    os.chmod(store, 0o600)
+    return tokens
+
+
+def ensure_deployment(node_name: str, gpu_port: int, cpu_port: int) -> int:
+    """The default hetero profile (simulated A100 + simulated Kunpeng CPU engine, 32B q4_0)
+    placed on the local node."""
+    from controlplane.deployments.models import Deployment, DeploymentProfile
+    from controlplane.inventory.models import Node
+    from controlplane.policy.services import ensure_default_policy
+
+    profile, _ = DeploymentProfile.objects.update_or_create(
+        name=LOCAL_PROFILE,
+        defaults={
+            "description": "syshax up: simulated A100 80GB prefill/decode + simulated Kunpeng "
+            "920 CPU decode engine",
+            "model": SIM_MODEL,
+            "served_model_name": SIM_MODEL,
+            "quantization": "q4_0",
+            "engine": "simulator",
+            "sim_gpu_device": "a100-80gb",
+            "sim_cpu_device": "kunpeng-920-7280z",
+            "gpu_port": gpu_port,
+            "cpu_port": cpu_port,
+            "max_model_len": 8192,
+            "health_timeout_seconds": 120.0,
+        },
+    )
+    node = Node.objects.get(name=node_name)
+    deployment, _ = Deployment.objects.get_or_create(
+        name=LOCAL_DEPLOYMENT,
+        defaults={"profile": profile, "node": node, "policy": ensure_default_policy()},
+    )
+    return deployment.pk
+
+
+def wait_for(
+    predicate: Callable[[], Any], timeout: float, what: str, alive: Callable[[], None]
+) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive()
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def node_ready(node_name: str) -> bool:
+    from controlplane.inventory.models import Node
+
+    return Node.objects.filter(name=node_name, status="online").exclude(inventory_hash="").exists()
+
+
+class Timeline:
+    """Prints a deployment's new timeline events as they appear."""
+
+    def __init__(self, deployment_id: int, printer: Callable[[str], None]) -> None:
+        self.deployment_id = deployment_id
+        self.printer = printer
+        self.last = 0
+
+    def poll(self) -> str:
+        from controlplane.deployments.models import Deployment, DeploymentEvent
+
+        for event in DeploymentEvent.objects.filter(
+            deployment_id=self.deployment_id, pk__gt=self.last
+        ).order_by("pk"):
+            self.last = event.pk
+            self.printer(f"  [{event.level}] {event.step}: {event.message}")
+        return str(Deployment.objects.get(pk=self.deployment_id).state)
+
+
+def deploy(deployment_id: int) -> None:
+    from controlplane.deployments.models import Deployment
+    from controlplane.deployments.services import request_deploy
+
+    request_deploy(Deployment.objects.get(pk=deployment_id), acting_user="syshax up")
+
+
+def stop(deployment_id: int) -> None:
+    from controlplane.deployments.models import Deployment
+    from controlplane.deployments.services import request_stop
+
+    request_stop(Deployment.objects.get(pk=deployment_id), acting_user="syshax up")
+
+
+def deployment_state(deployment_id: int) -> tuple[str, str]:
+    from controlplane.deployments.models import Deployment
+
+    deployment = Deployment.objects.get(pk=deployment_id)
+    return str(deployment.state), deployment.state_reason
