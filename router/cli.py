@@ -1,0 +1,343 @@
+"""``syshax router``: the OpenAI-compatible PD router, standalone or managed."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from router.backends import Timeouts, scrape_forever
+from router.server import Router, ServerConfig, build_app
+from router.state import PD_PROTOCOLS, DeploymentSpec, PolicyRecord
+from syshax.policy_schema import KNOBS, PolicyError, validate_knobs
+
+log = logging.getLogger("syshax.router")
+
+
+def parse_size(text: str) -> int:
+    units = {
+        "kb": 1024,
+        "mb": 1024**2,
+        "gb": 1024**3,
+        "k": 1024,
+        "m": 1024**2,
+        "g": 1024**3,
+        "b": 1,
+    }
+    lowered = text.strip().lower()
+    for suffix, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if lowered.endswith(suffix):
+            return int(float(lowered[: -len(suffix)]) * factor)
+    return int(lowered)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=7010, help="0 picks a free port")
+    parser.add_argument("--ready-file", help="write the bound port here once listening")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("SYSHAX_ROUTER_API_KEY"),
+        help="require 'Authorization: Bearer KEY' from clients",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=parse_size,
+        default=10 * 1024**2,
+        help="largest request body, e.g. 10MB (default)",
+    )
+    parser.add_argument("--connect-timeout", type=float, default=3.0)
+    parser.add_argument("--first-byte-timeout", type=float, default=120.0)
+    parser.add_argument(
+        "--idle-timeout", type=float, default=30.0, help="longest silence inside an upstream stream"
+    )
+    parser.add_argument(
+        "--eject-base-seconds",
+        type=float,
+        default=1.0,
+        help="first outlier ejection lasts this long, doubling per ejection up to 30 s",
+    )
+    parser.add_argument("--log-level", default="INFO")
+    alone = parser.add_argument_group("standalone mode")
+    alone.add_argument("--gpu-url", help="GPU/NPU engine, e.g. http://127.0.0.1:7001")
+    alone.add_argument("--cpu-url", help="CPU engine, e.g. http://127.0.0.1:7002")
+    alone.add_argument("--model", help="served model name (default: ask the GPU engine)")
+    alone.add_argument("--pd-protocol", choices=PD_PROTOCOLS, default="syshax")
+    alone.add_argument("--policy", help="policy file (JSON or YAML); reloaded on change or SIGHUP")
+    knobs = parser.add_argument_group("policy knobs (override the policy file)")
+    for knob in KNOBS:
+        flag = "--" + knob.name.replace("_", "-")
+        extra: dict[str, Any] = {"choices": knob.choices} if knob.choices else {}
+        knobs.add_argument(
+            flag,
+            dest=f"knob_{knob.name}",
+            default=None,
+            metavar=knob.name.upper() if not knob.choices else None,
+            help=f"{knob.meaning} (default {knob.default})".replace("%", "%%"),
+            **extra,
+        )
+    managed = parser.add_argument_group("managed mode")
+    managed.add_argument("--control-plane", help="control plane base URL")
+    managed.add_argument(
+        "--token", default=os.environ.get("SYSHAX_ROUTER_TOKEN"), help="router token (sxr_...)"
+    )
+    managed.add_argument("--name", default=socket.gethostname(), help="router name to register")
+    managed.add_argument(
+        "--advertise-url",
+        help="URL clients reach this router at, sent on register (default http://HOST:PORT)",
+    )
+    managed.add_argument(
+        "--state-dir",
+        default=os.environ.get("SYSHAX_ROUTER_STATE_DIR", "var/router"),
+        help="where the last good policy and deployments are kept",
+    )
+    managed.add_argument("--poll-interval", type=float, default=0.5)
+    managed.add_argument("--stats-interval", type=float, default=10.0)
+
+
+def _flag_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        knob.name: getattr(args, f"knob_{knob.name}")
+        for knob in KNOBS
+        if getattr(args, f"knob_{knob.name}") is not None
+    }
+
+
+def load_policy_file(path: str) -> dict[str, Any]:
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        import json
+
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise PolicyError("policy", f"{path} must hold a mapping of knobs")
+    return data
+
+
+class StandalonePolicy:
+    """The policy file plus flag overrides; a bad file is rejected and the old policy kept."""
+
+    def __init__(self, router: Router, path: str | None, overrides: dict[str, Any]) -> None:
+        self.router = router
+        self.path = path
+        self.overrides = overrides
+        self.mtime: float | None = None
+        self.version = 0
+
+    def load(self) -> PolicyRecord:
+        data: dict[str, Any] = {}
+        version = None
+        if self.path:
+            raw = load_policy_file(self.path)
+            if "knobs" in raw:
+                version = raw.get("version")
+                raw = raw["knobs"]
+            data.update(raw)
+        data.update(self.overrides)
+        knobs = validate_knobs(data, partial=True)
+        self.version = version if isinstance(version, int) else self.version + 1
+        return PolicyRecord("default", self.version, knobs)
+
+    def reload(self) -> bool:
+        try:
+            record = self.load()
+        except (PolicyError, OSError, ValueError) as exc:
+            self.router.metrics.invalid_policies.inc()
+            log.error(
+                "rejected policy file %s, keeping version %s: %s",
+                self.path,
+                self.router.state.default_policy().version,
+                exc,
+            )
+            return False
+        self.router.state.set_policy(record)
+        log.info(
+            "applied policy version %s: mode=%s algorithm=%s",
+            record.version,
+            record.knobs.mode,
+            record.knobs.algorithm,
+        )
+        return True
+
+    async def watch(self) -> None:
+        """Reload when the file changes; checked often so a change lands within 1 s."""
+        if not self.path:
+            return
+        while True:
+            await asyncio.sleep(0.25)
+            try:
+                mtime = os.stat(self.path).st_mtime_ns
+            except OSError:
+                continue
+            if self.mtime is not None and mtime != self.mtime:
+                self.reload()
+            self.mtime = mtime
+
+
+async def discover_model(router: Router, gpu_url: str) -> str | None:
+    import aiohttp
+
+    for _ in range(10):
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session,
+                session.get(gpu_url.rstrip("/") + "/v1/models") as resp,
+            ):
+                data = await resp.json()
+                return str(data["data"][0]["id"])
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError):
+            await asyncio.sleep(0.5)
+    return None
+
+
+def bound_port(site: web.TCPSite, requested: int) -> int:
+    server = site._server
+    sockets = getattr(server, "sockets", None)
+    if sockets:
+        return int(sockets[0].getsockname()[1])
+    return requested
+
+
+def write_ready_file(path: str, port: int) -> None:
+    # Written then renamed, so a reader never sees an empty file.
+    tmp = path + ".tmp"
+    with open(tmp, "w") as handle:
+        handle.write(str(port))
+    os.replace(tmp, path)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    config = ServerConfig(
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_body_bytes,
+        timeouts=Timeouts(
+            args.connect_timeout,
+            args.first_byte_timeout,
+            args.idle_timeout,
+            args.eject_base_seconds,
+        ),
+    )
+    router = Router(config)
+    tasks: list[asyncio.Task[None]] = []
+    loop = asyncio.get_running_loop()
+    standalone: StandalonePolicy | None = None
+    client = None
+    if args.control_plane:
+        from router.managed import ControlPlaneClient
+
+        if not args.token:
+            log.error("--control-plane needs --token (or SYSHAX_ROUTER_TOKEN)")
+            return 2
+        overrides = _flag_knobs(args)
+        if overrides:
+            log.warning("knob flags are ignored in managed mode; the control plane owns policy")
+    else:
+        if not args.gpu_url and not args.cpu_url:
+            log.error(
+                "standalone mode needs --gpu-url (and usually --cpu-url), or use "
+                "--control-plane URL --token TOKEN"
+            )
+            return 2
+        standalone = StandalonePolicy(router, args.policy, _flag_knobs(args))
+        try:
+            router.state.set_policy(standalone.load())
+        except (PolicyError, OSError, ValueError) as exc:
+            log.error("invalid policy: %s", exc)
+            return 2
+        if args.policy:
+            standalone.mtime = os.stat(args.policy).st_mtime_ns
+        model = args.model or await discover_model(router, args.gpu_url or args.cpu_url)
+        if model is None:
+            log.error("could not ask the GPU engine for its model name; pass --model")
+            return 2
+        router.state.set_deployments(
+            [
+                DeploymentSpec(
+                    id=0,
+                    name="standalone",
+                    model=model,
+                    policy="default",
+                    pd_protocol=args.pd_protocol,
+                    gpu_url=args.gpu_url or args.cpu_url,
+                    cpu_url=args.cpu_url,
+                )
+            ]
+        )
+
+    app = build_app(router)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, backlog=1024)
+    await site.start()
+    port = bound_port(site, args.port)
+    log.info("router listening on http://%s:%s", args.host, port)
+
+    if args.control_plane:
+        from router.managed import ControlPlaneClient
+
+        client = ControlPlaneClient(
+            router,
+            base_url=args.control_plane,
+            token=args.token,
+            name=args.name,
+            listen_url=args.advertise_url or f"http://{args.host}:{port}",
+            state_dir=Path(args.state_dir),
+            poll_interval=args.poll_interval,
+            stats_interval=args.stats_interval,
+        )
+        client.restore()
+        tasks.append(asyncio.create_task(client.run()))
+
+    def interval() -> float:
+        return router.state.default_policy().knobs.metrics_interval_seconds
+
+    tasks.append(
+        asyncio.create_task(scrape_forever(lambda: list(router.state.backends.values()), interval))
+    )
+    if standalone is not None:
+        tasks.append(asyncio.create_task(standalone.watch()))
+        loop.add_signal_handler(signal.SIGHUP, standalone.reload)
+    else:
+        # SIGHUP must not kill a managed router; its policy comes from the control plane.
+        loop.add_signal_handler(
+            signal.SIGHUP, lambda: log.info("SIGHUP ignored: the control plane owns the policy")
+        )
+    if args.ready_file:
+        write_ready_file(args.ready_file, port)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await runner.cleanup()
+    await router.state.close()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional; the standard loop works, only slower
+        return asyncio.run(serve(args))
+    return int(uvloop.run(serve(args)))

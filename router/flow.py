@@ -1,0 +1,391 @@
+"""One client request from decision to last byte: passthrough, PD, chunked decode, resume.
+
+The client always sees one continuous stream (or one JSON answer) with one id and one usage,
+whatever number of upstream requests produced it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from router.backends import Backend
+from router.decide import Decision, Route, decide_next_chunk
+from router.metrics import RouterMetrics
+from router.rawhttp import RawResponse
+from router.rawhttp import request as raw_request
+from router.sse import DONE, ChunkBuilder, chunk_parts, event_data, full_response, split_events
+from router.state import Deployment, RouterState
+from router.upstream import UpstreamFailed, iter_body, post, post_json
+
+log = logging.getLogger("syshax.router")
+
+# Which path served the request (gpu-only, pd, cpu-only): for operators and tests.
+ROUTE_HEADER = "X-Syshax-Route"
+
+# With no max_tokens from the client, "decode to the end" still needs a number for the engine.
+UNBOUNDED_DECODE = 1 << 20
+
+
+class CoalescedStreamResponse(web.StreamResponse):
+    """Headers leave with the first chunk: one write (and one client wake-up) less per stream."""
+
+    _send_headers_immediately = False
+
+
+class ClientGone(Exception):
+    """The client disconnected; upstream requests are closed on the way out."""
+
+
+@dataclass
+class ClientRequest:
+    path: str
+    chat: bool
+    body: dict[str, Any]
+    raw: bytes
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    received_at: float
+
+
+class Exchange:
+    """State of one request while it is being served."""
+
+    def __init__(
+        self,
+        http: web.Request,
+        req: ClientRequest,
+        state: RouterState,
+        deployment: Deployment,
+        metrics: RouterMetrics,
+        first_byte_timeout: float,
+    ) -> None:
+        self.http = http
+        self.req = req
+        self.state = state
+        self.deployment = deployment
+        self.metrics = metrics
+        self.first_byte = first_byte_timeout
+        self.decision_label = "gpu-only"
+        self.response: web.StreamResponse | None = None
+        self.pieces: list[str] = []
+        self.completion_tokens = 0
+        self.prompt_tokens = 0
+        self.finish_reason = "stop"
+        self.last_token_at: float | None = None
+        # Upstream vLLM's kv_transfer_params from the prefill, handed to the decoder.
+        self._kv_params: dict[str, Any] = {}
+        prefix = "chatcmpl-" if req.chat else "cmpl-"
+        self.request_id = prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.builder = ChunkBuilder(
+            chat=req.chat, request_id=self.request_id, model=req.model, created=self.created
+        )
+
+    @property
+    def started_output(self) -> bool:
+        return self.response is not None or bool(self.pieces)
+
+    # -- output ------------------------------------------------------------------------------
+
+    async def _write(self, data: bytes) -> None:
+        assert self.response is not None
+        try:
+            await self.response.write(data)
+        except (ConnectionError, RuntimeError) as exc:
+            raise ClientGone() from exc
+
+    async def _open_stream(self) -> None:
+        response = CoalescedStreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                ROUTE_HEADER: self.decision_label,
+            }
+        )
+        try:
+            await response.prepare(self.http)
+        except (ConnectionError, RuntimeError) as exc:
+            raise ClientGone() from exc
+        self.response = response
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        if self.last_token_at is None:
+            self.metrics.observe_ttft(self.decision_label, now - self.req.received_at)
+        else:
+            self.metrics.observe_itl(self.decision_label, now - self.last_token_at)
+        self.last_token_at = now
+
+    async def emit(self, text: str, tokens: int = 1) -> None:
+        """One token (or a few) of generated text, in order, towards the client."""
+        self._tick()
+        self.pieces.append(text)
+        self.completion_tokens += tokens
+        if not self.req.stream:
+            return
+        if self.response is None:
+            await self._open_stream()
+            if self.req.chat:
+                await self._write(self.builder.role())
+        await self._write(self.builder.text(text))
+
+    async def finish(self) -> web.StreamResponse:
+        """Close the spliced stream, or build the non-streaming answer."""
+        if not self.req.stream:
+            body = full_response(
+                chat=self.req.chat,
+                request_id=self.request_id,
+                model=self.req.model,
+                created=self.created,
+                text="".join(self.pieces),
+                finish_reason=self.finish_reason,
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=self.completion_tokens,
+            )
+            return web.Response(
+                body=json.dumps(body).encode(),
+                content_type="application/json",
+                headers={ROUTE_HEADER: self.decision_label},
+            )
+        if self.response is None:
+            await self._open_stream()
+            if self.req.chat:
+                await self._write(self.builder.role())
+        tail = self.builder.finish(self.finish_reason)
+        if self.req.include_usage:
+            tail += self.builder.usage(self.prompt_tokens, self.completion_tokens)
+        await self._write(tail + DONE)
+        assert self.response is not None
+        await self.response.write_eof()
+        return self.response
+
+    # -- upstream helpers --------------------------------------------------------------------
+
+    def record_failure(self, exc: UpstreamFailed) -> None:
+        backend = exc.backend
+        if exc.client_error or exc.recorded:
+            return
+        exc.recorded = True
+        self.metrics.backend_error(backend.url, backend.role)
+        if backend.record_failure(
+            time.monotonic(),
+            connect_failed=exc.connect_failed,
+            may_eject=self.state.may_eject(backend),
+        ):
+            self.metrics.ejections.labels(backend.url, backend.role).inc()
+        log.warning("upstream failure: %s", exc)
+
+    async def passthrough(self, backend: Backend) -> web.StreamResponse:
+        """Forward the client's own bytes; stream the engine's bytes back untouched."""
+        backend.inflight += 1
+        resp: RawResponse | None = None
+        try:
+            resp, error, connect_failed = await raw_request(
+                backend.pool, self.req.path, self.req.raw, first_byte=self.first_byte
+            )
+            if resp is None:
+                raise UpstreamFailed(backend, error or "failed", connect_failed=connect_failed)
+            if resp.status >= 300:
+                body = b"".join([c async for c in resp.iter_body(backend, self.first_byte)])
+                raise UpstreamFailed(backend, f"HTTP {resp.status}", status=resp.status, body=body)
+            if not self.req.stream:
+                body = b"".join([c async for c in resp.iter_body(backend, self.first_byte)])
+                backend.record_success()
+                self._tick()
+                return web.Response(
+                    body=body,
+                    status=resp.status,
+                    content_type=resp.content_type,
+                    headers={ROUTE_HEADER: self.decision_label},
+                )
+            async for data in resp.iter_body(backend, self.first_byte):
+                if self.response is None:
+                    await self._open_stream()
+                # TTFT is the first token, not the chat role-only chunk that precedes it.
+                if self.last_token_at is None and not (
+                    b'"role"' in data and data.count(b"data:") == 1
+                ):
+                    self._tick()
+                await self._write(data)
+            backend.record_success()
+            if self.response is None:
+                await self._open_stream()
+            assert self.response is not None
+            await self.response.write_eof()
+            return self.response
+        except UpstreamFailed as exc:
+            self.record_failure(exc)
+            if self.response is not None:
+                # Bytes already went out; end the stream with an error event, never a hang.
+                await self._write(self.builder.error(str(exc), "backend_error") + DONE)
+                await self.response.write_eof()
+                return self.response
+            raise
+        finally:
+            if resp is not None:
+                resp.finish()
+            backend.inflight -= 1
+
+    def _base_body(self) -> dict[str, Any]:
+        body = dict(self.req.body)
+        body.pop("stream_options", None)
+        body.pop("max_completion_tokens", None)
+        return body
+
+    async def _segment(self, backend: Backend, body: dict[str, Any]) -> str:
+        """Stream one decode segment into the client's stream; returns its finish reason."""
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        finish: str | None = None
+        buffer = bytearray()
+        backend.inflight += 1
+        try:
+            async with post(
+                backend, self.req.path, json.dumps(body).encode(), first_byte=self.first_byte
+            ) as resp:
+                async for data in iter_body(resp, backend, self.first_byte):
+                    buffer += data
+                    for event in split_events(buffer):
+                        payload = event_data(event)
+                        if payload is None or payload == b"[DONE]":
+                            continue
+                        chunk = json.loads(payload)
+                        if "error" in chunk:
+                            raise UpstreamFailed(backend, f"error event: {chunk['error']}")
+                        parts = chunk_parts(chunk, self.req.chat)
+                        if parts.text:
+                            await self.emit(parts.text)
+                        if parts.finish_reason:
+                            finish = parts.finish_reason
+        except ValueError:
+            raise UpstreamFailed(backend, "malformed stream chunk") from None
+        finally:
+            backend.inflight -= 1
+        if finish is None:
+            raise UpstreamFailed(backend, "stream ended without a finish reason")
+        backend.record_success()
+        self.metrics.chunks.labels(backend.role).inc()
+        return finish
+
+    def _remaining(self) -> int | None:
+        if self.req.max_tokens is None:
+            return None
+        return self.req.max_tokens - self.completion_tokens
+
+    # -- PD ----------------------------------------------------------------------------------
+
+    async def _prefill_syshax(self) -> tuple[str, str]:
+        """GPU prefill; emits the first token. Returns (request_id_inference, finish_reason)."""
+        body = self._base_body()
+        body.update(stream=False, num_decode_tokens=0)
+        gpu = self.deployment.gpu
+        gpu.inflight += 1
+        try:
+            data = await post_json(gpu, self.req.path, body, first_byte=self.first_byte)
+        finally:
+            gpu.inflight -= 1
+        gpu.record_success()
+        try:
+            choice = data["choices"][0]
+            text = (choice["message"]["content"] if self.req.chat else choice["text"]) or ""
+            finish = choice.get("finish_reason") or "stop"
+            request_id = str(data["id"])
+            usage = data.get("usage") or {}
+        except (KeyError, IndexError, TypeError):
+            raise UpstreamFailed(gpu, "prefill answer has an unexpected shape") from None
+        self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        if text:
+            await self.emit(text, int(usage.get("completion_tokens") or 1))
+        return request_id, finish
+
+    async def run_pd(self, decision: Decision) -> None:
+        """GPU prefill, then decode in chunks on the CPU with a re-decision after each chunk.
+
+        A CPU failure (refused, erroring, dying mid-stream) moves the sequence to the GPU,
+        which recomputes from the prompt plus the text generated so far.
+        """
+        cpu = self.deployment.cpu
+        if self.deployment.spec.pd_protocol == "vllm":
+            request_id, finish = await self._prefill_vllm()
+        else:
+            request_id, finish = await self._prefill_syshax()
+        if finish != "scheduled" and self.deployment.spec.pd_protocol == "syshax":
+            self.finish_reason = finish
+            return
+        on_cpu = cpu is not None
+        kv_id: str | None = request_id
+        limit = decision.token_limit
+        while True:
+            remaining = self._remaining()
+            if remaining is not None and remaining <= 0:
+                finish = "length"
+                break
+            body = self._base_body()
+            target = cpu if on_cpu and cpu is not None else self.deployment.gpu
+            if self.deployment.spec.pd_protocol == "vllm" and kv_id is not None:
+                # Upstream vLLM: the decoder regenerates the whole answer from the handed KV.
+                body["kv_transfer_params"] = self._kv_params
+            else:
+                budget = remaining if remaining is not None else UNBOUNDED_DECODE
+                body["num_decode_tokens"] = min(limit, budget) if on_cpu and limit else budget
+                body["generated_text"] = "".join(self.pieces)
+                if kv_id is not None:
+                    body["request_id_inference"] = kv_id
+            if remaining is not None:
+                body["max_tokens"] = remaining
+            try:
+                finish = await self._segment(target, body)
+            except UpstreamFailed as exc:
+                if exc.client_error and not self.pieces:
+                    raise
+                self.record_failure(exc)
+                if target is self.deployment.gpu:
+                    raise
+                self.metrics.fallback("cpu-decode-to-gpu")
+                on_cpu, kv_id = False, None
+                continue
+            if finish != "scheduled":
+                break
+            if not on_cpu:
+                continue
+            knobs = self.state.policy_for(self.deployment).knobs
+            loads = self.deployment.loads(time.monotonic())
+            nxt = decide_next_chunk(knobs, loads)
+            if nxt.route is Route.PD:
+                limit = nxt.token_limit
+            else:
+                log.info("%s moves to the GPU: %s", self.request_id, nxt.reason)
+                if nxt.fallback:
+                    self.metrics.fallback("cpu-decode-to-gpu")
+                on_cpu, kv_id = False, None
+        if finish == "scheduled":
+            finish = "length"
+        self.finish_reason = finish
+
+    async def _prefill_vllm(self) -> tuple[str, str]:
+        """Upstream vLLM disaggregated prefill: max_tokens 1, KV kept for a remote decoder."""
+        body = self._base_body()
+        body.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        gpu = self.deployment.gpu
+        gpu.inflight += 1
+        try:
+            data = await post_json(gpu, self.req.path, body, first_byte=self.first_byte)
+        finally:
+            gpu.inflight -= 1
+        gpu.record_success()
+        params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+        if not isinstance(params, dict):
+            raise UpstreamFailed(gpu, "prefill answer has no kv_transfer_params")
+        usage = data.get("usage") or {}
+        self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        self._kv_params = params
+        return str(data.get("id", "")), "scheduled"

@@ -1,0 +1,273 @@
+"""Managed mode: register with the control plane, pull deployments and policies, send stats.
+
+Pulls are conditional GETs (``If-None-Match``) every ``poll_interval`` seconds, so a policy
+change lands within one interval and an idle poll costs a 304. Whatever was last applied is
+kept on disk; when the control plane is down - even across a router restart - the router
+keeps serving from that copy. A policy that fails validation is logged and never applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from router.server import Router
+from router.state import DeploymentSpec, PolicyRecord, parse_policy
+from syshax import __version__
+from syshax.policy_schema import PolicyError
+
+log = logging.getLogger("syshax.router")
+
+ROUTABLE_STATES = frozenset({"running", "degraded"})
+
+
+class StateCache:
+    """The last good policies and deployments, written atomically."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "router-state.json"
+
+    def load(self) -> dict[str, Any] | None:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.error("ignoring unreadable state cache %s: %s", self.path, exc)
+            return None
+        return data if isinstance(data, dict) else None
+
+    def save(self, data: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)
+
+
+def policy_document(record: PolicyRecord) -> dict[str, Any]:
+    return {"name": record.name, "version": record.version, "knobs": record.knobs.as_dict()}
+
+
+def parse_deployments(data: Any) -> list[DeploymentSpec]:
+    """The routable deployments of a ``routing/deployments`` answer; ValueError if malformed."""
+    if not isinstance(data, dict) or not isinstance(data.get("deployments"), list):
+        raise ValueError("expected {'deployments': [...]}")
+    specs = []
+    for entry in data["deployments"]:
+        if not isinstance(entry, dict):
+            raise ValueError("each deployment must be an object")
+        if entry.get("state", "running") not in ROUTABLE_STATES:
+            continue
+        specs.append(DeploymentSpec.from_api(entry))
+    return specs
+
+
+class ControlPlaneClient:
+    def __init__(
+        self,
+        router: Router,
+        *,
+        base_url: str,
+        token: str,
+        name: str,
+        listen_url: str,
+        state_dir: Path,
+        poll_interval: float = 0.5,
+        stats_interval: float = 10.0,
+    ) -> None:
+        self.router = router
+        self.base = base_url.rstrip("/") + "/api/v1/"
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.name = name
+        self.listen_url = listen_url
+        self.cache = StateCache(state_dir)
+        self.poll_interval = poll_interval
+        self.stats_interval = stats_interval
+        self.router_id: int | None = None
+        self.etags: dict[str, str] = {}
+        self.rejected: dict[str, str] = {}  # url -> ETag of a policy refused as invalid
+        self.missing: set[str] = set()  # policy URLs that answered 404
+        self.session: aiohttp.ClientSession | None = None
+        self.reachable: bool | None = None
+        self.registered = False
+        self.last_stats = 0.0
+
+    # -- the on-disk copy --------------------------------------------------------------------
+
+    def restore(self) -> bool:
+        """Apply the cached state, validating it like a fresh pull. True if anything applied."""
+        data = self.cache.load()
+        if not data:
+            return False
+        applied = False
+        for doc in (data.get("policies") or {}).values():
+            try:
+                self.router.state.set_policy(parse_policy(doc))
+                applied = True
+            except PolicyError as exc:
+                log.error("cached policy rejected: %s", exc)
+        try:
+            specs = parse_deployments({"deployments": data.get("deployments") or []})
+            self.router.state.set_deployments(specs)
+            applied = applied or bool(specs)
+        except ValueError as exc:
+            log.error("cached deployments rejected: %s", exc)
+        if isinstance(data.get("router_id"), int):
+            self.router_id = data["router_id"]
+        log.info("restored last good state from %s", self.cache.path)
+        return applied
+
+    def persist(self) -> None:
+        state = self.router.state
+        self.cache.save(
+            {
+                "router_id": self.router_id,
+                "saved_at": time.time(),
+                "policies": {name: policy_document(r) for name, r in state.policies.items()},
+                "deployments": [d.spec.as_api() for d in state.deployments],
+            }
+        )
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    async def _get(self, path: str) -> tuple[int, Any, str | None]:
+        assert self.session is not None
+        url = self.base + path
+        headers = dict(self.headers)
+        if url in self.etags:
+            headers["If-None-Match"] = self.etags[url]
+        async with self.session.get(url, headers=headers) as resp:
+            if resp.status == 304:
+                return 304, None, self.etags.get(url)
+            if resp.status == 404:
+                return 404, None, None
+            if resp.status != 200:
+                raise aiohttp.ClientResponseError(
+                    resp.request_info, (), status=resp.status, message=await resp.text()
+                )
+            return 200, await resp.json(), resp.headers.get("ETag")
+
+    async def register(self) -> None:
+        assert self.session is not None
+        body = {"name": self.name, "version": __version__, "listen_url": self.listen_url}
+        async with self.session.post(
+            self.base + "routers/register", json=body, headers=self.headers
+        ) as resp:
+            if resp.status not in (200, 201):
+                raise aiohttp.ClientResponseError(
+                    resp.request_info, (), status=resp.status, message=await resp.text()
+                )
+            data = await resp.json()
+        self.router_id = int(data["id"])
+        log.info(
+            "registered with the control plane as router %s (id %s)", self.name, self.router_id
+        )
+
+    async def pull_deployments(self) -> bool:
+        url = self.base + "routing/deployments"
+        status, data, etag = await self._get("routing/deployments")
+        if status == 304:
+            return False
+        if status == 404:
+            raise ValueError("the control plane has no routing/deployments endpoint")
+        try:
+            specs = parse_deployments(data)
+        except ValueError as exc:
+            log.error("control plane sent invalid deployments, keeping the last good: %s", exc)
+            return False
+        self.router.state.set_deployments(specs)
+        if etag:
+            self.etags[url] = etag
+        return True
+
+    async def pull_policy(self, name: str) -> bool:
+        url = self.base + f"routing/policies/{name}"
+        status, data, etag = await self._get(f"routing/policies/{name}")
+        if status == 304:
+            return False
+        if status == 404:
+            # A deployment names a policy the control plane does not have (yet): keep what
+            # we have for it (or the default) and say so once.
+            if url not in self.missing:
+                self.missing.add(url)
+                log.warning("policy %r not found on the control plane", name)
+            return False
+        self.missing.discard(url)
+        if etag and self.rejected.get(url) == etag:
+            return False
+        try:
+            record = parse_policy(data)
+        except PolicyError as exc:
+            self.router.metrics.invalid_policies.inc()
+            log.error(
+                "rejected invalid policy %r (keeping version %s): %s",
+                name,
+                self.router.state.policies.get(name, self.router.state.default_policy()).version,
+                exc,
+            )
+            if etag:
+                self.rejected[url] = etag
+            return False
+        record = PolicyRecord(name, record.version, record.knobs)
+        current = self.router.state.policies.get(name)
+        if (
+            current is not None
+            and current.version == record.version
+            and current.knobs == record.knobs
+        ):
+            if etag:
+                self.etags[url] = etag
+            return False
+        self.router.state.set_policy(record)
+        log.info("applied policy %r version %s", name, record.version)
+        if etag:
+            self.etags[url] = etag
+        return True
+
+    async def post_stats(self) -> None:
+        assert self.session is not None and self.router_id is not None
+        body = self.router.metrics.stats(self.router.state.default_policy().version)
+        async with self.session.post(
+            self.base + f"routers/{self.router_id}/stats", json=body, headers=self.headers
+        ) as resp:
+            resp.raise_for_status()
+
+    async def sync_once(self) -> None:
+        if not self.registered:
+            await self.register()
+            self.registered = True
+        changed = await self.pull_deployments()
+        names = {"default"} | {d.spec.policy for d in self.router.state.deployments}
+        for name in sorted(names):
+            changed = await self.pull_policy(name) or changed
+        if changed:
+            self.persist()
+        if time.monotonic() - self.last_stats >= self.stats_interval:
+            self.last_stats = time.monotonic()
+            await self.post_stats()
+
+    async def run(self) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0))
+        try:
+            while True:
+                try:
+                    await self.sync_once()
+                    if not self.reachable:
+                        log.info("control plane %s reachable", self.base)
+                    self.reachable = True
+                except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError) as exc:
+                    if self.reachable is not False:
+                        log.warning(
+                            "control plane unreachable, serving the last good state: %s", exc
+                        )
+                    self.reachable = False
+                await asyncio.sleep(self.poll_interval)
+        finally:
+            await self.session.close()

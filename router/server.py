@@ -1,0 +1,370 @@
+"""The aiohttp application: OpenAI endpoints, proxying, health, metrics and error shaping."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router.backends import Backend, Timeouts
+from router.decide import Decision, Route, decide, retry_after_seconds
+from router.errors import RouterError, error_body, error_response, saturated, unavailable
+from router.flow import ClientGone, ClientRequest, Exchange
+from router.metrics import RouterMetrics
+from router.state import Deployment, RouterState
+from router.upstream import UpstreamFailed
+from router.validate import check_request, parse_body
+
+log = logging.getLogger("syshax.router")
+
+ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailers",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Host",
+        "Content-Length",
+    )
+)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    api_key: str | None = None
+    max_body_bytes: int = 10 * 1024 * 1024
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+
+class Router:
+    """Everything a handler needs: live state, metrics and configuration."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.state = RouterState(config.timeouts)
+        self.metrics = RouterMetrics()
+
+    def record_rejection(self, decision: Decision) -> RouterError:
+        self.metrics.count_request(Route.REJECTED.value, "rejected")
+        knobs = self.state.default_policy().knobs
+        retry = retry_after_seconds(knobs)
+        if decision.status == 429:
+            return saturated(f"all engines are saturated: {decision.reason}", retry_after=retry)
+        return unavailable(
+            f"no engine can serve this request: {decision.reason}", retry_after=retry
+        )
+
+
+def _fallback(router: Router, deployment: Deployment, failed: Route) -> Decision | None:
+    """The next route after ``failed`` could not be served, or None when nothing is left."""
+    knobs = router.state.policy_for(deployment).knobs
+    now = time.monotonic()
+    cpu_ok = deployment.cpu is not None and deployment.cpu.available(now)
+    cpu_allowed = knobs.mode != "gpu-only" and (
+        knobs.mode != "auto" or knobs.enable_auto_pd_offload
+    )
+    if failed in (Route.GPU_ONLY, Route.PD) and cpu_ok and cpu_allowed:
+        return Decision(Route.CPU_ONLY, reason="GPU engine failed", fallback=True)
+    if failed is Route.CPU_ONLY and deployment.gpu.available(now) and knobs.mode != "cpu-only":
+        return Decision(Route.GPU_ONLY, reason="CPU engine failed", fallback=True)
+    return None
+
+
+async def _serve(
+    router: Router,
+    http: web.Request,
+    req: ClientRequest,
+    deployment: Deployment,
+    decision: Decision,
+) -> web.StreamResponse:
+    knobs = router.state.policy_for(deployment).knobs
+    metrics = router.metrics
+    exchange = Exchange(
+        http, req, router.state, deployment, metrics, router.config.timeouts.first_byte
+    )
+    label = decision.route.value
+    outcome = "error"
+    try:
+        async with asyncio.timeout(knobs.request_timeout_seconds):
+            while True:
+                if decision.fallback:
+                    metrics.fallback(f"to-{decision.route.value}")
+                label = exchange.decision_label = decision.route.value
+                try:
+                    if decision.route is Route.PD:
+                        await exchange.run_pd(decision)
+                        response = await exchange.finish()
+                    else:
+                        backend = (
+                            deployment.gpu if decision.route is Route.GPU_ONLY else deployment.cpu
+                        )
+                        assert backend is not None
+                        response = await exchange.passthrough(backend)
+                    outcome = "ok" if response.status < 400 else "error"
+                    return response
+                except UpstreamFailed as exc:
+                    if exc.client_error and not exchange.started_output:
+                        outcome = "client_error"
+                        return web.Response(
+                            status=exc.status or 400,
+                            body=exc.body or b"",
+                            content_type="application/json",
+                        )
+                    exchange.record_failure(exc)
+                    if exchange.started_output:
+                        return await _abort_stream(exchange, str(exc))
+                    nxt = _fallback(router, deployment, decision.route)
+                    if nxt is None:
+                        raise unavailable(
+                            f"{exc}; no other engine can serve this request",
+                            retry_after=retry_after_seconds(knobs),
+                        ) from None
+                    decision = nxt
+    except TimeoutError:
+        if exchange.started_output:
+            return await _abort_stream(exchange, "request timed out")
+        raise RouterError(
+            504,
+            f"request exceeded {knobs.request_timeout_seconds:g}s",
+            type_="timeout",
+            code="request_timeout",
+        ) from None
+    except ClientGone:
+        outcome = "cancelled"
+        return exchange.response or web.Response(status=499)
+    except asyncio.CancelledError:
+        outcome = "cancelled"
+        raise
+    finally:
+        metrics.count_request(label, outcome)
+
+
+async def _abort_stream(exchange: Exchange, message: str) -> web.StreamResponse:
+    """End a stream that already started with an error event: never a hang, never a trace."""
+    if exchange.req.stream and exchange.response is not None:
+        from router.sse import DONE
+
+        try:
+            await exchange.response.write(exchange.builder.error(message, "backend_error") + DONE)
+            await exchange.response.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+        return exchange.response
+    raise RouterError(502, message, type_="server_error", code="backend_error")
+
+
+async def completions(http: web.Request) -> web.StreamResponse:
+    router = http.app[ROUTER_KEY]
+    received = time.perf_counter()
+    chat = http.path.endswith("/chat/completions")
+    raw = await _read_body(http, router.config.max_body_bytes)
+    body = parse_body(raw)
+    model, stream, include_usage, max_tokens = check_request(body, chat=chat)
+    deployment = router.state.choose(model)
+    if deployment is None:
+        known = ", ".join(sorted(router.state.by_model)) or "none"
+        raise RouterError(
+            404,
+            f"The model '{model}' does not exist (served models: {known})",
+            param="model",
+            code="model_not_found",
+        )
+    req = ClientRequest(
+        path=http.path,
+        chat=chat,
+        body=body,
+        raw=raw,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        received_at=received,
+    )
+    knobs = router.state.policy_for(deployment).knobs
+    decision = decide(knobs, deployment.loads(time.monotonic()))
+    if decision.route is Route.PD and (body.get("n") or 1) > 1:
+        # Splicing several choices across engines is not worth it; the GPU serves n > 1.
+        decision = Decision(Route.GPU_ONLY, reason="n > 1")
+    if decision.route is Route.PD and deployment.cpu is None:
+        decision = Decision(Route.GPU_ONLY, reason="deployment has no CPU engine")
+    if decision.route is Route.REJECTED:
+        raise router.record_rejection(decision)
+    return await _serve(router, http, req, deployment, decision)
+
+
+async def _read_body(http: web.Request, limit: int) -> bytes:
+    length = http.content_length
+    if length is not None and length > limit:
+        raise RouterError(
+            413, f"request body is {length} bytes; the limit is {limit}", code="body_too_large"
+        )
+    try:
+        return await http.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RouterError(
+            413, f"request body exceeds the limit of {limit} bytes", code="body_too_large"
+        ) from None
+
+
+async def models(http: web.Request) -> web.Response:
+    router = http.app[ROUTER_KEY]
+    data = [
+        {
+            "id": model,
+            "object": "model",
+            "created": int(router.metrics.started),
+            "owned_by": "syshax",
+            "deployments": [d.spec.name for d in deployments],
+        }
+        for model, deployments in sorted(router.state.by_model.items())
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+def _backend_view(backend: Backend, now: float) -> dict[str, object]:
+    return {
+        "url": backend.url,
+        "role": backend.role,
+        "up": backend.up,
+        "ejected": now < backend.ejected_until,
+        "inflight": backend.inflight,
+    }
+
+
+async def health(http: web.Request) -> web.Response:
+    router = http.app[ROUTER_KEY]
+    now = time.monotonic()
+    backends = list(router.state.backends.values())
+    serving = any(b.available(now) for b in backends)
+    policy = router.state.default_policy()
+    body = {
+        "status": "ok" if serving else "unavailable",
+        "policy_version": policy.version,
+        "mode": policy.knobs.mode,
+        "algorithm": policy.knobs.algorithm,
+        "backends": [_backend_view(b, now) for b in backends],
+    }
+    return web.json_response(body, status=200 if serving else 503)
+
+
+async def metrics_endpoint(http: web.Request) -> web.Response:
+    router = http.app[ROUTER_KEY]
+    metrics = router.metrics
+    now_wall = time.time()
+    for record in router.state.policies.values():
+        metrics.policy_version.labels(record.name).set(record.version)
+        metrics.policy_age.labels(record.name).set(now_wall - record.applied_at)
+    now = time.monotonic()
+    for backend in router.state.backends.values():
+        metrics.backend_up.labels(backend.url, backend.role).set(1 if backend.available(now) else 0)
+    return web.Response(
+        body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
+
+
+async def proxy(http: web.Request) -> web.StreamResponse:
+    """Any other path goes to a GPU engine unchanged, as sysHAX does."""
+    router = http.app[ROUTER_KEY]
+    deployments = router.state.deployments
+    if not deployments:
+        raise RouterError(404, f"no route for {http.path}", code="not_found")
+    now = time.monotonic()
+    gpu = next((d.gpu for d in deployments if d.gpu.available(now)), deployments[0].gpu)
+    assert gpu.session is not None
+    headers = {k: v for k, v in http.headers.items() if k.lower() not in HOP_BY_HOP}
+    body = await _read_body(http, router.config.max_body_bytes)
+    try:
+        async with asyncio.timeout(router.config.timeouts.first_byte):
+            upstream = await gpu.session.request(
+                http.method, gpu.url + http.path_qs, headers=headers, data=body
+            )
+    except (TimeoutError, OSError, Exception) as exc:
+        raise RouterError(
+            502,
+            f"GPU engine {gpu.url} did not answer: {exc.__class__.__name__}",
+            type_="server_error",
+            code="backend_error",
+        ) from None
+    try:
+        response = web.StreamResponse(
+            status=upstream.status,
+            headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP},
+        )
+        await response.prepare(http)
+        async for data in upstream.content.iter_any():
+            await response.write(data)
+        await response.write_eof()
+        return response
+    finally:
+        upstream.close()
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+@web.middleware
+async def errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    router = request.app[ROUTER_KEY]
+    key = router.config.api_key
+    try:
+        if key is not None and request.path not in OPEN_PATHS:
+            supplied = request.headers.get("Authorization", "")
+            token = supplied[7:] if supplied.startswith("Bearer ") else ""
+            if not hmac.compare_digest(token.encode(), key.encode()):
+                raise RouterError(
+                    401,
+                    "Incorrect or missing API key",
+                    type_="invalid_request_error",
+                    code="invalid_api_key",
+                )
+        return await handler(request)
+    except RouterError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status == 413:
+            return error_response(RouterError(413, "request body too large", code="body_too_large"))
+        status = exc.status
+        body = error_body(exc.reason, type_="invalid_request_error", code=str(status))
+        return web.Response(
+            status=status, body=json.dumps(body).encode(), content_type="application/json"
+        )
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        # Log the trace for the operator; the client gets the OpenAI shape and no trace.
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        body = error_body("internal router error", type_="server_error", code="internal_error")
+        return web.Response(
+            status=500, body=json.dumps(body).encode(), content_type="application/json"
+        )
+
+
+def build_app(router: Router) -> web.Application:
+    app = web.Application(
+        middlewares=[errors_middleware], client_max_size=router.config.max_body_bytes
+    )
+    app[ROUTER_KEY] = router
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_endpoint)
+    app.router.add_route("*", "/{tail:.*}", proxy)
+    return app

@@ -1,0 +1,196 @@
+"""The router's live view: policies, deployments and their backends.
+
+Policies and deployments are swapped in whole (a new dict/list object) so a request that
+already read them keeps a consistent view while an update lands.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.backends import Backend, Timeouts
+from router.decide import Loads
+from syshax.policy_schema import PolicyError, PolicyKnobs, validate_knobs
+
+PD_PROTOCOLS = ("syshax", "vllm")
+
+
+@dataclass(frozen=True)
+class PolicyRecord:
+    name: str
+    version: int
+    knobs: PolicyKnobs
+    applied_at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """A deployment as the control plane (or the standalone flags) describes it."""
+
+    id: int
+    name: str
+    model: str
+    policy: str
+    pd_protocol: str
+    gpu_url: str
+    cpu_url: str | None
+
+    @classmethod
+    def from_api(cls, data: dict[str, Any]) -> DeploymentSpec:
+        """Parse one entry of ``routing/deployments``; raises ValueError naming the bad field."""
+
+        def text(key: str, required: bool = True) -> str | None:
+            value = data.get(key)
+            if value is None or value == "":
+                if required:
+                    raise ValueError(f"deployment field {key!r} is required")
+                return None
+            if not isinstance(value, str):
+                raise ValueError(f"deployment field {key!r} must be a string")
+            return value
+
+        protocol = text("pd_protocol", required=False) or "syshax"
+        if protocol not in PD_PROTOCOLS:
+            raise ValueError(f"deployment pd_protocol must be one of {PD_PROTOCOLS}")
+        ident = data.get("id", 0)
+        if not isinstance(ident, int):
+            raise ValueError("deployment field 'id' must be an integer")
+        return cls(
+            id=ident,
+            name=text("name") or "",
+            model=text("model") or "",
+            policy=text("policy", required=False) or "default",
+            pd_protocol=protocol,
+            gpu_url=text("gpu_url") or "",
+            cpu_url=text("cpu_url", required=False),
+        )
+
+    def as_api(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "model": self.model,
+            "policy": self.policy,
+            "pd_protocol": self.pd_protocol,
+            "gpu_url": self.gpu_url,
+            "cpu_url": self.cpu_url,
+        }
+
+
+@dataclass
+class Deployment:
+    spec: DeploymentSpec
+    gpu: Backend
+    cpu: Backend | None
+
+    def loads(self, now: float) -> Loads:
+        from router.engine_metrics import UNAVAILABLE
+
+        return Loads(
+            gpu=self.gpu.load(now),
+            cpu=self.cpu.load(now) if self.cpu is not None else UNAVAILABLE,
+            gpu_itl_slope_ms=self.gpu.itl_slope_ms,
+            cpu_itl_slope_ms=self.cpu.itl_slope_ms if self.cpu is not None else None,
+        )
+
+    def pressure(self, now: float) -> float:
+        """Least-loaded replica choice: router in-flight plus the engine's queue."""
+        gpu = self.gpu.load(now)
+        score = float(self.gpu.inflight + gpu.waiting)
+        if not gpu.available:
+            score += 1e6
+        if self.cpu is not None:
+            score += 0.5 * self.cpu.inflight
+        return score
+
+
+def parse_policy(data: Any) -> PolicyRecord:
+    """Validate a policy document ``{"name", "version", "knobs"}`` (or bare knobs)."""
+    if not isinstance(data, dict):
+        raise PolicyError("policy", "must be a JSON object")
+    if "knobs" in data:
+        version = data.get("version", 0)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise PolicyError("version", "must be an integer")
+        name = data.get("name", "default")
+        if not isinstance(name, str):
+            raise PolicyError("name", "must be a string")
+        return PolicyRecord(name, version, validate_knobs(data["knobs"]))
+    # A standalone policy file may list just the knobs it changes.
+    return PolicyRecord("default", 0, validate_knobs(data, partial=True))
+
+
+class RouterState:
+    def __init__(self, timeouts: Timeouts) -> None:
+        self.timeouts = timeouts
+        self.policies: dict[str, PolicyRecord] = {
+            "default": PolicyRecord("default", 0, PolicyKnobs())
+        }
+        self.deployments: list[Deployment] = []
+        self.by_model: dict[str, list[Deployment]] = {}
+        self.backends: dict[str, Backend] = {}
+        self.closing: list[Backend] = []
+
+    def policy_for(self, deployment: Deployment | None) -> PolicyRecord:
+        name = deployment.spec.policy if deployment is not None else "default"
+        return (
+            self.policies.get(name)
+            or self.policies.get("default")
+            or next(iter(self.policies.values()))
+        )
+
+    def set_policy(self, record: PolicyRecord) -> None:
+        policies = dict(self.policies)
+        policies[record.name] = record
+        self.policies = policies
+
+    def default_policy(self) -> PolicyRecord:
+        return self.policies.get("default") or next(iter(self.policies.values()))
+
+    def _backend(self, url: str, role: str) -> Backend:
+        key = url.rstrip("/")
+        backend = self.backends.get(key)
+        if backend is None:
+            backend = Backend(key, role, self.timeouts)
+            backend.open()
+        return backend
+
+    def set_deployments(self, specs: list[DeploymentSpec]) -> None:
+        """Replace the deployment set, reusing the pooled backend of any URL already known."""
+        deployments: list[Deployment] = []
+        backends: dict[str, Backend] = {}
+        for spec in specs:
+            gpu = self._backend(spec.gpu_url, "gpu")
+            backends[gpu.url] = gpu
+            cpu = None
+            if spec.cpu_url:
+                cpu = self._backend(spec.cpu_url, "cpu")
+                backends[cpu.url] = cpu
+            deployments.append(Deployment(spec, gpu, cpu))
+        self.closing.extend(b for url, b in self.backends.items() if url not in backends)
+        by_model: dict[str, list[Deployment]] = {}
+        for deployment in deployments:
+            by_model.setdefault(deployment.spec.model, []).append(deployment)
+        self.backends = backends
+        self.deployments = deployments
+        self.by_model = by_model
+
+    def choose(self, model: str) -> Deployment | None:
+        replicas = self.by_model.get(model)
+        if not replicas:
+            return None
+        if len(replicas) == 1:
+            return replicas[0]
+        now = time.monotonic()
+        return min(replicas, key=lambda d: d.pressure(now))
+
+    def may_eject(self, backend: Backend) -> bool:
+        """Outlier ejection never takes out the last backend still available."""
+        now = time.monotonic()
+        return any(b is not backend and b.available(now) for b in self.backends.values())
+
+    async def close(self) -> None:
+        for backend in list(self.backends.values()) + self.closing:
+            await backend.close()

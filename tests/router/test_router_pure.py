@@ -1,0 +1,253 @@
+"""Pure helpers: metrics parsing, SSE splicing, validation, policy parsing, ejection back-off."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.backends import Backend, Timeouts, ejection_seconds
+from router.engine_metrics import derive_load, parse_metrics_text
+from router.errors import RouterError
+from router.sse import ChunkBuilder, chunk_parts, event_data, split_events
+from router.state import DeploymentSpec, parse_policy
+from router.validate import check_request, parse_body
+from syshax.policy_schema import PolicyError, PolicyKnobs
+
+METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.42
+vllm:generation_tokens_total{engine="0",model_name="m"} 1000.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 2.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 100.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="m"} 5.0
+"""
+
+
+def test_parse_metrics_sums_label_sets_and_reads_v1_names() -> None:
+    s = parse_metrics_text(METRICS, at=10.0)
+    assert (s.running, s.waiting, s.kv_usage) == (3.0, 1.0, 0.42)
+    assert s.generation_tokens == 1000.0 and s.itl_count == 100.0
+
+
+def test_parse_metrics_reads_legacy_names() -> None:
+    text = (
+        'vllm:gpu_cache_usage_perc{model_name="m"} 0.9\n'
+        'vllm:avg_generation_throughput_toks_per_s{model_name="m"} 33.0\n'
+    )
+    s = parse_metrics_text(text, at=0.0)
+    assert s.kv_usage == 0.9 and s.avg_generation_tps == 33.0
+
+
+def test_derive_load_turns_counters_into_rates() -> None:
+    a = parse_metrics_text(METRICS, at=10.0)
+    b = parse_metrics_text(
+        METRICS.replace("1000.0", "1200.0").replace("} 2.0", "} 3.0").replace("} 100.0", "} 150.0"),
+        at=12.0,
+    )
+    tps, itl = derive_load(a, b, None)
+    assert tps == pytest.approx(100.0)
+    assert itl == pytest.approx(20.0)  # 1 s over 50 tokens
+    # No new tokens: the last known ITL is kept.
+    assert derive_load(b, b, 7.0)[1] == 7.0
+
+
+def test_split_events_keeps_partial_tail() -> None:
+    buf = bytearray(b'data: {"a":1}\n\ndata: [DONE]\n\ndata: {"b"')
+    events = split_events(buf)
+    assert [event_data(e) for e in events] == [b'{"a":1}', b"[DONE]"]
+    assert bytes(buf) == b'data: {"b"'
+    assert event_data(b": keep-alive") is None
+
+
+def test_chunk_parts_chat_and_completion() -> None:
+    role = {"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    assert chunk_parts(role, chat=True).role_only
+    tok = chunk_parts({"choices": [{"delta": {"content": " hi"}}]}, chat=True)
+    assert tok.text == " hi" and not tok.role_only
+    fin = chunk_parts({"choices": [{"text": "", "finish_reason": "scheduled"}]}, chat=False)
+    assert fin.finish_reason == "scheduled"
+    usage = chunk_parts({"choices": [], "usage": {"completion_tokens": 3}}, chat=True)
+    assert usage.usage == {"completion_tokens": 3}
+
+
+def test_chunk_builder_is_one_stream() -> None:
+    b = ChunkBuilder(chat=True, request_id="chatcmpl-x", model="m", created=1)
+    chunks = [b.role(), b.text(" a"), b.finish("length"), b.usage(5, 1)]
+    bodies = [json.loads(c[6:]) for c in chunks]
+    assert {body["id"] for body in bodies} == {"chatcmpl-x"}
+    assert bodies[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert bodies[3]["choices"] == [] and bodies[3]["usage"]["total_tokens"] == 6
+    tricky = ' "quoted"\n\u00e9\u0000'
+    for chat in (True, False):
+        builder = ChunkBuilder(chat=chat, request_id="x", model="m", created=1)
+        choice = json.loads(builder.text(tricky)[6:])["choices"][0]
+        assert (choice["delta"]["content"] if chat else choice["text"]) == tricky
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "code"),
+    [
+        (b"{not json", None, "invalid_json"),
+        (b"[1, 2]", None, "invalid_type"),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', "model", "missing_field"),
+        (b'{"model": 3, "messages": []}', "model", "invalid_type"),
+        (b'{"model": "m"}', "messages", "missing_field"),
+        (b'{"model": "m", "messages": "hi"}', "messages", "invalid_type"),
+        (b'{"model": "m", "messages": [{"content": "x"}]}', "messages[0]", "invalid_type"),
+        (
+            b'{"model": "m", "messages": [{"role": "user"}], "stream": "yes"}',
+            "stream",
+            "invalid_type",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": "5"}',
+            "max_tokens",
+            "invalid_type",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": 0}',
+            "max_tokens",
+            "invalid_value",
+        ),
+    ],
+)
+def test_bad_chat_bodies_name_the_problem(raw: bytes, param: str | None, code: str) -> None:
+    with pytest.raises(RouterError) as info:
+        check_request(parse_body(raw), chat=True)
+    assert info.value.status == 400
+    assert info.value.param == param and info.value.code == code
+
+
+def test_completion_needs_a_prompt() -> None:
+    with pytest.raises(RouterError) as info:
+        check_request({"model": "m", "prompt": {"x": 1}}, chat=False)
+    assert info.value.param == "prompt"
+    assert check_request({"model": "m", "prompt": "a b", "max_tokens": 4}, chat=False) == (
+        "m",
+        False,
+        False,
+        4,
+    )
+
+
+def test_policy_documents_are_validated_with_the_shared_schema() -> None:
+    full = {"name": "p", "version": 3, "knobs": PolicyKnobs().as_dict()}
+    record = parse_policy(full)
+    assert (record.name, record.version) == ("p", 3)
+    bad = dict(full, knobs=dict(full["knobs"], gpu_cache_threshold=150))
+    with pytest.raises(PolicyError) as info:
+        parse_policy(bad)
+    assert info.value.field == "gpu_cache_threshold"
+    partial = {k: v for k, v in full["knobs"].items() if k != "mode"}
+    with pytest.raises(PolicyError):  # the control plane always sends every knob
+        parse_policy(dict(full, knobs=partial))
+    assert parse_policy({"mode": "gpu-only"}).knobs.mode == "gpu-only"  # a partial file
+
+
+def test_deployment_spec_from_api() -> None:
+    spec = DeploymentSpec.from_api(
+        {
+            "id": 3,
+            "name": "d",
+            "model": "m",
+            "policy": "default",
+            "pd_protocol": "vllm",
+            "generation": 2,
+            "state": "running",
+            "gpu_url": "http://g",
+            "cpu_url": None,
+        }
+    )
+    assert spec.pd_protocol == "vllm" and spec.cpu_url is None
+    with pytest.raises(ValueError, match="pd_protocol"):
+        DeploymentSpec.from_api(
+            {"id": 1, "name": "d", "model": "m", "gpu_url": "x", "pd_protocol": "grpc"}
+        )
+
+
+def test_ejection_backs_off_and_caps() -> None:
+    assert [ejection_seconds(n) for n in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+    backend = Backend("http://x", "cpu", Timeouts())
+    assert not backend.record_failure(100.0, connect_failed=False, may_eject=True)
+    assert not backend.record_failure(100.0, connect_failed=False, may_eject=True)
+    assert backend.record_failure(100.0, connect_failed=False, may_eject=True)
+    assert not backend.available(100.5) and backend.available(101.0)
+    # The last available backend is never ejected.
+    for _ in range(5):
+        assert not backend.record_failure(200.0, connect_failed=False, may_eject=False)
+    assert backend.available(200.0)
+
+
+def test_requests_go_to_the_least_loaded_replica_of_their_model() -> None:
+    import asyncio
+
+    from router.state import RouterState
+
+    def spec(ident: int, model: str, port: int) -> DeploymentSpec:
+        return DeploymentSpec(
+            ident, f"d{ident}", model, "default", "syshax", f"http://127.0.0.1:{port}", None
+        )
+
+    async def check() -> None:
+        state = RouterState(Timeouts())
+        state.set_deployments([spec(1, "a", 9001), spec(2, "a", 9002), spec(3, "b", 9003)])
+        try:
+            assert sorted(state.by_model) == ["a", "b"]
+            first, second = state.by_model["a"]
+            first.gpu.inflight = 5
+            assert state.choose("a") is second
+            second.gpu.inflight = 9
+            assert state.choose("a") is first
+            assert state.choose("missing") is None
+            # A replacement set keeps the pooled backend of a URL it already knew.
+            pooled = first.gpu
+            state.set_deployments([spec(1, "a", 9001)])
+            assert state.by_model["a"][0].gpu is pooled
+        finally:
+            await state.close()
+
+    asyncio.run(check())
+
+
+def test_cli_help_lists_every_knob() -> None:
+    import argparse
+
+    from router.cli import add_arguments, parse_size
+    from syshax.policy_schema import KNOBS
+
+    parser = argparse.ArgumentParser(prog="syshax router")
+    add_arguments(parser)
+    text = parser.format_help()
+    for knob in KNOBS:
+        assert "--" + knob.name.replace("_", "-") in text
+    assert parse_size("10MB") == 10 * 1024**2 and parse_size("2KB") == 2048
+    assert parse_size("512") == 512
+
+
+def test_dechunk_handles_reads_split_anywhere() -> None:
+    from router.rawhttp import _Broken, _dechunk
+
+    body = b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    for cut in range(len(body) + 1):
+        out1, rest, done1 = _dechunk(body[:cut])
+        assert not done1 or cut == len(body)
+        out2, rest, done2 = (b"", b"", True) if done1 else _dechunk(rest + body[cut:])
+        assert out1 + out2 == b"hello world", cut
+        assert done2 and rest == b""
+    with pytest.raises(_Broken):
+        _dechunk(b"zz\r\nhello\r\n")
+    # Chunk extensions are allowed and ignored.
+    assert _dechunk(b"3;ext=1\r\nabc\r\n") == (b"abc", b"", False)
+
+
+def test_header_fields_are_found_case_insensitively() -> None:
+    from router.rawhttp import _field
+
+    block = b"\r\n" + b"Content-Type: text/event-stream\r\nTransfer-Encoding:  chunked\r\n".lower()
+    assert _field(block, b"transfer-encoding") == b"chunked"
+    assert _field(block, b"content-type") == b"text/event-stream"
+    assert _field(block, b"content-length") == b""
