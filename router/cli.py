@@ -54,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10 * 1024**2,
         help="largest request body, e.g. 10MB (default)",
     )
+    parser.add_argument(
+        "--no-mode-header",
+        action="store_true",
+        help="ignore X-Syshax-Mode (the per-request forced policy mode benchmarks use)",
+    )
     parser.add_argument("--connect-timeout", type=float, default=3.0)
     parser.add_argument("--first-byte-timeout", type=float, default=120.0)
     parser.add_argument(
@@ -222,6 +227,7 @@ async def serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
+        allow_mode_header=not args.no_mode_header,
         timeouts=Timeouts(
             args.connect_timeout,
             args.first_byte_timeout,

@@ -23,6 +23,7 @@ from router.rawhttp import request as raw_request
 from router.sse import DONE, ChunkBuilder, chunk_parts, event_data, full_response, split_events
 from router.state import Deployment, RouterState
 from router.upstream import UpstreamFailed, iter_body, post, post_json
+from syshax.policy_schema import PolicyKnobs
 
 log = logging.getLogger("syshax.router")
 
@@ -54,6 +55,8 @@ class ClientRequest:
     include_usage: bool
     max_tokens: int | None
     received_at: float
+    # Knobs forced for this request by the X-Syshax-Mode header (benchmarks); None: the policy.
+    knobs: PolicyKnobs | None = None
 
 
 class Exchange:
@@ -357,7 +360,7 @@ class Exchange:
                 break
             if not on_cpu:
                 continue
-            knobs = self.state.policy_for(self.deployment).knobs
+            knobs = self.req.knobs or self.state.policy_for(self.deployment).knobs
             loads = self.deployment.loads(time.monotonic())
             nxt = decide_next_chunk(knobs, loads)
             if nxt.route is Route.PD:

@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -21,6 +21,7 @@ from router.metrics import RouterMetrics
 from router.state import Deployment, RouterState
 from router.upstream import UpstreamFailed
 from router.validate import check_request, parse_body
+from syshax.policy_schema import MODES, PolicyKnobs
 
 log = logging.getLogger("syshax.router")
 
@@ -47,6 +48,8 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 10 * 1024 * 1024
     timeouts: Timeouts = field(default_factory=Timeouts)
+    # Honour X-Syshax-Mode (per-request forced policy mode) from clients.
+    allow_mode_header: bool = True
 
 
 class Router:
@@ -68,9 +71,39 @@ class Router:
         )
 
 
-def _fallback(router: Router, deployment: Deployment, failed: Route) -> Decision | None:
+MODE_HEADER = "X-Syshax-Mode"
+
+
+def _knobs(router: Router, deployment: Deployment, req: ClientRequest) -> PolicyKnobs:
+    return req.knobs or router.state.policy_for(deployment).knobs
+
+
+def forced_knobs(base: PolicyKnobs, header: str | None) -> PolicyKnobs | None:
+    """The policy with its mode forced by the X-Syshax-Mode header, so the benchmark's CPU,
+    GPU and hetero modes run through one router on the same engines. ``auto`` forces the
+    heterogeneous scheduler on (PD offload enabled) whatever the live policy says."""
+    if header is None:
+        return None
+    mode = header.strip().lower()
+    if mode not in MODES:
+        raise RouterError(
+            400,
+            f"{MODE_HEADER} must be one of {', '.join(MODES)}; got {header!r}",
+            param=MODE_HEADER,
+            code="invalid_mode",
+        )
+    return replace(
+        base,
+        mode=mode,
+        enable_auto_pd_offload=True if mode == "auto" else base.enable_auto_pd_offload,
+    )
+
+
+def _fallback(
+    router: Router, deployment: Deployment, failed: Route, req: ClientRequest
+) -> Decision | None:
     """The next route after ``failed`` could not be served, or None when nothing is left."""
-    knobs = router.state.policy_for(deployment).knobs
+    knobs = _knobs(router, deployment, req)
     now = time.monotonic()
     cpu_ok = deployment.cpu is not None and deployment.cpu.available(now)
     cpu_allowed = knobs.mode != "gpu-only" and (
@@ -90,7 +123,7 @@ async def _serve(
     deployment: Deployment,
     decision: Decision,
 ) -> web.StreamResponse:
-    knobs = router.state.policy_for(deployment).knobs
+    knobs = _knobs(router, deployment, req)
     metrics = router.metrics
     exchange = Exchange(
         http, req, router.state, deployment, metrics, router.config.timeouts.first_byte
@@ -126,7 +159,7 @@ async def _serve(
                     exchange.record_failure(exc)
                     if exchange.started_output:
                         return await _abort_stream(exchange, str(exc))
-                    nxt = _fallback(router, deployment, decision.route)
+                    nxt = _fallback(router, deployment, decision.route, req)
                     if nxt is None:
                         raise unavailable(
                             f"{exc}; no other engine can serve this request",
@@ -193,7 +226,11 @@ async def completions(http: web.Request) -> web.StreamResponse:
         max_tokens=max_tokens,
         received_at=received,
     )
-    knobs = router.state.policy_for(deployment).knobs
+    if router.config.allow_mode_header:
+        req.knobs = forced_knobs(
+            router.state.policy_for(deployment).knobs, http.headers.get(MODE_HEADER)
+        )
+    knobs = _knobs(router, deployment, req)
     decision = decide(knobs, deployment.loads(time.monotonic()))
     if decision.route is Route.PD and (body.get("n") or 1) > 1:
         # Splicing several choices across engines is not worth it; the GPU serves n > 1.

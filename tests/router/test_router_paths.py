@@ -290,3 +290,33 @@ def test_engine_refusals_pass_through_and_do_not_count_against_it(
     assert metric(router, "syshax_router_backend_errors_total") == 0
     assert metric(router, "syshax_router_requests_total", outcome="client_error") == 2
     assert router.get("/health").json()["backends"][0]["up"]
+
+
+def test_the_mode_header_forces_a_policy_mode_per_request(
+    engines: tuple[Proc, Proc], router_factory: Callable[..., Proc]
+) -> None:
+    """Benchmarks run CPU, GPU and hetero mode through one router on the same engines."""
+    gpu, cpu = engines
+    router = router_factory(gpu.url, cpu.url, "--mode", "gpu-only")
+    for forced, route in (("cpu-only", "cpu-only"), ("forced-pd", "pd"), ("gpu-only", "gpu-only")):
+        seen, chunks, _ = stream_chat(router, 6, extra_headers={"X-Syshax-Mode": forced})
+        assert seen == route, forced
+        assert_one_continuous_stream(chunks, 6)
+    bad = httpx.post(
+        router.url + "/v1/chat/completions",
+        headers={"X-Syshax-Mode": "turbo"},
+        json={"model": MODEL, "messages": PROMPT, "max_tokens": 2},
+        timeout=10,
+    )
+    assert bad.status_code == 400
+    error = bad.json()["error"]
+    assert error["param"] == "X-Syshax-Mode" and "turbo" in error["message"]
+
+
+def test_the_mode_header_can_be_switched_off(
+    engines: tuple[Proc, Proc], router_factory: Callable[..., Proc]
+) -> None:
+    gpu, cpu = engines
+    router = router_factory(gpu.url, cpu.url, "--mode", "gpu-only", "--no-mode-header")
+    seen, _, _ = stream_chat(router, 4, extra_headers={"X-Syshax-Mode": "cpu-only"})
+    assert seen == "gpu-only"
