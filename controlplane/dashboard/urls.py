@@ -2,10 +2,40 @@ from __future__ import annotations
 
 from django.urls import path
 
-from controlplane.dashboard import views
+from controlplane.dashboard.views import benchmarks, deployments, nodes, overview, policy
 
 app_name = "dashboard"
 
 urlpatterns = [
-    path("", views.overview, name="overview"),
+    path("", overview.overview, name="overview"),
+    path("live/accelerators.json", overview.accelerators_json, name="accelerators-json"),
+    path("nodes/", nodes.node_list, name="nodes"),
+    path("nodes/<str:name>/", nodes.node_detail, name="node"),
+    path("deployments/", deployments.deployment_list, name="deployments"),
+    path("deployments/new/", deployments.deployment_create, name="deployment-create"),
+    path("deployments/<int:pk>/", deployments.deployment_detail, name="deployment"),
+    path(
+        "deployments/<int:pk>/timeline.json",
+        deployments.deployment_timeline,
+        name="deployment-timeline",
+    ),
+    path(
+        "deployments/<int:pk>/<slug:action>/",
+        deployments.deployment_action,
+        name="deployment-action",
+    ),
+    path("policy/", policy.policy_index, name="policies"),
+    path("policy/<slug:name>/", policy.policy_detail, name="policy"),
+    path("policy/<slug:name>/rollback/", policy.policy_rollback, name="policy-rollback"),
+    path("benchmarks/", benchmarks.benchmark_list, name="benchmarks"),
+    path("benchmarks/new/", benchmarks.benchmark_create, name="benchmark-create"),
+    path("benchmarks/compare/", benchmarks.benchmark_compare, name="benchmark-compare"),
+    path("benchmarks/<int:pk>/", benchmarks.benchmark_detail, name="benchmark"),
+    path("benchmarks/<int:pk>/charts/", benchmarks.benchmark_charts, name="benchmark-charts"),
+    path(
+        "benchmarks/<int:pk>/progress.json",
+        benchmarks.benchmark_progress,
+        name="benchmark-progress",
+    ),
+    path("benchmarks/<int:pk>/cancel/", benchmarks.benchmark_cancel, name="benchmark-cancel"),
 ]

@@ -1,0 +1,126 @@
+"""Dashboard forms. They collect input; the owning apps' services validate and act.
+
+Field rules live once, in the services and models (placement, policy schema, run clean()), so
+these forms only convert text to values and put the errors those layers raise beside the
+field they name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.core.exceptions import ValidationError
+from rest_framework import serializers
+
+from controlplane.benchmarks.api.serializers import ConcurrencyField
+from controlplane.benchmarks.choices import BenchmarkMode
+from controlplane.benchmarks.models import Scenario
+from controlplane.deployments.models import Deployment, DeploymentProfile
+from controlplane.inventory.models import Node, node_name_validator
+from controlplane.policy.models import SchedulingPolicy
+from syshax.policy_schema import KNOBS, Knob
+
+
+class DeploymentCreateForm(forms.Form):
+    name = forms.CharField(
+        max_length=63,
+        validators=[node_name_validator],
+        help_text="lower-case letters, digits and '-'",
+    )
+    profile = forms.ModelChoiceField(queryset=DeploymentProfile.objects.all())
+    node = forms.ModelChoiceField(queryset=Node.objects.all(), to_field_name="name")
+    policy = forms.ModelChoiceField(
+        queryset=SchedulingPolicy.objects.all(),
+        required=False,
+        empty_label="default",
+        help_text="the PD policy its routers apply",
+    )
+    start = forms.BooleanField(required=False, initial=True, label="Deploy now")
+
+    def clean_name(self) -> str:
+        name: str = self.cleaned_data["name"]
+        if Deployment.objects.filter(name=name).exists():
+            raise ValidationError(f"a deployment named {name!r} already exists")
+        return name
+
+    def add_service_error(self, field: str, message: str) -> None:
+        """Put an error a service raised beside its field; profile knobs go to the node."""
+        if field in self.fields:
+            self.add_error(field, message)
+        else:
+            self.add_error("node", f"{field}: {message}")
+
+
+def knob_field(knob: Knob) -> forms.Field:
+    attrs: dict[str, Any] = {"aria-describedby": f"meaning-{knob.name}"}
+    if knob.minimum is not None:
+        attrs["min"] = knob.minimum
+    if knob.maximum is not None:
+        attrs["max"] = knob.maximum
+    common: dict[str, Any] = {"label": knob.name, "help_text": knob.meaning}
+    if knob.kind is bool:
+        return forms.BooleanField(required=False, **common)
+    if knob.choices is not None:
+        return forms.ChoiceField(choices=[(c, c) for c in knob.choices], **common)
+    if knob.kind is int:
+        return forms.IntegerField(widget=forms.NumberInput(attrs=attrs), **common)
+    return forms.FloatField(widget=forms.NumberInput(attrs={**attrs, "step": "any"}), **common)
+
+
+class PolicyForm(forms.Form):
+    """Every knob of syshax.policy_schema plus the reason the change is recorded with."""
+
+    reason = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 2}),
+        max_length=2000,
+        help_text="why this change; it is stored with the revision",
+    )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        reason = self.fields.pop("reason")
+        for knob in KNOBS:
+            self.fields[knob.name] = knob_field(knob)
+        self.fields["reason"] = reason
+
+    def knob_values(self) -> dict[str, Any]:
+        return {knob.name: self.cleaned_data[knob.name] for knob in KNOBS}
+
+    def knob_fields(self) -> list[tuple[forms.BoundField, Knob]]:
+        return [(self[knob.name], knob) for knob in KNOBS]
+
+
+class BenchmarkRunForm(forms.Form):
+    name = forms.CharField(max_length=128, required=False)
+    scenario = forms.ModelChoiceField(queryset=Scenario.objects.all(), to_field_name="name")
+    deployment = forms.ModelChoiceField(
+        queryset=Deployment.objects.all(), required=False, empty_label="(a target URL instead)"
+    )
+    target_url = forms.URLField(
+        required=False, assume_scheme="http", help_text="router or engine URL"
+    )
+    mode = forms.ChoiceField(choices=BenchmarkMode.choices, initial=BenchmarkMode.HETERO)
+    concurrency = forms.CharField(initial="1,2,4,8", help_text="levels: 8, 1,2,4,8 or a range 1-8")
+    iterations = forms.IntegerField(initial=100)
+    warmup = forms.IntegerField(initial=0)
+
+    def clean_concurrency(self) -> list[int]:
+        raw = self.cleaned_data["concurrency"].strip()
+        value: Any = int(raw) if raw.isdigit() else raw
+        try:
+            levels: list[int] = ConcurrencyField().to_internal_value(value)
+        except serializers.ValidationError as exc:
+            raise ValidationError([str(d) for d in exc.detail]) from None
+        return levels
+
+    def run_fields(self) -> dict[str, Any]:
+        data = dict(self.cleaned_data)
+        data["target_url"] = data.get("target_url") or ""
+        return data
+
+    def add_model_errors(self, exc: ValidationError) -> None:
+        for field, messages in exc.message_dict.items():
+            target = field if field in self.fields else None
+            for message in messages:
+                self.add_error(target, message)

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+from django.contrib.auth.decorators import login_required
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, render
+
+from controlplane.dashboard import charts, services
+from controlplane.inventory.models import Node
+
+HEARTBEAT_HISTORY = 60
+
+
+@login_required
+def node_list(request: HttpRequest) -> HttpResponse:
+    nodes = Node.objects.prefetch_related("accelerators").select_related("cpu")
+    return render(request, "dashboard/node_list.html", {"nodes": nodes})
+
+
+@login_required
+def node_detail(request: HttpRequest, name: str) -> HttpResponse:
+    node = get_object_or_404(Node.objects.select_related("cpu"), name=name)
+    heartbeats = list(node.heartbeats.all()[:HEARTBEAT_HISTORY])
+    oldest_first = list(reversed(heartbeats))
+    context = {
+        "node": node,
+        "alive": node.is_alive(),
+        "topology": services.node_topology(node),
+        "accelerators": list(node.accelerators.all()),
+        "deployments": list(node.deployments.select_related("profile")),
+        "heartbeats": heartbeats[:15],
+        "heartbeat_count": len(heartbeats),
+        "cpu_spark": charts.sparkline(
+            [hb.cpu_percent for hb in oldest_first],
+            title=f"CPU use of node {node.name} over its last {len(heartbeats)} heartbeats",
+        ),
+    }
+    return render(request, "dashboard/node_detail.html", context)
