@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.db import transaction
+from django.db import connections, transaction
 from django.utils import timezone
 
 from controlplane.benchmarks.choices import RunStatus
@@ -83,8 +83,16 @@ def execute(run_id: int) -> str:
         return not BenchmarkRun.objects.filter(pk=run_id, cancel_requested=True).exists()
 
     started = timezone.now()
+    async def measure_then_close() -> list[Any]:
+        try:
+            return await measure(plan, report)
+        finally:
+            # report() ran in asgiref's shared thread, which keeps its own connection open;
+            # close it so a long-lived worker holds none between runs.
+            await sync_to_async(connections.close_all)()
+
     try:
-        rows = asyncio.run(measure(plan, report))
+        rows = asyncio.run(measure_then_close())
     except Cancelled:
         _finish(run_id, RunStatus.CANCELLED, error="cancelled by request")
         return RunStatus.CANCELLED
