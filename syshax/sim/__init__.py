@@ -1,0 +1,1 @@
+"""A vLLM-compatible engine simulator: API, metrics, timing and KV handoff (docs/simulator.md)."""

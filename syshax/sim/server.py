@@ -1,0 +1,390 @@
+"""The HTTP face of the simulator: vLLM's OpenAI-compatible routes plus /sim/* introspection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from syshax import __version__
+from syshax.sim import kvshm, responses
+from syshax.sim.engine import EngineConfig, SimEngine
+from syshax.sim.handoff import Handoff, HandoffPlan
+from syshax.sim.kvshm import HandoffError
+from syshax.sim.metrics import MetricsMode, build_registry, render
+from syshax.sim.protocol import ApiError, ParsedRequest, check_length, decode_json, parse_request
+from syshax.sim.scheduler import FinishReason, Sequence
+from syshax.sim.tokens import natural_length, request_rng
+
+log = logging.getLogger("syshax.sim")
+
+VLLM_API_VERSION = "0.11.0"  # the vLLM whose API and metric names the simulator follows
+
+
+@dataclass
+class ServerSettings:
+    host: str
+    metrics_mode: MetricsMode
+    shm_dir: Path
+    kv_lease_seconds: float
+
+
+class SimServer:
+    def __init__(self, engine: SimEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        cfg = engine.config
+        self.model_name = cfg.served_model_name
+        self.max_model_len = engine.capacity.max_model_len
+        self.port_ref = [0]
+        self.handoff = Handoff(
+            shm_dir=settings.shm_dir,
+            engine_id=cfg.engine_id,
+            served_model_name=cfg.served_model_name,
+            model=cfg.model,
+            device=cfg.device,
+            lease_seconds=settings.kv_lease_seconds,
+            block_size=cfg.block_size,
+            host=settings.host,
+            port_ref=self.port_ref,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            seed=cfg.seed,
+        )
+        self.registry = build_registry(engine, settings.metrics_mode)
+        self.created = int(time.time())
+        self._reaper: asyncio.Task[None] | None = None
+        self.reclaimed = 0
+
+    # -- application ---------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._errors])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/sim/requests", self.sim_requests)
+        app.router.add_get("/sim/info", self.sim_info)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, app: web.Application) -> None:
+        self.engine.start()
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+
+    async def _cleanup(self, app: web.Application) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await self.engine.stop()
+
+    async def _reap_forever(self) -> None:
+        interval = min(5.0, max(0.1, self.settings.kv_lease_seconds / 4))
+        while True:
+            await asyncio.sleep(interval)
+            for path in kvshm.reap(self.settings.shm_dir):
+                self.reclaimed += 1
+                log.info("reclaimed leaked KV segment %s", path)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            response: web.StreamResponse = await handler(request)
+            return response
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        except HandoffError as exc:
+            err = ApiError(exc.status, exc.message, exc.param, exc.err_type)
+            return web.json_response(err.body(), status=exc.status)
+
+    # -- simple routes -------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VLLM_API_VERSION})
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "vllm",
+            "root": self.engine.config.model.hf_id,
+            "parent": None,
+            "max_model_len": self.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{uuid.uuid4().hex}",
+                    "object": "model_permission",
+                    "created": self.created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=render(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def sim_requests(self, request: web.Request) -> web.Response:
+        items = self.engine.ring.snapshot()
+        since = request.query.get("since")
+        if since is not None:
+            try:
+                cutoff = float(since)
+            except ValueError:
+                raise ApiError(400, "since must be epoch seconds", "since") from None
+            items = [r for r in items if r["received_at"] >= cutoff]
+        limit = request.query.get("limit")
+        if limit is not None:
+            if not limit.isdigit():
+                raise ApiError(400, "limit must be a non-negative integer", "limit")
+            items = items[len(items) - int(limit) :] if int(limit) else []
+        unpacked = [
+            {
+                **r,
+                "token_times": r["token_times"].tolist(),
+                "emitted_times": r["emitted_times"].tolist(),
+            }
+            for r in items
+        ]
+        return web.json_response(
+            {
+                "engine_id": self.engine.config.engine_id,
+                "speed": self.engine.speed,
+                "requests": unpacked,
+            }
+        )
+
+    async def sim_info(self, request: web.Request) -> web.Response:
+        cfg = self.engine.config
+        sched = self.engine.scheduler
+        return web.json_response(
+            {
+                "simulator_version": __version__,
+                "engine_id": cfg.engine_id,
+                "role": "cpu" if cfg.device.is_cpu else "gpu",
+                "device": cfg.device.name,
+                "device_kind": cfg.device.kind,
+                "model": cfg.model.name,
+                "served_model_name": cfg.served_model_name,
+                "speed": cfg.speed,
+                "seed": cfg.seed,
+                "max_model_len": self.max_model_len,
+                "cores": cfg.device.cores,
+                "numa_nodes": cfg.device.numa_nodes,
+                "effective_flops": self.engine.hw.flops,
+                "effective_bandwidth": self.engine.hw.bandwidth,
+                "max_num_seqs": cfg.max_num_seqs,
+                "num_kv_blocks": sched.config.num_blocks,
+                "block_size": cfg.block_size,
+                "kv_bytes_per_token": cfg.model.kv_bytes_per_token,
+                "shm_dir": str(self.settings.shm_dir),
+                "kv_lease_seconds": self.settings.kv_lease_seconds,
+                "segments_reclaimed": self.reclaimed,
+                "late_steps": self.engine.late_steps,
+            }
+        )
+
+    # -- generation ----------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(
+        self, request: web.Request, kind: Literal["chat", "completion"]
+    ) -> web.StreamResponse:
+        req = parse_request(kind, decode_json(await request.read()))
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(404, f"The model `{req.model}` does not exist.", "model")
+        max_new = check_length(req, self.max_model_len)
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        response_id = req.request_id_inference or f"{prefix}{uuid.uuid4().hex}"
+        plan = self.handoff.prepare(req, response_id)
+        seq = self._sequence(req, response_id, max_new, plan)
+        created = int(time.time())
+        if req.stream:
+            return await self._stream(request, req, seq, plan, created)
+        sink = responses.CollectSink(request.transport)
+        seq.sink = sink
+        self.engine.submit(seq)
+        await sink.done
+        reason, extra = await self._after(seq, plan)
+        body = responses.full_response(
+            kind,
+            seq.request_id,
+            created,
+            self.model_name,
+            "".join(sink.parts),
+            reason,
+            req.prompt_tokens,
+            seq.generated,
+        )
+        body.update(extra)
+        return web.json_response(body)
+
+    def _sequence(
+        self, req: ParsedRequest, response_id: str, max_new: int, plan: HandoffPlan
+    ) -> Sequence:
+        seed = self.engine.config.seed
+        rng = request_rng(seed, f"{req.prompt_key}|{req.resumed_tokens}")
+        stop_at = None
+        if req.max_tokens is None and not req.ignore_eos:
+            stop_at = natural_length(rng, max_new)
+        return Sequence(
+            request_id=response_id,
+            prompt_tokens=req.prompt_tokens,
+            resumed_tokens=req.resumed_tokens,
+            max_new_tokens=max_new,
+            rng=rng,
+            new_token_limit=plan.new_token_limit,
+            stop_at=stop_at,
+            imported_tokens=plan.imported_tokens,
+            ready_at=self.engine.sim_now() + plan.import_seconds,
+        )
+
+    async def _after(self, seq: Sequence, plan: HandoffPlan) -> tuple[str, dict[str, Any]]:
+        """Publish the KV a finished chunk leaves behind; returns (finish reason, extra fields)."""
+        reason = seq.finish_reason or FinishReason.ABORT
+        extra: dict[str, Any] = {}
+        publish_syshax = reason == FinishReason.SCHEDULED and plan.sequence_id is not None
+        if (publish_syshax or plan.vllm_prefill) and reason != FinishReason.ABORT:
+            tokens = seq.computed
+            await asyncio.sleep(self.handoff.export_seconds(tokens) / self.engine.speed)
+            if publish_syshax and plan.sequence_id is not None:
+                self.handoff.publish_syshax(plan.sequence_id, tokens)
+            else:
+                published = self.handoff.publish_vllm(seq.request_id, tokens)
+                extra["kv_transfer_params"] = published.kv_transfer_params
+        return reason.value, extra
+
+    async def _stream(
+        self,
+        request: web.Request,
+        req: ParsedRequest,
+        seq: Sequence,
+        plan: HandoffPlan,
+        created: int,
+    ) -> web.StreamResponse:
+        kind = req.kind
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        resp.enable_chunked_encoding()
+        # A StreamResponse sends its headers in prepare(), so from here on the engine can
+        # write token chunks straight to the transport. Completions have no role chunk.
+        await resp.prepare(request)
+        if kind == "chat":
+            await resp.write(responses.role_chunk(seq.request_id, created, self.model_name))
+        prefix, suffix = responses.token_template(kind, seq.request_id, created, self.model_name)
+        sink = responses.StreamSink(request.transport, prefix, suffix)
+        seq.sink = sink
+        self.engine.submit(seq)
+        await sink.done
+        if seq.finish_reason == FinishReason.ABORT:
+            return resp
+        reason, extra = await self._after(seq, plan)
+        try:
+            final = responses.finish_chunk(kind, seq.request_id, created, self.model_name, reason)
+            if extra:
+                final = (
+                    responses.sse(
+                        {
+                            **responses.chunk_header(
+                                kind, seq.request_id, created, self.model_name
+                            ),
+                            "choices": [],
+                            **extra,
+                        }
+                    )
+                    + final
+                )
+            await resp.write(final)
+            if req.include_usage:
+                await resp.write(
+                    responses.usage_chunk(
+                        kind,
+                        seq.request_id,
+                        created,
+                        self.model_name,
+                        req.prompt_tokens,
+                        seq.generated,
+                    )
+                )
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, RuntimeError):
+            pass  # the client left after its last token
+        return resp
+
+
+async def serve(
+    config: EngineConfig, settings: ServerSettings, port: int, ready_file: Path | None
+) -> None:
+    """Run one engine until SIGINT/SIGTERM. ``port`` 0 binds a free port (see ``ready_file``)."""
+    engine = SimEngine(config)
+    server = SimServer(engine, settings)
+    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    host = settings.host
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound = int(sock.getsockname()[1])
+    server.port_ref[0] = bound
+    await web.SockSite(runner, sock).start()
+    cap = engine.capacity
+    log.info(
+        "engine %s: %s on %s, %d KV blocks (%.1f GiB), max_model_len %d, speed %gx, "
+        "listening on http://%s:%d",
+        config.engine_id,
+        config.model.name,
+        config.device.name,
+        cap.num_blocks,
+        cap.kv_bytes / 2**30,
+        cap.max_model_len,
+        engine.speed,
+        host,
+        bound,
+    )
+    if ready_file is not None:
+        tmp = ready_file.with_name(ready_file.name + ".tmp")
+        tmp.write_text(f"{bound}\n")
+        tmp.replace(ready_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,88 @@
+"""Counters, histograms and the recent-request ring that the engine keeps.
+
+Kept as plain Python objects (not prometheus_client metrics) because the engine updates them
+for every token of every stream; ``metrics.py`` renders them at scrape time.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+# vLLM's own bucket boundaries (vllm/v1/metrics/loggers.py and the 0.4 series).
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+THROUGHPUT_WINDOW_S = 5.0  # vLLM 0.4's stats log interval, over which avg_*_throughput ran
+
+
+class Histogram:
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.sum += value * times
+        self.count += times
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, n in zip(self.bounds, self.counts, strict=False):
+            running += n
+            out.append((repr(float(bound)), float(running)))
+        out.append(("+Inf", float(self.count)))
+        return out
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    # (sim time, prompt tokens, generation tokens) per step, for the legacy averages
+    recent_steps: deque[tuple[float, int, int]] = field(default_factory=deque)
+
+    def record_step(self, now: float, prompt_tokens: int, generation_tokens: int) -> None:
+        self.recent_steps.append((now, prompt_tokens, generation_tokens))
+        horizon = now - THROUGHPUT_WINDOW_S
+        while self.recent_steps and self.recent_steps[0][0] < horizon:
+            self.recent_steps.popleft()
+
+    def throughputs(self, now: float) -> tuple[float, float]:
+        """(prompt, generation) tokens per simulated second over the last window."""
+        horizon = now - THROUGHPUT_WINDOW_S
+        prompt = sum(p for t, p, _ in self.recent_steps if t >= horizon)
+        generation = sum(g for t, _, g in self.recent_steps if t >= horizon)
+        span = min(THROUGHPUT_WINDOW_S, max(now, 1e-9))
+        return prompt / span, generation / span
+
+
+class RequestRing:
+    """The last ``size`` finished requests with their own timings (epoch seconds)."""
+
+    def __init__(self, size: int) -> None:
+        self.items: deque[dict[str, Any]] = deque(maxlen=size)
+
+    def add(self, item: dict[str, Any]) -> None:
+        self.items.append(item)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return list(self.items)
