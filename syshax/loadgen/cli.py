@@ -1,0 +1,264 @@
+"""``syshax benchmark``: run a scenario against one or more targets and print the table.
+
+Example: ``syshax benchmark --scenario short --concurrency 1-16 --iterations 100
+--target-gpu http://gpu:7001 --target-cpu http://cpu:7002 --json short.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from syshax.loadgen.client import (
+    APIS,
+    StreamClient,
+    TargetUnavailable,
+    discover_model,
+    make_session,
+)
+from syshax.loadgen.progress import ProgressBar
+from syshax.loadgen.report import Row, format_errors, format_ratios, format_table, to_json
+from syshax.loadgen.runner import LoadSpec, run_async, run_load, use_realtime_priority
+from syshax.loadgen.scenarios import SCENARIOS, Scenario, parse_concurrency, resolve_scenario
+from syshax.loadgen.stats import SLO, summarize
+from syshax.loadgen.targets import BENCHMARK_MODES, MODE_CHOICES, Target, plan_targets
+from syshax.loadgen.wire import ConnectionPool
+from syshax.loadgen.workload import build_requests
+
+CONTROL_PLANE_ENV = "SYSHAX_CONTROL_PLANE_URL"
+# Warm-up requests get indexes from here on, so they never collide with measured ones.
+_WARMUP_INDEX = 1_000_000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    shape = parser.add_argument_group("what to send")
+    shape.add_argument("--scenario", default="short", choices=[*SCENARIOS, "custom"])
+    shape.add_argument("--input-tokens", type=int, help="override the scenario's prompt length")
+    shape.add_argument("--output-tokens", type=int, help="override the scenario's output length")
+    shape.add_argument(
+        "--concurrency",
+        help="level(s): 8, a list 1,2,4,8 or a range 1-8 (doubling: 1,2,4,8); "
+        "default: the scenario's range",
+    )
+    shape.add_argument("--iterations", type=int, default=100, help="measured requests per row")
+    shape.add_argument(
+        "--warmup", type=int, help="unmeasured requests before each row (default: one per slot)"
+    )
+    shape.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s with gamma-distributed gaps; inf = closed loop at the concurrency",
+    )
+    shape.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier"
+    )
+    shape.add_argument("--seed", type=int, default=0)
+    shape.add_argument("--api", choices=APIS, default="completions")
+    shape.add_argument("--model", help="model name to send (default: the target's first model)")
+
+    where = parser.add_argument_group("where to send it (see docs/benchmarks.md)")
+    where.add_argument("--target", help="base URL of a router (modes forced per request) or engine")
+    for mode in BENCHMARK_MODES:
+        where.add_argument(f"--target-{mode}", help=f"base URL serving the {mode} mode directly")
+    where.add_argument("--deployment", help="a deployment of the control plane")
+    where.add_argument(
+        "--control-plane",
+        default=os.environ.get(CONTROL_PLANE_ENV),
+        help=f"control plane URL (env {CONTROL_PLANE_ENV})",
+    )
+    where.add_argument("--mode", choices=MODE_CHOICES, help="default: the modes given targets")
+
+    out = parser.add_argument_group("results")
+    out.add_argument("--json", type=Path, help="write all figures and the configuration here")
+    out.add_argument("--samples", action="store_true", help="add per-request rows to the JSON")
+    out.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT bound")
+    out.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT bound")
+    out.add_argument("--slo-e2e-ms", type=float, help="goodput: end-to-end bound")
+    out.add_argument(
+        "--sim-speed",
+        type=float,
+        default=1.0,
+        help="the targets are simulators at this --speed: report in simulated time",
+    )
+    out.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    out.add_argument(
+        "--realtime",
+        action="store_true",
+        help="run the generator at SCHED_FIFO priority (if permitted) for timing on a busy host",
+    )
+    out.add_argument(
+        "--busy-poll",
+        action="store_true",
+        help="spin instead of sleeping between reads: finer timing, costs a whole core",
+    )
+
+
+def _fail(message: str) -> int:
+    print(f"syshax benchmark: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.deployment:
+        if args.target or any(getattr(args, f"target_{m}") for m in BENCHMARK_MODES):
+            return _fail("--deployment and --target* are exclusive")
+        if not args.control_plane:
+            return _fail(
+                f"--deployment needs a control plane: set {CONTROL_PLANE_ENV} or "
+                "--control-plane URL, or benchmark a URL with --target"
+            )
+        return _fail(
+            "running against a deployment through the control plane is not built yet; "
+            "benchmark its router or engines with --target / --target-MODE"
+        )
+    try:
+        scenario = resolve_scenario(args.scenario, args.input_tokens, args.output_tokens)
+        levels = (
+            parse_concurrency(args.concurrency) if args.concurrency else scenario.concurrency_levels
+        )
+        per_mode = {mode: getattr(args, f"target_{mode}") for mode in BENCHMARK_MODES}
+        targets = plan_targets(args.mode, args.target, per_mode)
+        slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+        LoadSpec(levels[0], args.request_rate, args.burstiness, args.seed)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if args.iterations < 1:
+        return _fail("--iterations must be at least 1")
+    if args.sim_speed <= 0:
+        return _fail("--sim-speed must be positive")
+    if args.realtime:
+        if args.busy_poll:
+            return _fail("--realtime with --busy-poll would hold a core; choose one")
+        problem = use_realtime_priority()
+        if problem:
+            print(f"syshax benchmark: {problem}; timing at ordinary priority", file=sys.stderr)
+    try:
+        rows = run_async(_benchmark(args, scenario, levels, targets, slo))
+    except TargetUnavailable as exc:
+        return _fail(f"{exc} (a target must be up before the run starts)")
+    print(
+        f"\nscenario {scenario.name}: {scenario.input_tokens} -> {scenario.output_tokens} "
+        f"tokens, {args.iterations} requests per row\n"
+    )
+    print(format_table(rows))
+    ratios = format_ratios(rows)
+    if ratios:
+        print("\n" + ratios)
+    errors = format_errors(rows)
+    if errors:
+        print("\nfailed requests:\n" + errors)
+    if args.json:
+        config = _config(args, scenario, levels, targets, slo)
+        document = to_json(config, rows, samples=args.samples)
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 1 if any(row.summary.failed for row in rows) else 0
+
+
+async def _benchmark(
+    args: argparse.Namespace,
+    scenario: Scenario,
+    levels: tuple[int, ...],
+    targets: list[Target],
+    slo: SLO,
+) -> list[Row]:
+    rows: list[Row] = []
+    models: dict[str, str] = {}
+    pool = ConnectionPool()
+    async with make_session() as session:
+        # Ask every target for its model before the first row, so a dead target stops the
+        # run at once instead of after an hour of other rows.
+        for target in targets:
+            if target.url not in models:
+                models[target.url] = args.model or await discover_model(session, target.url)
+        try:
+            for level in levels:
+                # The same prompts for every mode at a level, so the modes compare like for like.
+                seed = args.seed * 1_000_003 + level
+                specs = build_requests(
+                    args.iterations, scenario.input_tokens, scenario.output_tokens, seed
+                )
+                warmup_count = level if args.warmup is None else args.warmup
+                warmup = build_requests(
+                    warmup_count,
+                    scenario.input_tokens,
+                    scenario.output_tokens,
+                    seed + 1,
+                    first_index=_WARMUP_INDEX,
+                )
+                for target in targets:
+                    client = StreamClient(
+                        pool,
+                        target.url,
+                        models[target.url],
+                        api=args.api,
+                        headers=target.headers,
+                        timeout_s=args.timeout,
+                    )
+                    load = LoadSpec(level, args.request_rate, args.burstiness, args.seed)
+                    bar = ProgressBar(
+                        len(specs),
+                        f"{target.mode:>6} c={level:<3}",
+                        live=None if not args.no_progress else False,
+                    )
+                    result = await run_load(
+                        client,
+                        specs,
+                        load,
+                        warmup=warmup,
+                        on_done=None if args.no_progress else bar.update,
+                        busy_poll=args.busy_poll,
+                    )
+                    if not args.no_progress:
+                        bar.close()
+                    # Simulated time: stretch each record once, so summary and samples agree.
+                    records = [record.scaled(args.sim_speed) for record in result.records]
+                    summary = summarize(records, result.duration_s * args.sim_speed, slo)
+                    rows.append(
+                        Row(
+                            target.mode,
+                            level,
+                            target.url,
+                            models[target.url],
+                            summary,
+                            records,
+                        )
+                    )
+        finally:
+            pool.close()
+    return rows
+
+
+def _config(
+    args: argparse.Namespace,
+    scenario: Scenario,
+    levels: tuple[int, ...],
+    targets: list[Target],
+    slo: SLO,
+) -> dict[str, object]:
+    return {
+        "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "argv": sys.argv[1:],
+        "scenario": scenario.to_dict(),
+        "concurrency": list(levels),
+        "iterations": args.iterations,
+        "warmup": args.warmup if args.warmup is not None else "one per concurrency slot",
+        "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
+        "burstiness": args.burstiness,
+        "seed": args.seed,
+        "api": args.api,
+        "targets": [target.to_dict() for target in targets],
+        "slo_ms": {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms, "e2e": slo.e2e_ms},
+        "sim_speed": args.sim_speed,
+        "timing": "time.perf_counter per socket read; vLLM bench serve definitions",
+        "clock_resolution_s": time.get_clock_info("perf_counter").resolution,
+    }

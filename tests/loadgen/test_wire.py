@@ -1,0 +1,120 @@
+"""The HTTP/1.1 reader: parsing is pure; the exchanges run against a real simulated engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+
+from syshax.loadgen.wire import ConnectionPool, WireError, decode_chunked, parse_head, post
+
+
+def test_parse_head() -> None:
+    head = parse_head(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+        b"X-Syshax-Route: pd"
+    )
+    assert head.status == 200 and head.reason == "OK"
+    assert head.chunked and head.content_length is None and head.keep_alive
+    assert head.headers["x-syshax-route"] == "pd"
+    closing = parse_head(b"HTTP/1.1 404 Not Found\r\nContent-Length: 12\r\nConnection: close")
+    assert closing.content_length == 12 and not closing.keep_alive and not closing.chunked
+    with pytest.raises(WireError):
+        parse_head(b"garbage")
+
+
+def test_decode_chunked_reports_response_offsets() -> None:
+    body = b"3\r\nabc\r\n2;ext=1\r\nde\r\n0\r\n\r\n"
+    chunks, complete = decode_chunked(body, start=100)
+    assert complete
+    assert chunks == [(108, b"abc"), (121, b"de")]
+    partial, complete = decode_chunked(b"3\r\nabc\r\n5\r\nxy", start=0)
+    assert partial == [(8, b"abc")] and not complete
+    with pytest.raises(WireError):
+        decode_chunked(b"zz\r\n", 0)
+
+
+def _run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def test_streams_and_reuses_the_connection(fast_sim: str) -> None:
+    body = json.dumps(
+        {
+            "model": "deepseek-r1-distill-qwen-32b",
+            "prompt": "a b c",
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+
+    async def twice() -> tuple[list[int], int]:
+        pool = ConnectionPool()
+        statuses = []
+        for _ in range(2):
+            response = await post(
+                pool, f"{fast_sim}/v1/completions", body, {"Content-Type": "application/json"}, 30
+            )
+            assert response.complete and not response.error
+            text = b"".join(piece for _, piece in response.pieces)
+            assert text.count(b"data: ") >= 6 and text.rstrip().endswith(b"[DONE]")
+            times = [stamp for stamp, _ in response.pieces]
+            assert times == sorted(times)
+            statuses.append(response.head.status)
+        idle = sum(len(conns) for conns in pool.idle.values())
+        pool.close()
+        return statuses, idle
+
+    statuses, idle = _run(twice())
+    assert statuses == [200, 200]
+    assert idle == 1  # the second request reused the first one's connection
+
+
+def test_error_response_with_content_length(fast_sim: str) -> None:
+    body = json.dumps({"model": "no-such-model", "prompt": "a", "max_tokens": 2}).encode()
+
+    async def go() -> tuple[int, bytes]:
+        pool = ConnectionPool()
+        response = await post(
+            pool, f"{fast_sim}/v1/completions", body, {"Content-Type": "application/json"}, 30
+        )
+        pool.close()
+        return response.head.status, b"".join(piece for _, piece in response.pieces)
+
+    status, text = _run(go())
+    assert status == 404
+    assert b"no-such-model" in text
+
+
+def test_refused_connection_raises_oserror() -> None:
+    with socket.socket() as probe:  # a port that was free a moment ago and has no listener
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    async def go() -> None:
+        await post(ConnectionPool(), f"http://127.0.0.1:{port}/v1/completions", b"{}", {}, 5)
+
+    with pytest.raises(OSError):
+        _run(go())
+
+
+def test_a_connection_idle_too_long_is_not_reused(fast_sim: str) -> None:
+    body = json.dumps({"model": "deepseek-r1-distill-qwen-32b", "prompt": "a", "max_tokens": 1})
+
+    async def go() -> tuple[int, int]:
+        pool = ConnectionPool(max_idle_s=0.05)
+        url = f"{fast_sim}/v1/completions"
+        headers = {"Content-Type": "application/json"}
+        await post(pool, url, body.encode(), headers, 30)
+        ((_, first),) = next(iter(pool.idle.values()))
+        await asyncio.sleep(0.1)
+        await post(pool, url, body.encode(), headers, 30)
+        ((_, second),) = next(iter(pool.idle.values()))
+        pool.close()
+        return id(first), id(second)
+
+    first, second = _run(go())
+    assert first != second
