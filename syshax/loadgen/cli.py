@@ -23,7 +23,14 @@ from syshax.loadgen.client import (
     make_session,
 )
 from syshax.loadgen.progress import ProgressBar
-from syshax.loadgen.report import Row, format_errors, format_ratios, format_table, to_json
+from syshax.loadgen.report import (
+    Row,
+    format_errors,
+    format_ratios,
+    format_resources,
+    format_table,
+    to_json,
+)
 from syshax.loadgen.runner import LoadSpec, run_async, run_load, use_realtime_priority
 from syshax.loadgen.scenarios import SCENARIOS, Scenario, parse_concurrency, resolve_scenario
 from syshax.loadgen.stats import SLO, summarize
@@ -74,6 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(CONTROL_PLANE_ENV),
         help=f"control plane URL (env {CONTROL_PLANE_ENV})",
     )
+    where.add_argument(
+        "--token",
+        default=os.environ.get("SYSHAX_TOKEN"),
+        help="a user's API token for the control plane (env SYSHAX_TOKEN)",
+    )
     where.add_argument("--mode", choices=MODE_CHOICES, help="default: the modes given targets")
 
     out = parser.add_argument_group("results")
@@ -116,9 +128,19 @@ def run(args: argparse.Namespace) -> int:
                 f"--deployment needs a control plane: set {CONTROL_PLANE_ENV} or "
                 "--control-plane URL, or benchmark a URL with --target"
             )
-        return _fail(
-            "running against a deployment through the control plane is not built yet; "
-            "benchmark its router or engines with --target / --target-MODE"
+        from syshax.loadgen.controlplane import ControlPlane, ControlPlaneError
+
+        control = ControlPlane(args.control_plane, args.token)
+        try:
+            found = control.resolve(args.deployment)
+        except ControlPlaneError as exc:
+            control.close()
+            return _fail(str(exc))
+        args.target, args.model = found.router_url, args.model or found.model
+        args.mode = args.mode or "all"
+        print(
+            f"deployment {found.name}: model {found.model} through router {found.router_url}",
+            file=sys.stderr,
         )
     try:
         scenario = resolve_scenario(args.scenario, args.input_tokens, args.output_tokens)
@@ -145,6 +167,15 @@ def run(args: argparse.Namespace) -> int:
         rows = run_async(_benchmark(args, scenario, levels, targets, slo))
     except TargetUnavailable as exc:
         return _fail(f"{exc} (a target must be up before the run starts)")
+    if args.deployment:
+        try:
+            for row in rows:
+                if row.window:
+                    row.resources = control.resources(found.node_id, *row.window)
+        except ControlPlaneError as exc:
+            print(f"syshax benchmark: resource use not read: {exc}", file=sys.stderr)
+        finally:
+            control.close()
     print(
         f"\nscenario {scenario.name}: {scenario.input_tokens} -> {scenario.output_tokens} "
         f"tokens, {args.iterations} requests per row\n"
@@ -153,6 +184,9 @@ def run(args: argparse.Namespace) -> int:
     ratios = format_ratios(rows)
     if ratios:
         print("\n" + ratios)
+    resources = format_resources(rows)
+    if resources:
+        print("\nnode resource use (agents' heartbeats):\n" + resources)
     errors = format_errors(rows)
     if errors:
         print("\nfailed requests:\n" + errors)
@@ -210,6 +244,7 @@ async def _benchmark(
                         f"{target.mode:>6} c={level:<3}",
                         live=None if not args.no_progress else False,
                     )
+                    began = time.time()
                     result = await run_load(
                         client,
                         specs,
@@ -231,6 +266,7 @@ async def _benchmark(
                             models[target.url],
                             summary,
                             records,
+                            window=(began, time.time()),
                         )
                     )
         finally:

@@ -24,6 +24,9 @@ class Row:
     model: str
     summary: Summary
     records: list[RequestRecord]
+    # Epoch seconds the measured phase began and ended; resource use of the node, if known.
+    window: tuple[float, float] | None = None
+    resources: dict[str, float | None] | None = None
 
     def to_dict(self, *, samples: bool) -> dict[str, object]:
         row: dict[str, object] = {
@@ -32,6 +35,8 @@ class Row:
             "url": self.url,
             "model": self.model,
             "summary": self.summary.to_dict(),
+            "window": list(self.window) if self.window else None,
+            "resources": self.resources,
         }
         failed = [record.sample() for record in self.records if not record.ok]
         row["failed_requests"] = failed
@@ -128,3 +133,38 @@ def to_json(config: dict[str, object], rows: Sequence[Row], *, samples: bool) ->
         "rows": [row.to_dict(samples=samples) for row in rows],
         "ratios": ratio_rows(rows),
     }
+
+
+def format_resources(rows: Sequence[Row]) -> str:
+    """Node resource use per row, from the agents' heartbeats (empty when not measured)."""
+    measured = [row for row in rows if row.resources]
+    if not measured:
+        return ""
+    header = [
+        "mode",
+        "concurrency",
+        "CPU % mean",
+        "CPU % max",
+        "memory max (GB)",
+        "accelerator util mean (%)",
+        "accelerator memory max (GB)",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in measured:
+        r = row.resources or {}
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    row.mode,
+                    str(row.concurrency),
+                    _fmt(r.get("cpu_percent_mean")),
+                    _fmt(r.get("cpu_percent_max")),
+                    _fmt(r.get("memory_used_gb_max")),
+                    _fmt(r.get("accelerator_util_mean")),
+                    _fmt(r.get("accelerator_memory_used_gb_max")),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)

@@ -3,7 +3,7 @@
 Two ways to run the modes, which may be mixed:
 
 - one router (``--target``): every mode goes to it, and each request carries the header
-  ``X-Syshax-Mode`` with the policy mode to force (``gpu-only``, ``cpu-only``, ``forced-pd``),
+  ``X-Syshax-Mode`` with the policy mode to force (``cpu-only``, ``gpu-only``, ``auto``),
   so the three modes run on identical engines;
 - a target per mode (``--target-gpu``, ``--target-cpu``, ``--target-hetero``): that mode goes
   there unforced, e.g. straight to a GPU engine, a CPU engine, or a router left on its policy.
@@ -22,7 +22,9 @@ from syshax.policy_schema import MODES as POLICY_MODES
 BENCHMARK_MODES = ("cpu", "gpu", "hetero")  # MISSION.md's order: CPU, GPU, hetero
 MODE_CHOICES = (*BENCHMARK_MODES, "all")
 # The policy mode a router is asked to force for each benchmark mode.
-FORCED_POLICY = {"cpu": "cpu-only", "gpu": "gpu-only", "hetero": "forced-pd"}
+# Hetero is the heterogeneous scheduler itself (auto, PD offload on), as in the documents'
+# hetero mode; forced-pd would send every decode to the CPU whatever the load.
+FORCED_POLICY = {"cpu": "cpu-only", "gpu": "gpu-only", "hetero": "auto"}
 # A run against a plain target with no mode asked for is labelled so.
 UNFORCED = "target"
 

@@ -16,7 +16,9 @@ def browser(admin_user) -> Client:
     return client
 
 
-def test_every_registered_model_has_working_changelist_and_add_pages(browser, make_deployment) -> None:
+def test_every_registered_model_has_working_changelist_and_add_pages(
+    browser, make_deployment
+) -> None:
     make_deployment()
     failures = []
     for model in admin.site._registry:
@@ -53,7 +55,9 @@ def test_admin_actions_queue_work_after_commit(
     assert len(callbacks) == 1
 
 
-def test_node_list_query_count_is_pinned(admin_client, make_node, django_assert_num_queries) -> None:
+def test_node_list_query_count_is_pinned(
+    admin_client, make_node, django_assert_num_queries
+) -> None:
     for _ in range(5):
         make_node()
     # Count, page of nodes, then one query each for topology-prefetches (numa, accelerators).

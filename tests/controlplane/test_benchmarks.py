@@ -15,41 +15,66 @@ from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenar
 
 def summary(*rows: tuple[str, int, float, float, float, float]) -> dict:
     """rows of (mode, concurrency, throughput, ttft mean, tpot mean, e2e p99)."""
-    return {"rows": [
-        {"mode": m, "concurrency": c, "summary": {
-            "output_throughput": tput, "failed": 0,
-            "ttft": {"mean": ttft, "p99": ttft * 1.5}, "tpot": {"mean": tpot, "p99": tpot * 1.5},
-            "e2e": {"p99": e2e}}}
-        for m, c, tput, ttft, tpot, e2e in rows]}
+    return {
+        "rows": [
+            {
+                "mode": m,
+                "concurrency": c,
+                "summary": {
+                    "output_throughput": tput,
+                    "failed": 0,
+                    "ttft": {"mean": ttft, "p99": ttft * 1.5},
+                    "tpot": {"mean": tpot, "p99": tpot * 1.5},
+                    "e2e": {"p99": e2e},
+                },
+            }
+            for m, c, tput, ttft, tpot, e2e in rows
+        ]
+    }
 
 
-DOCUMENTED = summary(("cpu", 8, 32.6, 892, 30.7, 4561), ("gpu", 8, 158.2, 146, 6.3, 1815),
-                     ("hetero", 8, 217.8, 153, 4.6, 150))
+DOCUMENTED = summary(
+    ("cpu", 8, 32.6, 892, 30.7, 4561),
+    ("gpu", 8, 158.2, 146, 6.3, 1815),
+    ("hetero", 8, 217.8, 153, 4.6, 150),
+)
 
 
 def test_the_builtin_scenarios_are_those_of_the_mission(db) -> None:
-    shapes = {s.name: (s.input_tokens, s.output_tokens, s.concurrency_min, s.concurrency_max)
-              for s in Scenario.objects.filter(builtin=True)}
-    assert shapes == {"short": (128, 256, 1, 16), "medium": (512, 1024, 1, 8),
-                      "long": (2048, 512, 1, 4)}
+    shapes = {
+        s.name: (s.input_tokens, s.output_tokens, s.concurrency_min, s.concurrency_max)
+        for s in Scenario.objects.filter(builtin=True)
+    }
+    assert shapes == {
+        "short": (128, 256, 1, 16),
+        "medium": (512, 1024, 1, 8),
+        "long": (2048, 512, 1, 4),
+    }
 
 
 def test_an_unknown_scenario_is_rejected(admin_client) -> None:
-    response = admin_client.post("/api/v1/benchmark-runs/", {
-        "scenario": "enormous", "target_url": "http://127.0.0.1:7010", "concurrency": 8},
-        format="json")
+    response = admin_client.post(
+        "/api/v1/benchmark-runs/",
+        {"scenario": "enormous", "target_url": "http://127.0.0.1:7010", "concurrency": 8},
+        format="json",
+    )
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "scenario: unknown scenario 'enormous'"
 
 
-@pytest.mark.parametrize(("given", "stored"), [(8, [8]), ("1-4", [1, 2, 3, 4]),
-                                               ("1,2,4,8", [1, 2, 4, 8]), ([16, 2], [2, 16])])
-def test_concurrency_may_be_a_number_list_or_range(admin_client, given, stored,
-                                                   django_capture_on_commit_callbacks) -> None:
+@pytest.mark.parametrize(
+    ("given", "stored"),
+    [(8, [8]), ("1-4", [1, 2, 3, 4]), ("1,2,4,8", [1, 2, 4, 8]), ([16, 2], [2, 16])],
+)
+def test_concurrency_may_be_a_number_list_or_range(
+    admin_client, given, stored, django_capture_on_commit_callbacks
+) -> None:
     with django_capture_on_commit_callbacks() as callbacks:
-        response = admin_client.post("/api/v1/benchmark-runs/", {
-            "scenario": "short", "target_url": "http://127.0.0.1:7010", "concurrency": given},
-            format="json")
+        response = admin_client.post(
+            "/api/v1/benchmark-runs/",
+            {"scenario": "short", "target_url": "http://127.0.0.1:7010", "concurrency": given},
+            format="json",
+        )
     assert response.status_code == 201, response.content
     assert response.json()["concurrency"] == stored
     assert len(callbacks) == 1
@@ -57,9 +82,11 @@ def test_concurrency_may_be_a_number_list_or_range(admin_client, given, stored,
 
 @pytest.mark.parametrize("given", [0, "8-1", "a,b", 5000, [True]])
 def test_bad_concurrency_names_the_limit(admin_client, given) -> None:
-    response = admin_client.post("/api/v1/benchmark-runs/", {
-        "scenario": "short", "target_url": "http://127.0.0.1:7010", "concurrency": given},
-        format="json")
+    response = admin_client.post(
+        "/api/v1/benchmark-runs/",
+        {"scenario": "short", "target_url": "http://127.0.0.1:7010", "concurrency": given},
+        format="json",
+    )
     assert response.status_code == 400
     assert response.json()["error"]["message"].startswith("concurrency:")
 
@@ -68,7 +95,9 @@ def test_regressions_are_changes_worse_than_the_threshold() -> None:
     slower = summary(("hetero", 8, 190.0, 150, 5.5, 160))
     changes = analysis.compare_to_baseline(slower, DOCUMENTED, threshold_percent=10)
     assert [(c.figure, c.change_percent) for c in changes] == [
-        ("throughput_tok_s", 12.76), ("tpot_mean_ms", 19.57)]
+        ("throughput_tok_s", 12.76),
+        ("tpot_mean_ms", 19.57),
+    ]
     assert analysis.compare_to_baseline(slower, DOCUMENTED, threshold_percent=20) == []
     assert analysis.compare_to_baseline(DOCUMENTED, DOCUMENTED, threshold_percent=0) == []
 
@@ -91,8 +120,12 @@ def test_the_advisor_follows_the_guidance_table_from_measured_figures() -> None:
 def test_compare_and_advisor_endpoints(admin_client, make_deployment) -> None:
     deployment = make_deployment()
     scenario = Scenario.objects.get(name="short")
-    runs = [BenchmarkRun.objects.create(scenario=scenario, deployment=deployment, status="succeeded",
-                                        summary=DOCUMENTED) for _ in range(2)]
+    runs = [
+        BenchmarkRun.objects.create(
+            scenario=scenario, deployment=deployment, status="succeeded", summary=DOCUMENTED
+        )
+        for _ in range(2)
+    ]
     body = admin_client.get(f"/api/v1/benchmark-runs/compare?ids={runs[0].pk},{runs[1].pk}").json()
     assert [len(run["rows"]) for run in body["runs"]] == [3, 3]
     assert body["runs"][0]["rows"][1]["throughput_tok_s"] == 158.2
@@ -110,11 +143,15 @@ def test_a_broken_schedule_is_disabled_not_fatal(db, make_deployment) -> None:
     deployment = make_deployment()
     good = schedules.create_schedule("nightly", deployment=deployment, scenario="short")
     assert json.loads(good.kwargs)["deployment"] == deployment.name
-    broken = PeriodicTask.objects.create(name="broken", task=schedules.TASK_NAME,
-                                         interval=_interval(),
-                                         kwargs=json.dumps({"deployment": "nope"}))
-    result = scheduled_run.apply(kwargs={"deployment": "nope"},
-                                 headers={"periodic_task_name": "broken"})
+    broken = PeriodicTask.objects.create(
+        name="broken",
+        task=schedules.TASK_NAME,
+        interval=_interval(),
+        kwargs=json.dumps({"deployment": "nope"}),
+    )
+    result = scheduled_run.apply(
+        kwargs={"deployment": "nope"}, headers={"periodic_task_name": "broken"}
+    )
     assert result.successful() and result.result is None
     broken.refresh_from_db()
     assert broken.enabled is False
@@ -132,27 +169,43 @@ def _interval():
 def test_a_scheduled_run_is_compared_with_the_baseline_and_flagged(db, make_deployment) -> None:
     deployment = make_deployment()
     scenario = Scenario.objects.get(name="short")
-    BenchmarkRun.objects.create(scenario=scenario, deployment=deployment, status="succeeded",
-                                summary=DOCUMENTED, is_baseline=True)
+    BenchmarkRun.objects.create(
+        scenario=scenario,
+        deployment=deployment,
+        status="succeeded",
+        summary=DOCUMENTED,
+        is_baseline=True,
+    )
     current = BenchmarkRun.objects.create(
-        scenario=scenario, deployment=deployment, status="succeeded",
-        summary=summary(("hetero", 8, 150.0, 153, 4.6, 150)))
+        scenario=scenario,
+        deployment=deployment,
+        status="succeeded",
+        summary=summary(("hetero", 8, 150.0, 153, 4.6, 150)),
+    )
     assert services.flag_regression(current, 10.0) is True
     assert current.regression_detail["changes"][0]["figure"] == "throughput_tok_s"
 
 
-def test_metrics_expose_fleet_state_and_regressions(admin_client, anonymous_client,
-                                                    make_deployment) -> None:
+def test_metrics_expose_fleet_state_and_regressions(
+    admin_client, anonymous_client, make_deployment
+) -> None:
     deployment = make_deployment(state="running")
-    BenchmarkRun.objects.create(scenario=Scenario.objects.get(name="short"), deployment=deployment,
-                                status="succeeded", regression=True,
-                                finished_at="2026-01-01T00:00:00Z")
+    BenchmarkRun.objects.create(
+        scenario=Scenario.objects.get(name="short"),
+        deployment=deployment,
+        status="succeeded",
+        regression=True,
+        finished_at="2026-01-01T00:00:00Z",
+    )
     assert anonymous_client.get("/api/v1/metrics").status_code == 401
     text = admin_client.get("/api/v1/metrics").content.decode()
     from prometheus_client.parser import text_string_to_metric_families
 
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(text) for s in family.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
     assert samples[("syshax_deployments", (("state", "running"),))] == 1
     key = ("syshax_benchmark_regression", (("deployment", deployment.name), ("scenario", "short")))
     assert samples[key] == 1
@@ -163,10 +216,27 @@ def test_metrics_expose_fleet_state_and_regressions(admin_client, anonymous_clie
 def simulated_gpu(tmp_path):
     ready = tmp_path / "port"
     process = subprocess.Popen(
-        [sys.executable, "-m", "syshax.cli", "sim", "--device", "a100-80gb", "--model",
-         "deepseek-r1-distill-qwen-32b", "--port", "0", "--ready-file", str(ready),
-         "--speed", "20", "--seed", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "syshax.cli",
+            "sim",
+            "--device",
+            "a100-80gb",
+            "--model",
+            "deepseek-r1-distill-qwen-32b",
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+            "--speed",
+            "20",
+            "--seed",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while not (ready.exists() and ready.read_text().strip()):
@@ -181,13 +251,22 @@ def simulated_gpu(tmp_path):
 @pytest.mark.django_db(transaction=True)
 def test_a_run_measures_a_real_engine_and_stores_summary_and_samples(simulated_gpu) -> None:
     scenario = Scenario.objects.create(name="tiny", input_tokens=16, output_tokens=8)
-    run = BenchmarkRun.objects.create(scenario=scenario, target_url=simulated_gpu, mode="gpu",
-                                      concurrency=[1, 4], iterations=6, warmup=1)
+    run = BenchmarkRun.objects.create(
+        scenario=scenario,
+        target_url=simulated_gpu,
+        mode="gpu",
+        concurrency=[1, 4],
+        iterations=6,
+        warmup=1,
+    )
     assert runner.execute(run.pk) == "succeeded"
     assert runner.execute(run.pk) == "succeeded"  # a redelivery does nothing more
     run.refresh_from_db()
     assert run.progress == 1.0 and run.error == ""
-    assert [(row["mode"], row["concurrency"]) for row in run.summary["rows"]] == [("gpu", 1), ("gpu", 4)]
+    assert [(row["mode"], row["concurrency"]) for row in run.summary["rows"]] == [
+        ("gpu", 1),
+        ("gpu", 4),
+    ]
     assert run.summary["rows"][0]["summary"]["completed"] == 6
     samples = BenchmarkSample.objects.filter(run=run)
     assert samples.count() == 12
@@ -197,8 +276,13 @@ def test_a_run_measures_a_real_engine_and_stores_summary_and_samples(simulated_g
 @pytest.mark.django_db(transaction=True)
 def test_a_run_against_nothing_fails_with_every_request_counted() -> None:
     scenario = Scenario.objects.create(name="tiny2", input_tokens=4, output_tokens=4)
-    run = BenchmarkRun.objects.create(scenario=scenario, target_url="http://127.0.0.1:9",
-                                      mode="gpu", concurrency=[1], iterations=3)
+    run = BenchmarkRun.objects.create(
+        scenario=scenario,
+        target_url="http://127.0.0.1:9",
+        mode="gpu",
+        concurrency=[1],
+        iterations=3,
+    )
     assert runner.execute(run.pk) == "failed"
     run.refresh_from_db()
     assert run.status == "failed" and run.error

@@ -156,7 +156,9 @@ def test_another_agent_cannot_report_this_nodes_command(
     assert pending(deployment).status == "queued"
 
 
-def test_deploying_plans_the_cpu_engine_over_the_numa_nodes(admin_client, node, make_profile) -> None:
+def test_deploying_plans_the_cpu_engine_over_the_numa_nodes(
+    admin_client, node, make_profile
+) -> None:
     response = create(admin_client, node, make_profile(), start=True)
     plan = Deployment.objects.get(pk=response.json()["id"]).affinity_plan
     # node-a: 2 NUMA nodes x 4 cores; 2 cores kept for the GPU engine's host threads.
@@ -183,7 +185,8 @@ def test_omp_threads_must_be_1_to_1_5x_the_cores(admin_client, node, make_profil
     assert response.status_code == 400
     assert response.json()["error"]["message"] == (
         "omp_num_threads: is 64; with 6 physical cores it must be between 6 and 9 "
-        "(1-1.5x the cores)")
+        "(1-1.5x the cores)"
+    )
 
 
 def test_a_draining_node_takes_no_new_deployment(admin_client, node, make_profile) -> None:

@@ -65,8 +65,15 @@ def test_every_variable_the_file_uses_is_documented_in_the_env_example() -> None
 
 def test_the_env_example_names_only_variables_the_settings_or_compose_read() -> None:
     documented = (ROOT / "docs" / "configuration.md").read_text()
-    compose_only = {"POSTGRES_PASSWORD", "WEB_PORT", "ROUTER_PORT", "ROUTER_TOKEN", "ROUTER_NAME",
-                    "AGENT_TOKEN", "NODE_NAME"}
+    compose_only = {
+        "POSTGRES_PASSWORD",
+        "WEB_PORT",
+        "ROUTER_PORT",
+        "ROUTER_TOKEN",
+        "ROUTER_NAME",
+        "AGENT_TOKEN",
+        "NODE_NAME",
+    }
     for name in ENV_EXAMPLE - compose_only:
         assert f"`{name}`" in documented, f"{name} is not in docs/configuration.md"
 
@@ -80,13 +87,26 @@ def test_the_dockerfile_installs_the_project_and_its_console_script() -> None:
 
 def test_docker_compose_config_accepts_the_file_when_the_plugin_exists(tmp_path) -> None:
     docker = shutil.which("docker")
-    if docker is None or subprocess.run([docker, "compose", "version"],
-                                        capture_output=True).returncode != 0:
+    if (
+        docker is None
+        or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0
+    ):
         # No compose plugin on this machine: the structural checks above are the test.
         return
     env = tmp_path / ".env"
     env.write_text("\n".join(f"{k}=x" for k in sorted(ENV_EXAMPLE)))
-    result = subprocess.run([docker, "compose", "-f", str(ROOT / "docker-compose.yml"),
-                             "--env-file", str(env), "config", "--quiet"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            docker,
+            "compose",
+            "-f",
+            str(ROOT / "docker-compose.yml"),
+            "--env-file",
+            str(env),
+            "config",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr

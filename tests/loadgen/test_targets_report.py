@@ -15,7 +15,7 @@ NONE = {"cpu": None, "gpu": None, "hetero": None}
 def test_router_target_forces_each_mode_by_header() -> None:
     targets = plan_targets("all", "http://router:7010", NONE)
     assert [t.mode for t in targets] == ["cpu", "gpu", "hetero"]
-    assert [t.headers[FORCED_MODE_HEADER] for t in targets] == ["cpu-only", "gpu-only", "forced-pd"]
+    assert [t.headers[FORCED_MODE_HEADER] for t in targets] == ["cpu-only", "gpu-only", "auto"]
     assert {t.url for t in targets} == {"http://router:7010"}
 
 
