@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -92,6 +93,7 @@ async def measure(plan: Plan, report: Report, interval_s: float = 1.0) -> list[R
                             headers=target.headers,
                             timeout_s=plan.timeout_s,
                         )
+                        began = time.time()
                         result = await run_load(
                             client,
                             specs,
@@ -101,7 +103,15 @@ async def measure(plan: Plan, report: Report, interval_s: float = 1.0) -> list[R
                         )
                         summary = summarize(result.records, result.duration_s)
                         rows.append(
-                            Row(target.mode, level, target.url, model, summary, result.records)
+                            Row(
+                                target.mode,
+                                level,
+                                target.url,
+                                model,
+                                summary,
+                                result.records,
+                                window=(began, time.time()),
+                            )
                         )
         finally:
             pool.close()

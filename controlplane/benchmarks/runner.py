@@ -49,6 +49,23 @@ def target_url(run: BenchmarkRun) -> str:
     )
 
 
+def attach_resources(rows: list[Any], node_id: int) -> None:
+    """The node's CPU, memory and accelerator use during each row, from its heartbeats."""
+    from datetime import UTC, datetime
+
+    from controlplane.inventory.models import Heartbeat
+    from syshax.loadgen.controlplane import summarize_heartbeats
+
+    for row in rows:
+        if not row.window:
+            continue
+        start, end = (datetime.fromtimestamp(t, tz=UTC) for t in row.window)
+        beats = Heartbeat.objects.filter(node_id=node_id, received_at__range=(start, end))
+        row.resources = summarize_heartbeats(
+            list(beats.values("cpu_percent", "memory_used_bytes", "accelerators"))
+        )
+
+
 def _finish(run_id: int, status: str, **fields: Any) -> None:
     BenchmarkRun.objects.filter(pk=run_id).update(
         status=status, finished_at=timezone.now(), **fields
@@ -83,6 +100,7 @@ def execute(run_id: int) -> str:
         return not BenchmarkRun.objects.filter(pk=run_id, cancel_requested=True).exists()
 
     started = timezone.now()
+
     async def measure_then_close() -> list[Any]:
         try:
             return await measure(plan, report)
@@ -115,6 +133,8 @@ def execute(run_id: int) -> str:
         "seed": plan.seed,
         "started_at": started.isoformat(),
     }
+    if run.deployment is not None:
+        attach_resources(rows, run.deployment.node_id)
     summary = to_json(config, rows, samples=False)
     sent = [record.sent_at for row in rows for record in row.records if record.sent_at]
     origin = min(sent) if sent else 0.0

@@ -4,13 +4,16 @@ import json
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 
 from controlplane.benchmarks import analysis, runner, schedules, services
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
+from controlplane.inventory.models import Heartbeat
 
 
 def summary(*rows: tuple[str, int, float, float, float, float]) -> dict:
@@ -249,11 +252,19 @@ def simulated_gpu(tmp_path):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_run_measures_a_real_engine_and_stores_summary_and_samples(simulated_gpu) -> None:
-    scenario = Scenario.objects.create(name="tiny", input_tokens=16, output_tokens=8)
+def test_a_run_measures_a_real_engine_and_stores_summary_and_samples(
+    simulated_gpu, make_deployment
+) -> None:
+    deployment = make_deployment()
+    # The node's agent heartbeats while the first row runs.
+    Heartbeat.objects.create(
+        node=deployment.node, cpu_percent=12.0, received_at=timezone.now() + timedelta(seconds=0.15)
+    )
+    scenario = Scenario.objects.create(name="tiny", input_tokens=16, output_tokens=64)
     run = BenchmarkRun.objects.create(
         scenario=scenario,
         target_url=simulated_gpu,
+        deployment=deployment,
         mode="gpu",
         concurrency=[1, 4],
         iterations=6,
@@ -270,7 +281,10 @@ def test_a_run_measures_a_real_engine_and_stores_summary_and_samples(simulated_g
     assert run.summary["rows"][0]["summary"]["completed"] == 6
     samples = BenchmarkSample.objects.filter(run=run)
     assert samples.count() == 12
-    assert all(s.ok and s.output_tokens == 8 and s.ttft_ms > 0 for s in samples)
+    assert all(s.ok and s.output_tokens == 64 and s.ttft_ms > 0 for s in samples)
+    assert run.summary["rows"][0]["resources"]["cpu_percent_mean"] == 12.0
+    # The node's heartbeat inside the first row's window is that row's resource use.
+    assert run.summary["rows"][0]["resources"]["cpu_percent_mean"] == 12.0
 
 
 @pytest.mark.django_db(transaction=True)
