@@ -3,12 +3,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 
 from controlplane.benchmarks import analysis, runner, schedules, services
@@ -256,10 +255,6 @@ def test_a_run_measures_a_real_engine_and_stores_summary_and_samples(
     simulated_gpu, make_deployment
 ) -> None:
     deployment = make_deployment()
-    # The node's agent heartbeats while the first row runs.
-    Heartbeat.objects.create(
-        node=deployment.node, cpu_percent=12.0, received_at=timezone.now() + timedelta(seconds=0.15)
-    )
     scenario = Scenario.objects.create(name="tiny", input_tokens=16, output_tokens=64)
     run = BenchmarkRun.objects.create(
         scenario=scenario,
@@ -270,7 +265,19 @@ def test_a_run_measures_a_real_engine_and_stores_summary_and_samples(
         iterations=6,
         warmup=1,
     )
-    assert runner.execute(run.pk) == "succeeded"
+    stop = threading.Event()
+
+    def heartbeat() -> None:  # the node's agent, reporting while the load runs
+        while not stop.wait(0.005):
+            Heartbeat.objects.create(node=deployment.node, cpu_percent=12.0)
+
+    beats = threading.Thread(target=heartbeat)
+    beats.start()
+    try:
+        assert runner.execute(run.pk) == "succeeded"
+    finally:
+        stop.set()
+        beats.join()
     assert runner.execute(run.pk) == "succeeded"  # a redelivery does nothing more
     run.refresh_from_db()
     assert run.progress == 1.0 and run.error == ""
