@@ -17,6 +17,7 @@ IPC_MODES = ("shareable", "peer", "private")
 RESTART_POLICIES = ("no", "on-failure", "unless-stopped", "always")
 LABEL_PREFIX = "syshax."
 SIMULATED_UUID_PREFIX = "SIM-"  # agents.discovery names simulated cards SIM-<uuid>
+ASCEND_UUID_PREFIX = "NPU-"  # and Ascend NPUs NPU-<serial>
 # Keys the control plane may add for the operator's benefit; they do not change the engine.
 INFORMATIONAL_KEYS = frozenset(
     {
@@ -43,6 +44,7 @@ class Accelerator:
     uuid: str
     index: int = 0
     simulated: bool = False
+    kind: str = "gpu"  # "gpu" (NVIDIA device request) or "npu" (Ascend device nodes)
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,8 @@ class EngineSpec:
 def _accelerator(value: object, index: int) -> Accelerator:
     """A card as ``{"uuid", "index", "simulated"}`` or as a bare UUID string."""
     if isinstance(value, str):
-        return Accelerator(value, index, value.startswith(SIMULATED_UUID_PREFIX))
+        kind = "npu" if value.startswith(ASCEND_UUID_PREFIX) else "gpu"
+        return Accelerator(value, index, value.startswith(SIMULATED_UUID_PREFIX), kind)
     if isinstance(value, Mapping):
         return Accelerator(**value)
     raise TypeError(f"accelerator {value!r} is neither a UUID nor an object")

@@ -3,8 +3,9 @@
 GPU engine: device requests for its real accelerators, ``ipc_mode="shareable"`` and a sized
 ``/dev/shm``. CPU engine: ``ipc_mode="container:<gpu engine>"`` so both see one ``/dev/shm``
 (the KV-cache handoff), a cpuset and a memory limit. Both: host networking, labels, restart
-policy. Simulated accelerators get no device request: there is no device to hand over, and a
-request for one would make the engine refuse to start.
+policy. NVIDIA GPUs are device requests; Ascend NPUs are their device nodes plus the host's
+driver, mounted read-only. Simulated accelerators get neither: there is no device to hand
+over, and a request for one would make the engine refuse to start.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from docker.types import DeviceRequest, Mount
 from agents.runtimes import EngineRuntimeError, EngineState
 from agents.specs import EngineSpec
 from agents.specs import Mount as SpecMount
+
+ASCEND_SHARED_DEVICES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
+ASCEND_DRIVER_PATHS = ("/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi")
 
 _STATUS = {
     "created": "created",
@@ -73,11 +77,23 @@ def container_kwargs(
     if spec.working_dir:
         kwargs["working_dir"] = spec.working_dir
     real = [a for a in spec.accelerators if not a.simulated]
-    if real:
+    gpus = [a for a in real if a.kind != "npu"]
+    npus = [a for a in real if a.kind == "npu"]
+    if gpus:
         kwargs["device_requests"] = [
             DeviceRequest(
-                driver="nvidia", device_ids=[a.uuid for a in real], capabilities=[["gpu"]]
+                driver="nvidia", device_ids=[a.uuid for a in gpus], capabilities=[["gpu"]]
             )
+        ]
+    if npus:
+        # Ascend has no device-request driver: hand over the card's device node, the shared
+        # management nodes, and the host's driver (read-only), as Ascend's container guide does.
+        kwargs["devices"] = [f"/dev/davinci{a.index}:/dev/davinci{a.index}:rwm" for a in npus] + [
+            f"{node}:{node}:rwm" for node in ASCEND_SHARED_DEVICES
+        ]
+        kwargs["mounts"] = list(kwargs["mounts"]) + [
+            Mount(target=path, source=path, type="bind", read_only=True)
+            for path in ASCEND_DRIVER_PATHS
         ]
     return kwargs
 

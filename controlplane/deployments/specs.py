@@ -64,7 +64,7 @@ def engine_spec(deployment: Deployment, role: str) -> dict[str, Any]:
     name = engine_name(deployment.pk, deployment.generation, role)
     if role == "gpu":
         accelerators = tuple(
-            Accelerator(uuid=acc.uuid, index=acc.index, simulated=acc.simulated)
+            Accelerator(uuid=acc.uuid, index=acc.index, simulated=acc.simulated, kind=acc.kind)
             for acc in deployment.node.accelerators.order_by("index")[
                 : profile.tensor_parallel_size
             ]

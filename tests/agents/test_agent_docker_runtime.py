@@ -87,6 +87,26 @@ def test_container_kwargs_for_the_gpu_and_cpu_engines() -> None:
     assert kw["environment"]["OMP_NUM_THREADS"] == "48"
 
 
+def test_ascend_npus_get_their_device_nodes_and_the_host_driver() -> None:
+    """Mock-free but hardware-free: the create arguments an Ascend card would get."""
+    npu = EngineSpec.from_dict(
+        {
+            "command": ["vllm"],
+            "accelerators": ["NPU-2102312345", {"uuid": "NPU-9", "index": 1, "kind": "npu"}],
+        }
+    )
+    assert [a.kind for a in npu.accelerators] == ["npu", "npu"]
+    kw = container_kwargs("syshax-1-g1-gpu", npu, {}, "gpu", None)
+    assert "device_requests" not in kw
+    assert kw["devices"][:2] == [
+        "/dev/davinci0:/dev/davinci0:rwm",
+        "/dev/davinci1:/dev/davinci1:rwm",
+    ]
+    assert "/dev/davinci_manager:/dev/davinci_manager:rwm" in kw["devices"]
+    driver = [m for m in kw["mounts"] if m["Target"] == "/usr/local/Ascend/driver"]
+    assert driver and driver[0]["ReadOnly"] is True
+
+
 def test_gpu_then_cpu_share_one_ipc_namespace_on_podman(
     docker_runtime: DockerRuntime, web_root: Path, tmp_path: Path
 ) -> None:
