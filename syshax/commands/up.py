@@ -193,6 +193,12 @@ class Stack:
         )
 
     def benchmark(self) -> int:
+        """MISSION.md's short scenario in CPU, GPU and hetero mode, through the router and the
+        control plane (so the node's resource use during each row is reported too)."""
+        import subprocess
+
+        from syshax.commands.up_stack import LOCAL_DEPLOYMENT, admin_api_token
+
         argv = python_argv(
             "benchmark",
             "--scenario",
@@ -203,14 +209,15 @@ class Stack:
             str(self.args.benchmark_iterations),
             "--mode",
             "all",
-            "--target",
-            self.router,
+            "--deployment",
+            LOCAL_DEPLOYMENT,
+            "--control-plane",
+            self.base,
             "--json",
             str(self.var_dir / "up" / "benchmark-short.json"),
         )
-        import subprocess
-
-        return subprocess.run(argv, env={**os.environ, **self.child_env()}).returncode
+        env = {**os.environ, **self.child_env(), "SYSHAX_TOKEN": admin_api_token()}
+        return subprocess.run(argv, env=env).returncode
 
     def banner(self, password: str | None) -> None:
         from syshax.commands.up_stack import SIM_MODEL

@@ -36,6 +36,15 @@ def ensure_admin() -> str | None:
     return password
 
 
+def admin_api_token() -> str:
+    """The admin's DRF token, for the benchmark CLI to read the control plane."""
+    from django.contrib.auth import get_user_model
+    from rest_framework.authtoken.models import Token
+
+    admin = get_user_model().objects.get(username="admin")
+    return str(Token.objects.get_or_create(user=admin)[0].key)
+
+
 def _token_store(var_dir: Path) -> Path:
     path = var_dir / "up" / "tokens.json"
     path.parent.mkdir(parents=True, exist_ok=True)
