@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import pytest
@@ -10,86 +9,27 @@ from django.contrib.auth.models import Permission, User
 from rest_framework.test import APIClient
 
 from controlplane.access.models import MachineCredential
-from controlplane.deployments.models import Deployment, DeploymentProfile
-from controlplane.inventory.models import Accelerator, CpuTopology, Node, NumaNode
-from controlplane.policy.services import ensure_default_policy
-
-_seq = itertools.count(1)
-GIB = 1024**3
+from controlplane.deployments.models import Deployment
+from controlplane.inventory.models import Node
+from tests.support.factories import build_deployment, build_node, build_profile
 
 
 @pytest.fixture
 def make_node(db: Any):
-    def make(
-        name: str | None = None,
-        *,
-        accelerators: int = 1,
-        accel_gb: int = 80,
-        numa: int = 2,
-        cores_per_numa: int = 4,
-        **fields: Any,
-    ) -> Node:
-        node = Node.objects.create(name=name or f"node-{next(_seq)}", address="127.0.0.1", **fields)
-        CpuTopology.objects.create(
-            node=node,
-            model_name="Test CPU",
-            architecture="x86_64",
-            sockets=1,
-            physical_cores=numa * cores_per_numa,
-            threads=numa * cores_per_numa,
-            isa_flags=["avx2"],
-            memory_total_bytes=64 * GIB,
-        )
-        for index in range(numa):
-            first = index * cores_per_numa
-            NumaNode.objects.create(
-                node=node,
-                index=index,
-                cpus=f"{first}-{first + cores_per_numa - 1}",
-                memory_total_bytes=32 * GIB,
-            )
-        for index in range(accelerators):
-            Accelerator.objects.create(
-                node=node,
-                kind="gpu",
-                vendor="NVIDIA",
-                model_name="A100-SXM4-80GB",
-                index=index,
-                uuid=f"GPU-{node.name}-{index}",
-                memory_total_bytes=accel_gb * GIB,
-                simulated=True,
-            )
-        return node
-
-    return make
+    return build_node
 
 
 @pytest.fixture
 def make_profile(db: Any):
-    def make(**fields: Any) -> DeploymentProfile:
-        defaults: dict[str, Any] = {
-            "name": f"profile-{next(_seq)}",
-            "model": "deepseek-r1-distill-qwen-32b",
-            "engine": "simulator",
-            "quantization": "q4_0",
-        }
-        return DeploymentProfile.objects.create(**{**defaults, **fields})
-
-    return make
+    return build_profile
 
 
 @pytest.fixture
-def make_deployment(db: Any, make_node, make_profile):
+def make_deployment(db: Any):
     def make(**fields: Any) -> Deployment:
-        node = fields.pop("node", None) or make_node()
-        profile = fields.pop("profile", None) or make_profile()
-        return Deployment.objects.create(
-            name=fields.pop("name", f"dep-{next(_seq)}"),
-            node=node,
-            profile=profile,
-            policy=ensure_default_policy(),
-            **fields,
-        )
+        node = fields.pop("node", None) or build_node()
+        profile = fields.pop("profile", None) or build_profile()
+        return build_deployment(node, profile, **fields)
 
     return make
 

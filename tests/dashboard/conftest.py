@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import pytest
@@ -12,64 +11,33 @@ from django.utils import timezone
 
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
 from controlplane.deployments.models import Deployment, DeploymentProfile
-from controlplane.inventory.models import Accelerator, CpuTopology, Node, NumaNode
-from controlplane.policy.services import ensure_default_policy
+from controlplane.inventory.models import Node
 from syshax.loadgen.records import RequestRecord
 from syshax.loadgen.report import Row, to_json
 from syshax.loadgen.stats import summarize
+from tests.support.factories import build_deployment, build_node, build_profile
 
-GIB = 1024**3
 PASSWORD = "dashboard-test-pass-1"
-_seq = itertools.count(1)
+
+
+# Dashboard pictures read best on a Kunpeng-shaped node: 2 sockets, 4 NUMA nodes of 8 cores.
+KUNPENG_SHAPE: dict[str, Any] = {
+    "prefix": "dash-node",
+    "sockets": 2,
+    "numa": 4,
+    "cores_per_numa": 8,
+    "cpu_model": "Kunpeng-920 (test)",
+    "architecture": "aarch64",
+    "isa_flags": ("asimd", "sve", "i8mm"),
+    "accel_used_fraction": 0.25,
+    "accel_utilization": 37.5,
+}
 
 
 @pytest.fixture
 def make_node(db: Any):
-    def make(
-        name: str | None = None,
-        *,
-        accelerators: int = 1,
-        accel_gb: int = 80,
-        sockets: int = 2,
-        numa: int = 4,
-        cores_per_numa: int = 8,
-        **fields: Any,
-    ) -> Node:
-        node = Node.objects.create(
-            name=name or f"dash-node-{next(_seq)}", address="127.0.0.1", **fields
-        )
-        CpuTopology.objects.create(
-            node=node,
-            model_name="Kunpeng-920 (test)",
-            architecture="aarch64",
-            sockets=sockets,
-            physical_cores=numa * cores_per_numa,
-            threads=numa * cores_per_numa,
-            isa_flags=["asimd", "sve", "i8mm"],
-            memory_total_bytes=numa * 32 * GIB,
-        )
-        for index in range(numa):
-            first = index * cores_per_numa
-            NumaNode.objects.create(
-                node=node,
-                index=index,
-                cpus=f"{first}-{first + cores_per_numa - 1}",
-                memory_total_bytes=32 * GIB,
-            )
-        for index in range(accelerators):
-            Accelerator.objects.create(
-                node=node,
-                kind="gpu",
-                vendor="NVIDIA",
-                model_name="A100-SXM4-80GB",
-                index=index,
-                uuid=f"GPU-{node.name}-{index}",
-                memory_total_bytes=accel_gb * GIB,
-                memory_used_bytes=accel_gb * GIB // 4,
-                utilization_percent=37.5,
-                simulated=True,
-            )
-        return node
+    def make(name: str | None = None, **fields: Any) -> Node:
+        return build_node(name, **{**KUNPENG_SHAPE, **fields})
 
     return make
 
@@ -77,13 +45,7 @@ def make_node(db: Any):
 @pytest.fixture
 def make_profile(db: Any):
     def make(**fields: Any) -> DeploymentProfile:
-        defaults: dict[str, Any] = {
-            "name": f"dash-profile-{next(_seq)}",
-            "model": "deepseek-r1-distill-qwen-32b",
-            "engine": "simulator",
-            "quantization": "q4_0",
-        }
-        return DeploymentProfile.objects.create(**{**defaults, **fields})
+        return build_profile(prefix="dash-profile", **fields)
 
     return make
 
@@ -93,13 +55,7 @@ def make_deployment(db: Any, make_node, make_profile):
     def make(**fields: Any) -> Deployment:
         node = fields.pop("node", None) or make_node()
         profile = fields.pop("profile", None) or make_profile()
-        return Deployment.objects.create(
-            name=fields.pop("name", f"dash-dep-{next(_seq)}"),
-            node=node,
-            profile=profile,
-            policy=ensure_default_policy(),
-            **fields,
-        )
+        return build_deployment(node, profile, prefix="dash-dep", **fields)
 
     return make
 
