@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from celery import Celery  # type: ignore[import-untyped]
+from celery import Celery
 
 TASK_NAME = "syshax.agent.command"
 log = logging.getLogger("syshax.agent")

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """`make test`: lint, Django checks, then the suite on real services and on embedded defaults.
 
-1. ruff, `manage.py check`, `makemigrations --check`, `check --deploy` (production settings).
+1. ruff (lint and format), mypy (strict for agents/, router/ and the Django-free syshax
+   packages), `manage.py check`, `makemigrations --check`, `check --deploy` (production).
 2. The whole suite against PostgreSQL and Redis on 127.0.0.1 when they answer. On CI
    (CI=true) they must answer, and no test may be skipped.
 3. The control-plane tests again on the embedded defaults (SQLite + filesystem broker), which
@@ -48,6 +49,30 @@ def main() -> None:
         "SYSHAX_ENV_FILE": str(scratch / "none.env"),
     }
     step("ruff", [PY, "-m", "ruff", "check", "."])
+    step("ruff format", [PY, "-m", "ruff", "format", "--check", "--quiet", "."])
+    step(
+        "mypy --strict (agents, router, simulator, load generator)",
+        [
+            PY,
+            "-m",
+            "mypy",
+            "--strict",
+            "--follow-imports=silent",
+            "agents",
+            "router",
+            "syshax/sim",
+            "syshax/loadgen",
+            "syshax/policy_schema.py",
+            "syshax/cli.py",
+            "syshax/supervisor.py",
+        ],
+        base_env,
+    )
+    step(
+        "mypy (control plane, with the Django and DRF plugins)",
+        [PY, "-m", "mypy", "controlplane", "syshax/commands"],
+        base_env,
+    )
     step("django check", [PY, "manage.py", "check"], base_env)
     step(
         "migrations are complete",

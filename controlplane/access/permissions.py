@@ -14,7 +14,7 @@ from typing import Any
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 from rest_framework.request import Request
 
-from controlplane.access.principal import MachinePrincipal, is_machine
+from controlplane.access.principal import MachinePrincipal
 
 _ACTION_PERMISSION = {
     "create": "add",
@@ -29,7 +29,7 @@ class ScopedPermission(BasePermission):
         user = request.user
         if user is None or not user.is_authenticated:
             return False
-        if is_machine(user):
+        if isinstance(user, MachinePrincipal):
             allowed = getattr(view, "agent_methods" if user.is_agent else "router_methods", ())
             return request.method in allowed
         if request.method in SAFE_METHODS:

@@ -62,7 +62,7 @@ def attach_resources(rows: list[Any], node_id: int) -> None:
         start, end = (datetime.fromtimestamp(t, tz=UTC) for t in row.window)
         beats = Heartbeat.objects.filter(node_id=node_id, received_at__range=(start, end))
         row.resources = summarize_heartbeats(
-            list(beats.values("cpu_percent", "memory_used_bytes", "accelerators"))
+            [dict(b) for b in beats.values("cpu_percent", "memory_used_bytes", "accelerators")]
         )
 
 

@@ -34,11 +34,15 @@ def render() -> str:
 
     lines: list[str] = []
     _family(lines, "syshax_nodes", "gauge", "Nodes by status.")
-    for row in Node.objects.values("status").annotate(n=Count("pk")).order_by("status"):
-        lines.append(f'syshax_nodes{{status="{row["status"]}"}} {row["n"]}')
+    for status, count in (
+        Node.objects.values_list("status").annotate(n=Count("pk")).order_by("status")
+    ):
+        lines.append(f'syshax_nodes{{status="{status}"}} {count}')
     _family(lines, "syshax_deployments", "gauge", "Deployments by observed state.")
-    for row in Deployment.objects.values("state").annotate(n=Count("pk")).order_by("state"):
-        lines.append(f'syshax_deployments{{state="{row["state"]}"}} {row["n"]}')
+    for state, count in (
+        Deployment.objects.values_list("state").annotate(n=Count("pk")).order_by("state")
+    ):
+        lines.append(f'syshax_deployments{{state="{state}"}} {count}')
     _family(lines, "syshax_policy_version", "gauge", "Current version of each policy.")
     for name, version in SchedulingPolicy.objects.values_list("name", "version"):
         lines.append(f'syshax_policy_version{{policy="{_escape(name)}"}} {version}')

@@ -89,8 +89,7 @@ class DeploymentEventInline(admin.TabularInline):  # type: ignore[type-arg]
     model = DeploymentEvent
     extra = 0
     can_delete = False
-    fields = ["created_at", "generation", "step", "level", "message"]
-    readonly_fields = fields
+    readonly_fields = fields = ("created_at", "generation", "step", "level", "message")
     ordering = ["-created_at"]
 
     def has_add_permission(self, request, obj=None):  # type: ignore[no-untyped-def]
@@ -100,7 +99,7 @@ class DeploymentEventInline(admin.TabularInline):  # type: ignore[type-arg]
 class ContainerInline(admin.TabularInline):  # type: ignore[type-arg]
     model = ContainerInstance
     extra = 0
-    fields = [
+    readonly_fields = fields = (
         "role",
         "generation",
         "name",
@@ -109,8 +108,7 @@ class ContainerInline(admin.TabularInline):  # type: ignore[type-arg]
         "health",
         "exit_code",
         "endpoint",
-    ]
-    readonly_fields = fields
+    )
 
     def has_add_permission(self, request, obj=None):  # type: ignore[no-untyped-def]
         return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
@@ -66,7 +67,7 @@ def plan_for(deployment: Deployment) -> tuple[Step, ...]:
     if deployment.state == DeploymentState.FAILED:
         return CLEANUP_STEPS
     if deployment.desired_state == DesiredState.RUNNING:
-        steps = DEPLOY_STEPS
+        steps: tuple[Step, ...] = DEPLOY_STEPS
         if not deployment.profile.enable_cpu_engine:
             steps = tuple(s for s in steps if s.name != "start-cpu")
         return steps
@@ -229,13 +230,13 @@ def record_command_result(
 def resend_stale_commands(older_than_seconds: float, max_attempts: int = 3) -> int:
     """Re-send commands that got no result (lost message, agent down). Same dispatch_id, so an
     agent that did run the first copy only reports again."""
-    cutoff = timezone.now() - timezone.timedelta(seconds=older_than_seconds)
+    cutoff = timezone.now() - timedelta(seconds=older_than_seconds)
     count = 0
     for command in AgentCommand.objects.filter(
         status=CommandStatus.QUEUED, created_at__lt=cutoff
     ).select_related("node"):
         timeout = float(command.spec.get("health_timeout_seconds", 0) or 0)
-        if timezone.now() - command.created_at < timezone.timedelta(
+        if timezone.now() - command.created_at < timedelta(
             seconds=older_than_seconds * command.attempts + timeout
         ):
             continue

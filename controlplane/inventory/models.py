@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
@@ -48,7 +48,7 @@ class Node(TimeStampedModel):
     def heartbeat_grace() -> timedelta:
         return timedelta(seconds=settings.HEARTBEAT_INTERVAL_SECONDS * settings.HEARTBEAT_TOLERANCE)
 
-    def is_alive(self, now: timezone.datetime | None = None) -> bool:
+    def is_alive(self, now: datetime | None = None) -> bool:
         if self.last_heartbeat_at is None:
             return False
         now = now or timezone.now()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
@@ -141,6 +142,6 @@ def mark_lost_nodes() -> list[int]:
 
 
 def prune_heartbeats(retention_hours: int) -> int:
-    cutoff = timezone.now() - timezone.timedelta(hours=retention_hours)
+    cutoff = timezone.now() - timedelta(hours=retention_hours)
     deleted, _ = Heartbeat.objects.filter(received_at__lt=cutoff).delete()
     return deleted

@@ -10,7 +10,7 @@ class PolicyRevisionInline(admin.TabularInline):  # type: ignore[type-arg]
     model = PolicyRevision
     extra = 0
     can_delete = False
-    fields = [
+    readonly_fields = fields = (
         "version",
         "changed",
         "reason",
@@ -18,8 +18,7 @@ class PolicyRevisionInline(admin.TabularInline):  # type: ignore[type-arg]
         "created_by_label",
         "created_at",
         "rolled_back_to",
-    ]
-    readonly_fields = fields
+    )
 
     def has_add_permission(self, request, obj=None):  # type: ignore[no-untyped-def]
         return False

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from datetime import timedelta
+
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
@@ -32,7 +34,7 @@ class RouterInstance(models.Model):
     def is_alive(self) -> bool:
         if self.last_seen_at is None:
             return False
-        grace = timezone.timedelta(seconds=settings.ROUTER_GRACE_SECONDS)
+        grace = timedelta(seconds=settings.ROUTER_GRACE_SECONDS)
         return timezone.now() - self.last_seen_at <= grace
 
 

@@ -123,3 +123,9 @@ def test_revision_history_and_rollback_over_the_api(admin_client) -> None:
     missing = admin_client.post("/api/v1/policies/default/rollback", {"version": 42}, format="json")
     assert missing.status_code == 400
     assert "no revision 42" in missing.json()["error"]["message"]
+
+
+def test_a_change_that_is_not_an_object_is_a_400(admin_client) -> None:
+    response = admin_client.patch("/api/v1/policies/default/", [1, 2], format="json")
+    assert response.status_code == 400
+    assert "JSON object" in response.json()["error"]["message"]

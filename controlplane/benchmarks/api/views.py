@@ -136,7 +136,12 @@ class AdvisorView(APIView):
                     raise ValidationError({name: "must be positive"})
         summaries = [run.summary for run in reversed(list(runs[:20]))]
         try:
-            advice = analysis.advise(summaries, goal, **slo)
+            advice = analysis.advise(
+                summaries,
+                goal,
+                ttft_slo_ms=slo.get("ttft_slo_ms"),
+                tpot_slo_ms=slo.get("tpot_slo_ms"),
+            )
         except ValueError as exc:
             raise ValidationError({"goal": str(exc)}) from None
         return Response({**advice.to_dict(), "runs_considered": len(summaries)})

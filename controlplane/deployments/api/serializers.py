@@ -111,7 +111,7 @@ class DeploymentSerializer(serializers.ModelSerializer):  # type: ignore[type-ar
 
     def get_containers(self, obj: Deployment) -> list[dict[str, Any]]:
         current = [c for c in obj.containers.all() if c.generation == obj.generation]
-        return ContainerSerializer(current, many=True).data  # type: ignore[no-any-return]
+        return list(ContainerSerializer(current, many=True).data)
 
 
 class ContainerStateSerializer(serializers.Serializer):  # type: ignore[type-arg]
@@ -129,7 +129,8 @@ class ContainerStateSerializer(serializers.Serializer):  # type: ignore[type-arg
 
 
 class ContainerReportSerializer(serializers.Serializer):  # type: ignore[type-arg]
-    containers = ContainerStateSerializer(many=True, max_length=1000)
+    # many=True hands max_length to the ListSerializer (the stubs do not know it).
+    containers = ContainerStateSerializer(many=True, max_length=1000)  # type: ignore[call-arg]
 
 
 class CommandResultSerializer(serializers.Serializer):  # type: ignore[type-arg]

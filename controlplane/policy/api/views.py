@@ -5,6 +5,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
@@ -48,24 +49,20 @@ class PolicyViewSet(ScopedModelViewSet):
 
     def partial_update(self, request: Request, *args: object, **kwargs: object) -> Response:
         policy = self.get_object()
-        knobs = {k: v for k, v in request.data.items() if k in KNOB_NAMES}
-        unknown = [k for k in request.data if k not in (*KNOB_NAMES, "reason", "description")]
-        if unknown:
-            return Response(
-                {
-                    "error": {
-                        "code": "invalid",
-                        "message": f"{unknown[0]}: unknown field",
-                        "fields": {unknown[0]: ["unknown field"]},
-                    }
-                },
-                status=status.HTTP_400_BAD_REQUEST,
+        data = request.data
+        if not isinstance(data, dict):
+            raise ValidationError(
+                {"non_field_errors": ["send a JSON object of knobs and a reason"]}
             )
-        if "description" in request.data and not knobs:
-            policy.description = str(request.data["description"])
+        knobs = {k: v for k, v in data.items() if k in KNOB_NAMES}
+        unknown = [k for k in data if k not in (*KNOB_NAMES, "reason", "description")]
+        if unknown:
+            raise ValidationError({unknown[0]: ["unknown field"]})
+        if "description" in data and not knobs:
+            policy.description = str(data["description"])
             policy.save(update_fields=["description", "updated_at"])
             return Response(self.get_serializer(policy).data)
-        change = PolicyChangeSerializer(data={"reason": request.data.get("reason"), "knobs": knobs})
+        change = PolicyChangeSerializer(data={"reason": data.get("reason"), "knobs": knobs})
         change.is_valid(raise_exception=True)
         services.update_policy(
             policy,
@@ -78,12 +75,8 @@ class PolicyViewSet(ScopedModelViewSet):
 
     def perform_destroy(self, instance: SchedulingPolicy) -> None:
         if instance.name == "default":
-            from rest_framework.exceptions import ValidationError
-
             raise ValidationError({"name": "the default policy cannot be deleted"})
         if instance.deployments.exists():
-            from rest_framework.exceptions import ValidationError
-
             raise ValidationError({"name": "the policy is used by deployments"})
         instance.delete()
 
