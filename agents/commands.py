@@ -178,16 +178,6 @@ class CommandExecutor:
                 health = "healthy" if probe(engine.endpoint, "/health")[0] else "unhealthy"
         return engine.container_state(health)
 
-    def busy_accelerators(self) -> set[str]:
-        labels = {"syshax.managed": "true", "syshax.node": self.node}
-        return {
-            uuid
-            for e in self.runtime.list(labels)
-            if e.status == "running"
-            for uuid in e.labels.get("syshax.accelerators", "").split(",")
-            if uuid
-        }
-
     def all_container_states(self) -> list[dict[str, Any]]:
         labels = {"syshax.managed": "true", "syshax.node": self.node}
         return [self.container_state(e) for e in self.runtime.list(labels)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
+import logging
 import os
 import platform
 import re
@@ -23,10 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 
 from agents import __version__
 from agents.affinity import Topology, format_cpu_list, parse_cpu_list
+
+log = logging.getLogger("syshax.agent")
 
 GIB = 1024**3
 
@@ -201,7 +204,7 @@ def cpu_inventory(sys_root: str | Path = "/sys", proc_root: str | Path = "/proc"
 def nvidia_accelerators() -> list[dict[str, Any]]:
     """NVIDIA GPUs through NVML; an empty list when the driver or library is absent."""
     try:
-        import pynvml  # type: ignore[import-untyped]
+        import pynvml
     except ImportError:
         return []
     try:
@@ -337,20 +340,167 @@ def inventory_hash(inventory: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def simulated_load(acc: Mapping[str, Any], busy: bool, now: float) -> dict[str, Any]:
-    """Plausible live figures for a simulated card: a slow wave, higher while an engine runs."""
-    phase = (int(acc["index"]) * 1.7) + now / 30.0
-    wave = 0.5 + 0.5 * math.sin(phase)
-    util = (45.0 + 40.0 * wave) if busy else (1.0 + 3.0 * wave)
-    total = int(acc["memory_total_bytes"])
-    used = int(total * (0.8 if busy else 0.01))
+# ---------------------------------------------------------------- simulated live load
+
+SIM_INFO_TIMEOUT_S = 0.5  # per engine: a heartbeat must not wait on a stuck engine
+SIM_INFO_BUDGET_S = 1.5  # all engines of one beat together; the rest count as idle
+IDLE_MEMORY_FRACTION = 0.01  # what a card with no engine shows: driver and context only
+IDLE_TEMPERATURE_C = 32.0
+TEMPERATURE_C_PER_PERCENT = 0.45  # 100 % busy settles at 77 degC, as a datacentre card does
+
+
+@dataclass(frozen=True)
+class DeviceReading:
+    """One ``/sim/info`` ``device_usage`` reading; both times are simulated seconds."""
+
+    busy_seconds: float
+    uptime_seconds: float
+    memory_used_bytes: int
+
+
+@dataclass(frozen=True)
+class CardLoad:
+    utilization_percent: float
+    memory_used_bytes: int
+
+
+def utilisation_percent(previous: DeviceReading | None, current: DeviceReading) -> float:
+    """Busy time over elapsed simulated time since ``previous``, in percent (0-100).
+
+    Without a usable previous reading (the first beat, or the engine restarted and its clock
+    went back) the window is the engine's whole life so far.
+    """
+    if previous is None or current.uptime_seconds <= previous.uptime_seconds:
+        previous = DeviceReading(0.0, 0.0, 0)
+    elapsed = current.uptime_seconds - previous.uptime_seconds
+    if elapsed <= 0:
+        return 0.0
+    busy = current.busy_seconds - previous.busy_seconds
+    return min(100.0, max(0.0, 100.0 * busy / elapsed))
+
+
+def modelled_temperature_c(utilization_percent: float) -> float:
+    """A modelled die temperature: linear in utilisation, no thermal lag. Never measured."""
+    return round(IDLE_TEMPERATURE_C + TEMPERATURE_C_PER_PERCENT * utilization_percent, 1)
+
+
+def simulated_load(acc: Mapping[str, Any], load: CardLoad | None) -> dict[str, Any]:
+    """The heartbeat figures of a simulated card: its engines' load, or idle without one."""
+    if load is None:
+        load = CardLoad(0.0, int(int(acc["memory_total_bytes"]) * IDLE_MEMORY_FRACTION))
+    util = round(min(100.0, max(0.0, load.utilization_percent)), 1)
     return {
         "uuid": acc["uuid"],
-        "utilization_percent": round(util, 1),
-        "memory_used_bytes": used,
-        "temperature_c": round(32.0 + util * 0.45, 1),
+        "utilization_percent": util,
+        "memory_used_bytes": min(int(acc["memory_total_bytes"]), load.memory_used_bytes),
+        "temperature_c": modelled_temperature_c(util),
         "simulated": True,
     }
+
+
+def combine_card_loads(
+    engines: Iterable[tuple[Sequence[str], float, int]],
+) -> dict[str, CardLoad]:
+    """Per card, from (cards, utilisation, memory) per engine.
+
+    A tensor-parallel engine keeps every card of its group equally busy and splits its memory
+    evenly; two engines on one card add up (utilisation capped at 100 %).
+    """
+    out: dict[str, CardLoad] = {}
+    for cards, util, memory in engines:
+        if not cards:
+            continue
+        share = memory // len(cards)
+        for card in cards:
+            prev = out.get(card, CardLoad(0.0, 0))
+            out[card] = CardLoad(
+                min(100.0, prev.utilization_percent + util), prev.memory_used_bytes + share
+            )
+    return out
+
+
+@dataclass(frozen=True)
+class EngineOnCards:
+    """A running GPU-role engine the agent started, and the cards its spec gave it."""
+
+    engine_id: str
+    endpoint: str | None
+    cards: tuple[str, ...]
+
+
+class SimulatedLoadReader:
+    """Reads each simulated engine's ``/sim/info`` once per beat, keeping the previous reading
+    per engine so utilisation is measured over the interval between beats.
+
+    Used only from the heartbeat thread. Any failure - no endpoint, no answer in time, not a
+    simulator - leaves that engine's cards idle and is logged at debug level; it never fails
+    or delays the heartbeat beyond ``SIM_INFO_BUDGET_S``.
+    """
+
+    def __init__(
+        self, timeout: float = SIM_INFO_TIMEOUT_S, budget: float = SIM_INFO_BUDGET_S
+    ) -> None:
+        self.timeout = timeout
+        self.budget = budget
+        self._previous: dict[str, DeviceReading] = {}
+        self._not_simulators: set[str] = set()
+        self._http = httpx.Client(timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def read(self, engines: Iterable[EngineOnCards]) -> dict[str, CardLoad]:
+        deadline = time.monotonic() + self.budget
+        found: list[tuple[Sequence[str], float, int]] = []
+        seen: set[str] = set()
+        for engine in engines:
+            seen.add(engine.engine_id)
+            if time.monotonic() >= deadline:
+                log.debug("engine %s: no time left in this beat; cards idle", engine.engine_id)
+                continue
+            reading = self._fetch(engine)
+            if reading is None:
+                continue
+            util = utilisation_percent(self._previous.get(engine.engine_id), reading)
+            self._previous[engine.engine_id] = reading
+            found.append((engine.cards, util, reading.memory_used_bytes))
+        for gone in set(self._previous) - seen:
+            del self._previous[gone]
+        return combine_card_loads(found)
+
+    def _fetch(self, engine: EngineOnCards) -> DeviceReading | None:
+        if engine.endpoint is None:
+            log.debug("engine %s has no endpoint; its cards report idle", engine.engine_id)
+            return None
+        try:
+            r = self._http.get(engine.endpoint + "/sim/info")
+        except httpx.HTTPError as exc:
+            log.debug("engine %s: /sim/info %s; cards idle", engine.engine_id, type(exc).__name__)
+            return None
+        reading = _device_reading(r) if r.status_code == 200 else None
+        if reading is None and engine.engine_id not in self._not_simulators:
+            self._not_simulators.add(engine.engine_id)  # said once, not every beat
+            log.debug(
+                "engine %s is not a syshax simulator (/sim/info: HTTP %d); "
+                "its simulated cards report idle",
+                engine.engine_id,
+                r.status_code,
+            )
+        return reading
+
+
+def _device_reading(response: httpx.Response) -> DeviceReading | None:
+    """The ``device_usage`` of a /sim/info answer, or None if it has none (not a simulator,
+    or one older than the figure)."""
+    try:
+        usage = response.json()["device_usage"]
+        return DeviceReading(
+            float(usage["busy_seconds_total"]),
+            float(usage["uptime_seconds"]),
+            int(usage["memory_used_bytes"]),
+        )
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def nvidia_load() -> dict[str, dict[str, Any]]:
@@ -380,16 +530,17 @@ def nvidia_load() -> dict[str, dict[str, Any]]:
 
 
 def collect_heartbeat(
-    inventory: Mapping[str, Any], *, busy_uuids: Iterable[str] = (), now: float | None = None
+    inventory: Mapping[str, Any], *, simulated_loads: Mapping[str, CardLoad] | None = None
 ) -> dict[str, Any]:
+    """The heartbeat; ``simulated_loads`` (from ``SimulatedLoadReader``) holds the simulated
+    cards that have an engine, and every other simulated card reports idle."""
     memory = psutil.virtual_memory()
-    busy = set(busy_uuids)
+    sim_loads = simulated_loads or {}
     real = nvidia_load()
-    t = time.time() if now is None else now
     accelerators = []
     for acc in inventory.get("accelerators", []):
         if acc.get("simulated"):
-            accelerators.append(simulated_load(acc, acc["uuid"] in busy, t))
+            accelerators.append(simulated_load(acc, sim_loads.get(acc["uuid"])))
         elif acc["uuid"] in real:
             accelerators.append(real[acc["uuid"]])
     return {

@@ -22,7 +22,13 @@ from typing import Any, TypeVar
 
 from agents.client import ApiError, ControlPlaneClient, Unreachable, backoff_delay
 from agents.commands import CommandExecutor
-from agents.discovery import collect_heartbeat, collect_inventory, inventory_hash
+from agents.discovery import (
+    EngineOnCards,
+    SimulatedLoadReader,
+    collect_heartbeat,
+    collect_inventory,
+    inventory_hash,
+)
 from agents.runtimes import Runtime
 from agents.specs import Mount
 
@@ -90,6 +96,7 @@ class Agent:
         self.executor: CommandExecutor | None = None
         self.online = False
         self._report_lock = threading.Lock()
+        self.sim_loads = SimulatedLoadReader()
 
     # ------------------------------------------------------------ retries
 
@@ -156,9 +163,29 @@ class Agent:
         self.client.put_containers(self.node_id, self.executor.all_container_states())
         self.flush_outbox()
 
+    def engines_on_simulated_cards(self) -> list[EngineOnCards]:
+        """Running GPU-role engines holding one of this node's simulated cards (by the
+        ``syshax.accelerators`` label the executor stamps from the engine's spec)."""
+        accelerators = self.inventory.get("accelerators", [])
+        simulated = {a["uuid"] for a in accelerators if a.get("simulated")}
+        if not simulated:
+            return []
+        labels = {"syshax.managed": "true", "syshax.node": self.node_name, "syshax.role": "gpu"}
+        try:
+            engines = self.runtime.list(labels)
+        except Exception as exc:  # the runtime's own errors vary; the beat must still go out
+            log.warning("cannot list engines for the simulated cards' load: %s", exc)
+            return []
+        out = []
+        for engine in engines:
+            cards = [c for c in engine.labels.get("syshax.accelerators", "").split(",") if c]
+            if engine.status == "running" and simulated.intersection(cards):
+                out.append(EngineOnCards(engine.engine_id, engine.endpoint, tuple(cards)))
+        return out
+
     def beat(self) -> None:
-        assert self.executor is not None
-        payload = collect_heartbeat(self.inventory, busy_uuids=self.executor.busy_accelerators())
+        loads = self.sim_loads.read(self.engines_on_simulated_cards())
+        payload = collect_heartbeat(self.inventory, simulated_loads=loads)
         payload["inventory_hash"] = self.reported_hash
         answer = self.client.heartbeat(self.node_id, payload)
         if answer.get("inventory_hash") != payload["inventory_hash"]:
@@ -281,6 +308,7 @@ class Agent:
             self.stop_event.set()
             beats.join(timeout=5)
             self.client.close()
+            self.sim_loads.close()
         return 0
 
 

@@ -17,10 +17,16 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from syshax.sim.perfmodel import EffectiveHardware, effective_hardware, kv_capacity_bytes
+from syshax.sim.perfmodel import (
+    EffectiveHardware,
+    device_memory_total_bytes,
+    device_memory_used_bytes,
+    effective_hardware,
+    kv_capacity_bytes,
+)
 from syshax.sim.presets import GIB, DevicePreset, ModelPreset
 from syshax.sim.scheduler import BatchScheduler, SchedulerConfig, Sequence
-from syshax.sim.stats import EngineStats, RequestRing
+from syshax.sim.stats import BusyMeter, EngineStats, RequestRing
 from syshax.sim.timer import PreciseTimer
 from syshax.sim.tokens import build_vocabulary
 
@@ -128,6 +134,7 @@ class SimEngine:
         self.vocabulary = build_vocabulary(config.seed)
         self.scheduler = build_scheduler(config, self.capacity, self.hw, self.vocabulary)
         self.stats = EngineStats()
+        self.busy = BusyMeter()
         self.ring = RequestRing(config.ring_size)
         self.speed = config.speed
         self._t0 = time.monotonic()
@@ -147,6 +154,27 @@ class SimEngine:
 
     def epoch_of(self, sim: float) -> float:
         return self._epoch0 + sim / self.speed
+
+    def device_usage(self) -> dict[str, float | int]:
+        """What the modelled device is doing, for an agent's heartbeat (docs/simulator.md).
+
+        Times are simulated seconds, so ``busy / uptime`` deltas give the utilisation whatever
+        ``--speed`` is.
+        """
+        now = self.sim_now()
+        sched = self.scheduler
+        blocks_in_use = sched.config.num_blocks - sched.free_blocks
+        used = device_memory_used_bytes(self.config.model, blocks_in_use * self.config.block_size)
+        return {
+            "busy_seconds_total": self.busy.busy_at(now),
+            "uptime_seconds": now,
+            "memory_used_bytes": int(used),
+            "memory_total_bytes": device_memory_total_bytes(
+                self.config.device, self.config.tensor_parallel_size
+            ),
+            "kv_blocks_in_use": blocks_in_use,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+        }
 
     # -- requests -------------------------------------------------------------------------
 
@@ -194,6 +222,7 @@ class SimEngine:
                 step_start = None
                 continue
             end = step_start + step.duration
+            self.busy.begin(step_start, end)
             # Sample the step's tokens before sleeping, so that only the socket writes remain
             # at the deadline.
             result = scheduler.complete(step, end)
@@ -207,6 +236,7 @@ class SimEngine:
             for seq in result.finished:
                 seq.sink.on_finish(seq)
             self._account(result.emitted, result.finished, step.prefill_tokens, end)
+            self.busy.finish()
             step_start = end
 
     async def _wait_for_ready(self, ready_at: float | None) -> None:

@@ -62,6 +62,25 @@ def kv_capacity_bytes(
     return max(0.0, usable - model.weight_bytes - ACTIVATION_RESERVE_BYTES * tp)
 
 
+def device_memory_used_bytes(model: ModelPreset, kv_tokens_held: int) -> float:
+    """Bytes an engine holds on its device(s): all weights plus the KV blocks in use.
+
+    ``kv_tokens_held`` counts whole blocks (blocks in use x block size): a block is taken as
+    soon as one of its tokens is. The activation reserve and the preallocated but empty KV pool
+    are left out, so the figure follows the load (unlike nvidia-smi under vLLM, which shows the
+    whole pool from start-up).
+    """
+    return model.weight_bytes + model.kv_bytes_per_token * kv_tokens_held
+
+
+def device_memory_total_bytes(device: DevicePreset, tensor_parallel_size: int = 1) -> int:
+    """The memory the engine's devices hold: every card of a tensor-parallel group, or the
+    host RAM of a CPU engine (which does not multiply with TP ranks: they share it)."""
+    if device.is_cpu:
+        return device.memory_bytes
+    return device.memory_bytes * max(1, tensor_parallel_size)
+
+
 def attention_flops(model: ModelPreset, new_tokens: int, context_before: int) -> float:
     # QK^T and AV: 2 matmuls x 2 FLOPs per multiply-add x hidden, for every (query, key) pair.
     # The i-th new token attends to context_before + i keys.

@@ -209,6 +209,8 @@ class SimServer:
                 "kv_lease_seconds": self.settings.kv_lease_seconds,
                 "segments_reclaimed": self.reclaimed,
                 "late_steps": self.engine.late_steps,
+                # "device" above is the preset's name (kept as it was), hence another key.
+                "device_usage": self.engine.device_usage(),
             }
         )
 

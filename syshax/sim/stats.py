@@ -75,6 +75,32 @@ class EngineStats:
         return prompt / span, generation / span
 
 
+class BusyMeter:
+    """Simulated seconds the device spent executing engine steps (prefill, decode, swaps).
+
+    A step counts from its modelled start; one still running counts up to ``now``, so a reading
+    taken in the middle of a long prefill is exact rather than a whole step early or late.
+    """
+
+    def __init__(self) -> None:
+        self.done = 0.0
+        self._start = 0.0
+        self._end: float | None = None  # the running step's end, None between steps
+
+    def begin(self, start: float, end: float) -> None:
+        self._start, self._end = start, end
+
+    def finish(self) -> None:
+        if self._end is not None:
+            self.done += self._end - self._start
+            self._end = None
+
+    def busy_at(self, now: float) -> float:
+        if self._end is None:
+            return self.done
+        return self.done + max(0.0, min(now, self._end) - self._start)
+
+
 class RequestRing:
     """The last ``size`` finished requests with their own timings (epoch seconds)."""
 

@@ -12,6 +12,7 @@ import pytest
 
 from agents.affinity import AffinityRequest, plan_affinity
 from agents.discovery import (
+    CardLoad,
     ascend_accelerators,
     collect_heartbeat,
     collect_inventory,
@@ -105,14 +106,17 @@ def test_simulated_accelerators_are_marked_stable_and_validated() -> None:
 def test_heartbeat_reports_live_load_and_labels_simulated_cards() -> None:
     inv = collect_inventory(node_name="n1", simulated=["a100-80gb", "a100-80gb"])
     busy_uuid = inv["accelerators"][0]["uuid"]
-    beat = collect_heartbeat(inv, busy_uuids=[busy_uuid], now=1000.0)
+    loads = {busy_uuid: CardLoad(utilization_percent=62.5, memory_used_bytes=70 * 1024**3)}
+    beat = collect_heartbeat(inv, simulated_loads=loads)
     assert 0.0 <= beat["cpu_percent"] <= 100.0
     assert 0 < beat["memory_used_bytes"] < beat["memory_total_bytes"]
     assert beat["inventory_hash"] == inventory_hash(inv)
     busy, idle = beat["accelerators"]
     assert busy["simulated"] and idle["simulated"]
-    assert busy["utilization_percent"] > 40 > idle["utilization_percent"]
-    assert busy["memory_used_bytes"] > idle["memory_used_bytes"]
+    # The card with an engine carries the engine's figures; the other one is idle.
+    assert (busy["utilization_percent"], busy["memory_used_bytes"]) == (62.5, 70 * 1024**3)
+    assert idle["utilization_percent"] == 0.0
+    assert 0 < idle["memory_used_bytes"] < 1024**3  # a small baseline
     assert 30 < idle["temperature_c"] < busy["temperature_c"] < 95
 
 
