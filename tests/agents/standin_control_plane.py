@@ -15,10 +15,17 @@ from typing import Any
 
 class StandInControlPlane:
     def __init__(
-        self, *, node_name: str, broker_url: str, port: int = 0, interval: float = 0.2
+        self,
+        *,
+        node_name: str,
+        broker_url: str,
+        port: int = 0,
+        interval: float = 0.2,
+        broker_options: dict[str, Any] | None = None,
     ) -> None:
         self.node_name = node_name
         self.broker_url = broker_url
+        self.broker_options = broker_options or {}
         self.interval = interval
         self.requests: list[tuple[str, str, Any]] = []
         self.force_hash_mismatch = 0  # answer this many heartbeats with a foreign hash
@@ -77,7 +84,7 @@ class StandInControlPlane:
                 "heartbeat_interval_seconds": self.interval,
                 "command_queue": f"node.{self.node_name}",
                 "broker_url": self.broker_url,
-                "broker_transport_options": {},
+                "broker_transport_options": self.broker_options,
             }
         if path == "nodes/5/inventory":
             self.inventory_hash = _hash(body)

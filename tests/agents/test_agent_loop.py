@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,7 +27,32 @@ from agents.client import ApiError, ControlPlaneClient, Unreachable, backoff_del
 from agents.commands import probe
 from agents.consumer import TASK_NAME
 
-REDIS = os.environ.get("SYSHAX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+def _test_broker() -> tuple[str, dict[str, Any]]:
+    """Redis when the suite runs on services (REDIS_URL), else a filesystem broker of its own,
+    as on the embedded defaults."""
+    url = os.environ.get("SYSHAX_TEST_REDIS_URL") or os.environ.get("REDIS_URL")
+    if url:
+        return url, {}
+    folder = Path(tempfile.mkdtemp(prefix="syshax-agent-broker-"))
+    for sub in ("queue", "processed", "control"):
+        (folder / sub).mkdir()
+    return "filesystem://", {
+        "data_folder_in": str(folder / "queue"),
+        "data_folder_out": str(folder / "queue"),
+        "processed_folder": str(folder / "processed"),
+        "control_folder": str(folder / "control"),
+        "polling_interval": 0.05,
+    }
+
+
+REDIS, BROKER_OPTIONS = _test_broker()
+
+
+def producer_for_tests() -> Celery:
+    app = Celery(broker=REDIS)
+    app.conf.broker_transport_options = BROKER_OPTIONS
+    return app
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
@@ -51,7 +77,7 @@ def test_backoff_grows_exponentially_with_full_jitter_up_to_the_cap() -> None:
 
 
 def test_client_tells_unreachable_from_refused(tmp_path: Path) -> None:
-    plane = StandInControlPlane(node_name="n", broker_url=REDIS)
+    plane = StandInControlPlane(node_name="n", broker_url=REDIS, broker_options=BROKER_OPTIONS)
     plane.start()
     try:
         assert ControlPlaneClient(plane.url, "sxa_test").agent_self()["node"]["id"] == 5
@@ -71,7 +97,7 @@ def node_name() -> str:
 
 @pytest.fixture
 def plane(node_name: str) -> Iterator[StandInControlPlane]:
-    cp = StandInControlPlane(node_name=node_name, broker_url=REDIS)
+    cp = StandInControlPlane(node_name=node_name, broker_url=REDIS, broker_options=BROKER_OPTIONS)
     cp.start()
     yield cp
     cp.stop()
@@ -125,7 +151,7 @@ def test_agent_beats_takes_commands_survives_an_outage_and_readopts_after_a_kill
     plane: StandInControlPlane, node_name: str, tmp_path: Path, web_root: Path
 ) -> None:
     agent = AgentProcess(plane, tmp_path / "state", tmp_path / "agent.log")
-    producer = Celery(broker=REDIS)
+    producer = producer_for_tests()
     queue = f"node.{node_name}"
     agent.start()
     try:

@@ -20,9 +20,8 @@ from typing import Any
 import httpx
 import pytest
 from agent_helpers import free_port, http_engine_spec
-from celery import Celery
 from standin_control_plane import StandInControlPlane
-from test_agent_loop import REDIS, AgentProcess, send, wait_for
+from test_agent_loop import BROKER_OPTIONS, REDIS, AgentProcess, producer_for_tests, send, wait_for
 
 from agents.commands import CommandExecutor
 from agents.discovery import (
@@ -239,7 +238,9 @@ def test_an_engine_that_does_not_answer_never_holds_up_the_heartbeat() -> None:
 
 @pytest.fixture
 def plane() -> Iterator[StandInControlPlane]:
-    cp = StandInControlPlane(node_name=f"t-{uuid.uuid4().hex[:8]}", broker_url=REDIS)
+    cp = StandInControlPlane(
+        node_name=f"t-{uuid.uuid4().hex[:8]}", broker_url=REDIS, broker_options=BROKER_OPTIONS
+    )
     cp.start()
     yield cp
     cp.stop()
@@ -256,7 +257,7 @@ def test_the_agent_process_beats_its_simulator_engines_figures(
         spec = sim_engine_spec(card)
         dispatch = str(uuid.uuid4())
         send(
-            Celery(broker=REDIS),
+            producer_for_tests(),
             f"node.{plane.node_name}",
             dispatch_id=dispatch,
             action="start",
