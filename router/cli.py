@@ -71,6 +71,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="first outlier ejection lasts this long, doubling per ejection up to 30 s",
     )
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="router processes sharing the port with SO_REUSEPORT (standalone mode; each "
+        "keeps its own metrics). Default 1",
+    )
+    # Set by the --workers supervisor on each worker: bind with SO_REUSEPORT.
+    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     alone = parser.add_argument_group("standalone mode")
     alone.add_argument("--gpu-url", help="GPU/NPU engine, e.g. http://127.0.0.1:7001")
     alone.add_argument("--cpu-url", help="CPU engine, e.g. http://127.0.0.1:7002")
@@ -285,7 +294,7 @@ async def serve(args: argparse.Namespace) -> int:
     app = build_app(router)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, backlog=1024)
+    site = web.TCPSite(runner, args.host, args.port, backlog=1024, reuse_port=args.reuse_port)
     await site.start()
     port = bound_port(site, args.port)
     log.info("router listening on http://%s:%s", args.host, port)
@@ -342,8 +351,28 @@ def run(args: argparse.Namespace) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.workers > 1:
+        return _supervise(args)
+    if args.workers < 1:
+        log.error("--workers must be at least 1")
+        return 2
     try:
         import uvloop
     except ImportError:  # uvloop is optional; the standard loop works, only slower
         return asyncio.run(serve(args))
     return int(uvloop.run(serve(args)))
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    import sys
+
+    from router.workers import supervise
+
+    if args.control_plane:
+        log.error("--workers > 1 is for standalone mode; a managed router runs one process")
+        return 2
+    argv = sys.argv[1:]
+    if not argv or argv[0] != "router":
+        log.error("--workers needs to be started as 'syshax router ...'")
+        return 2
+    return supervise(argv, args.host, args.port, args.workers, args.ready_file)

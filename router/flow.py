@@ -6,12 +6,15 @@ whatever number of upstream requests produced it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -38,6 +41,34 @@ class CoalescedStreamResponse(web.StreamResponse):
     """Headers leave with the first chunk: one write (and one client wake-up) less per stream."""
 
     _send_headers_immediately = False
+
+
+# Client socket buffer above which the engine's bytes wait instead of piling up.
+HIGH_WATER = 1 << 16
+
+
+def _direct_writer(transport: asyncio.BaseTransport) -> Callable[[bytes], bool]:
+    """Writes one payload as an HTTP chunk, from the engine connection's ``data_received``.
+    Declines (the payload then queues for the coroutine) the stream's last event and
+    whenever the client is gone or not keeping up."""
+    out = cast(asyncio.WriteTransport, transport)
+
+    def direct(payload: bytes) -> bool:
+        if payload.endswith(DONE) or out.is_closing() or out.get_write_buffer_size() > HIGH_WATER:
+            return False
+        out.write(b"%x\r\n" % len(payload) + payload + b"\r\n")
+        return True
+
+    return direct
+
+
+async def _drained(transport: asyncio.BaseTransport) -> None:
+    """Wait while the client's socket buffer is over the high-water mark."""
+    out = cast(asyncio.WriteTransport, transport)
+    while out.get_write_buffer_size() > HIGH_WATER:
+        if out.is_closing():
+            raise ClientGone()
+        await asyncio.sleep(0.005)
 
 
 class ClientGone(Exception):
@@ -86,11 +117,21 @@ class Exchange:
         self.last_token_at: float | None = None
         # Upstream vLLM's kv_transfer_params from the prefill, handed to the decoder.
         self._kv_params: dict[str, Any] = {}
-        prefix = "chatcmpl-" if req.chat else "cmpl-"
-        self.request_id = prefix + uuid.uuid4().hex
         self.created = int(time.time())
-        self.builder = ChunkBuilder(
-            chat=req.chat, request_id=self.request_id, model=req.model, created=self.created
+
+    # The id and the chunk builder are only needed when the router writes its own chunks
+    # (PD, errors); a passthrough never pays for them.
+    @cached_property
+    def request_id(self) -> str:
+        return ("chatcmpl-" if self.req.chat else "cmpl-") + uuid.uuid4().hex
+
+    @cached_property
+    def builder(self) -> ChunkBuilder:
+        return ChunkBuilder(
+            chat=self.req.chat,
+            request_id=self.request_id,
+            model=self.req.model,
+            created=self.created,
         )
 
     @property
@@ -193,15 +234,15 @@ class Exchange:
         resp: RawResponse | None = None
         try:
             resp, error, connect_failed = await raw_request(
-                backend.pool, self.req.path, self.req.raw, first_byte=self.first_byte
+                backend.pool, backend, self.req.path, self.req.raw, first_byte=self.first_byte
             )
             if resp is None:
                 raise UpstreamFailed(backend, error or "failed", connect_failed=connect_failed)
             if resp.status >= 300:
-                body = b"".join([c async for c in resp.iter_body(backend, self.first_byte)])
+                body = await resp.read_all()
                 raise UpstreamFailed(backend, f"HTTP {resp.status}", status=resp.status, body=body)
             if not self.req.stream:
-                body = b"".join([c async for c in resp.iter_body(backend, self.first_byte)])
+                body = await resp.read_all()
                 backend.record_success()
                 self._tick()
                 return web.Response(
@@ -210,21 +251,9 @@ class Exchange:
                     content_type=resp.content_type,
                     headers={ROUTE_HEADER: self.decision_label},
                 )
-            async for data in resp.iter_body(backend, self.first_byte):
-                if self.response is None:
-                    await self._open_stream()
-                # TTFT is the first token, not the chat role-only chunk that precedes it.
-                if self.last_token_at is None and not (
-                    b'"role"' in data and data.count(b"data:") == 1
-                ):
-                    self._tick()
-                await self._write(data)
+            response = await self._pump(resp)
             backend.record_success()
-            if self.response is None:
-                await self._open_stream()
-            assert self.response is not None
-            await self.response.write_eof()
-            return self.response
+            return response
         except UpstreamFailed as exc:
             self.record_failure(exc)
             if self.response is not None:
@@ -237,6 +266,49 @@ class Exchange:
             if resp is not None:
                 resp.finish()
             backend.inflight -= 1
+
+    async def _pump(self, resp: RawResponse) -> web.StreamResponse:
+        """Stream the engine's SSE payloads to the client. The first token goes through here
+        (headers leave with it, TTFT is recorded); after it, payloads are written to the
+        client's socket from the engine connection's callback (``direct``)."""
+        transport = self.http.transport
+        # Own chunk framing needs a chunked (HTTP/1.1) response; HTTP/1.0 stays on aiohttp.
+        direct_ok = transport is not None and self.http.version >= (1, 1)
+        held = b""
+        while True:
+            data, finished = await resp.next()
+            # TTFT is the first token, not the chat role-only chunk that precedes it.
+            if (
+                data
+                and self.last_token_at is None
+                and not (b'"role"' in data and data.count(b"data:") == 1)
+            ):
+                self._tick()
+            if finished:
+                break
+            if not data:
+                continue
+            if self.response is None:
+                await self._open_stream()
+            if held:
+                await self._write(held)
+                held = b""
+            if data.endswith(DONE):
+                held = data  # the last event leaves with the terminating chunk: one write
+                continue
+            await self._write(data)
+            if transport is not None:
+                await _drained(transport)
+                if direct_ok and self.last_token_at is not None and resp.conn.direct is None:
+                    resp.set_direct(_direct_writer(transport))
+        if self.response is None:
+            await self._open_stream()
+        assert self.response is not None
+        try:
+            await self.response.write_eof(held + data)
+        except (ConnectionError, RuntimeError) as exc:
+            raise ClientGone() from exc
+        return self.response
 
     def _base_body(self) -> dict[str, Any]:
         body = dict(self.req.body)

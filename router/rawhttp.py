@@ -2,18 +2,23 @@
 
 aiohttp's client costs a few hundred microseconds of CPU per request (request objects,
 header multidicts, stream reader); a passthrough needs none of that. This client writes the
-request in one syscall on a pooled keep-alive connection, parses the status line and
-headers, and yields each read's complete chunk payloads joined, so several tokens that
-arrive together cost one client write. Anything unusual (no length, an upgrade) is an
-error, never a guess. Closing the connection is how the engine learns the client left.
+request in one syscall on a pooled keep-alive connection and parses the status line and
+the few header fields it needs. Each connection is an ``asyncio.Protocol``: body bytes are
+de-chunked as they arrive, and once a stream runs, a ``direct`` callback hands each read's
+payload straight to the client's socket from inside ``data_received`` - no task wake-up, no
+extra event-loop turn per token. Anything the callback declines (the first bytes, before the
+client's headers went out; the end of the stream; a client that is not keeping up) queues
+for the coroutine that waits in :meth:`RawResponse.next`. Anything unusual (no length, an
+upgrade) is an error, never a guess. Closing the connection is how the engine learns the
+client left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Protocol, cast
 from urllib.parse import urlsplit
 
 from router.upstream import UpstreamFailed
@@ -22,8 +27,172 @@ from router.watchdog import WATCHDOG
 if TYPE_CHECKING:
     from router.backends import Backend
 
-READ_SIZE = 1 << 16
 MAX_HEAD = 1 << 16
+# Reads queued for a busy coroutine before the engine socket stops being read.
+MAX_PENDING = 64
+
+
+class _WatchLike(Protocol):
+    deadline: float
+
+
+class _Broken(Exception):
+    """The engine broke the HTTP exchange (closed, malformed framing)."""
+
+
+class Conn(asyncio.Protocol):
+    """One keep-alive connection to an engine."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        loop = asyncio.get_running_loop()
+        self.clock = loop.time
+        self.idle = math.inf
+        self.reset()
+
+    def reset(self) -> None:
+        self.in_body = False
+        self.buffer = b""  # unparsed bytes (head, or an incomplete chunk)
+        self.chunked = False
+        self.remaining: int | None = None  # Content-Length left; None: chunked or to-close
+        self.finished = False
+        self.error: _Broken | None = None
+        self.pending: list[bytes] = []
+        self.waiter: asyncio.Future[None] | None = None
+        self.direct: Callable[[bytes], bool] | None = None
+        self.paused = False
+        self.watch: _WatchLike | None = None
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, only alike.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.in_body:
+            self.buffer += data
+            if len(self.buffer) > MAX_HEAD and b"\r\n\r\n" not in self.buffer:
+                self.error = _Broken("response head too large")
+            self._wake()
+            return
+        watch = self.watch
+        if watch is not None:
+            watch.deadline = self.clock() + self.idle
+        self._body(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.in_body and not self.finished and self.error is None:
+            if self.remaining is None and not self.chunked:
+                self.finished = True  # body delimited by close
+            else:
+                self.error = _Broken("engine closed the stream early")
+        elif not self.in_body and self.error is None:
+            self.error = _Broken(f"connection closed: {exc!r}" if exc else "connection closed")
+        self._wake()
+
+    # -- body ------------------------------------------------------------------------------
+
+    def _body(self, data: bytes) -> None:
+        if self.chunked:
+            data = self.buffer + data if self.buffer else data
+            try:
+                payload, self.buffer, finished = _dechunk(data)
+            except _Broken as exc:
+                self.error = exc
+                self._wake()
+                return
+        else:
+            payload, finished = data, False
+            if self.remaining is not None:
+                self.remaining -= len(data)
+                finished = self.remaining <= 0
+        if finished:
+            self.finished = True
+            if payload:
+                self.pending.append(payload)
+            self._wake()
+            return
+        if not payload:
+            return
+        waiter = self.waiter
+        # The callback may only write while the coroutine is parked, or bytes could overtake
+        # what the coroutine is writing.
+        if (
+            not self.pending
+            and self.direct is not None
+            and waiter is not None
+            and not waiter.done()
+            and self.direct(payload)
+        ):
+            return
+        self.pending.append(payload)
+        if len(self.pending) >= MAX_PENDING and self.transport is not None:
+            # The client is not keeping up: stop reading, and stop the idle clock too, since
+            # a slow client is not a silent engine.
+            self.transport.pause_reading()
+            self.paused = True
+            if self.watch is not None:
+                self.watch.deadline = math.inf
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+    async def head(self) -> bytes:
+        while True:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end >= 0:
+                head, self.buffer = self.buffer[: end + 4], self.buffer[end + 4 :]
+                return head
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+
+    def start_body(self, chunked: bool, length: int | None) -> None:
+        self.in_body = True
+        self.chunked = chunked
+        self.remaining = length
+        rest, self.buffer = self.buffer, b""
+        if length == 0:
+            self.finished = True
+        elif rest:
+            self._body(rest)
+
+    async def next(self) -> tuple[bytes, bool]:
+        """The payload queued since the last call (b"" at the end) and whether the body is
+        complete. Raises ``_Broken`` when the engine broke the stream."""
+        while True:
+            if self.pending:
+                payload = self.pending[0] if len(self.pending) == 1 else b"".join(self.pending)
+                self.pending.clear()
+                if self.paused and self.transport is not None:
+                    self.paused = False
+                    self.transport.resume_reading()
+                    if self.watch is not None:
+                        self.watch.deadline = self.clock() + self.idle
+                return payload, self.finished
+            if self.finished:
+                return b"", True
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
 
 
 class RawPool:
@@ -38,25 +207,27 @@ class RawPool:
         self.host_header = parts.netloc.encode()
         self.prefix = parts.path.rstrip("/").encode()
         self.connect_timeout = connect_timeout
-        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.idle: list[Conn] = []
 
-    async def acquire(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
+    async def acquire(self) -> tuple[Conn, bool]:
         """A connection and whether it was reused (a reused one may have been closed)."""
         while self.idle:
-            reader, writer = self.idle.pop()
-            if not writer.is_closing() and not reader.at_eof():
-                return reader, writer, True
-            writer.close()
+            conn = self.idle.pop()
+            if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
+                conn.reset()
+                return conn, True
+            conn.close()
+        loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.connect_timeout):
-            reader, writer = await asyncio.open_connection(self.host, self.port, limit=MAX_HEAD)
-        return reader, writer, False
+            _, conn = await loop.create_connection(Conn, self.host, self.port)
+        return conn, False
 
-    def release(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.idle.append((reader, writer))
+    def release(self, conn: Conn) -> None:
+        self.idle.append(conn)
 
     def close(self) -> None:
-        for _, writer in self.idle:
-            writer.close()
+        for conn in self.idle:
+            conn.close()
         self.idle.clear()
 
 
@@ -64,92 +235,68 @@ class RawResponse:
     def __init__(
         self,
         pool: RawPool,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
+        conn: Conn,
         status: int,
-        chunked: bool,
-        length: int | None,
         keep_alive: bool,
         content_type: str,
+        backend: Backend,
+        first: float,
     ) -> None:
         self.pool = pool
-        self.reader = reader
-        self.writer = writer
+        self.conn = conn
         self.status = status
-        self.chunked = chunked
-        self.length = length
         self.keep_alive = keep_alive
         self.content_type = content_type
-        self.done = False
+        self.backend = backend
+        self._idle = backend.timeouts.idle
+        self._limit = first
+        # One shared watchdog closes silent streams: ``first`` s for the first bytes, the
+        # idle timeout between later reads, re-armed by an attribute store per read.
+        self._watch = WATCHDOG.watch(conn, conn.clock() + first)
+        conn.watch = self._watch
+        conn.idle = self._idle
+
+    @property
+    def done(self) -> bool:
+        return self.conn.finished and not self.conn.pending
+
+    def set_direct(self, direct: Callable[[bytes], bool] | None) -> None:
+        self.conn.direct = direct
+
+    async def next(self) -> tuple[bytes, bool]:
+        """(payload, finished); raises ``UpstreamFailed`` when the engine breaks or stalls."""
+        try:
+            result = await self.conn.next()
+        except _Broken as exc:
+            message = f"silent for {self._limit:g}s" if self._watch.fired else str(exc)
+            raise UpstreamFailed(self.backend, message) from None
+        self._limit = self._idle
+        return result
+
+    async def iter_body(self) -> AsyncIterator[bytes]:
+        while True:
+            data, finished = await self.next()
+            if data:
+                yield data
+            if finished:
+                return
+
+    async def read_all(self) -> bytes:
+        return b"".join([data async for data in self.iter_body()])
 
     def close(self) -> None:
-        self.writer.close()
+        self.conn.close()
 
     def finish(self) -> None:
         """Return the connection to the pool if the body was read to its end, else close it."""
-        if self.done and self.keep_alive:
-            self.pool.release(self.reader, self.writer)
+        WATCHDOG.active.discard(self._watch)
+        conn = self.conn
+        conn.direct = None
+        conn.watch = None
+        if conn.finished and not conn.pending and self.keep_alive and not conn.closed:
+            self.pool.release(conn)
         else:
-            self.writer.close()
-
-    async def iter_body(self, backend: Backend, first: float) -> AsyncIterator[bytes]:
-        """Body payload as it arrives: ``first`` s for the first read, idle timeout after."""
-        try:
-            async for data in self._iter_body(first, backend.timeouts.idle):
-                yield data
-        except _Broken as exc:
-            raise UpstreamFailed(backend, str(exc)) from None
-
-    async def _iter_body(self, first: float, idle: float) -> AsyncIterator[bytes]:
-        if self.length == 0:
-            self.done = True
-            return
-        loop = asyncio.get_running_loop()
-        watch = WATCHDOG.watch(self, loop.time() + first)
-        limit = first
-        reader = self.reader
-        buffer = b""
-        remaining = self.length
-        try:
-            while True:
-                watch.deadline = loop.time() + limit
-                try:
-                    data = await reader.read(READ_SIZE)
-                except (ConnectionError, OSError) as exc:
-                    raise _Broken(f"stream broken: {exc!r}", watch.fired, limit) from None
-                if watch.fired:
-                    raise _Broken("silent", True, limit)
-                watch.deadline = math.inf
-                limit = idle
-                if not data:
-                    if remaining is None and not self.chunked:
-                        self.done = True  # body delimited by close
-                        return
-                    raise _Broken("engine closed the stream early", False, limit)
-                if not self.chunked:
-                    if remaining is not None:
-                        remaining -= len(data)
-                        if remaining <= 0:
-                            self.done = True
-                            if data:
-                                yield data
-                            return
-                    yield data
-                    continue
-                buffer += data
-                out, buffer, finished = _dechunk(buffer)
-                if out:
-                    yield out
-                if finished:
-                    self.done = True
-                    return
-        finally:
-            WATCHDOG.active.discard(watch)
-
-
-class _Broken(Exception):
-    def __init__(self, message: str, timed_out: bool, limit: float) -> None:
-        super().__init__(f"silent for {limit:g}s" if timed_out else message)
+            conn.close()
 
 
 def _dechunk(buffer: bytes) -> tuple[bytes, bytes, bool]:
@@ -165,7 +312,7 @@ def _dechunk(buffer: bytes) -> tuple[bytes, bytes, bool]:
         try:
             size = int(size_field, 16)
         except ValueError:
-            raise _Broken(f"bad chunk size {size_field[:20]!r}", False, 0) from None
+            raise _Broken(f"bad chunk size {size_field[:20]!r}") from None
         if size == 0:
             # The last chunk; trailers (none from engines) end with an empty line.
             if buffer.find(b"\r\n", eol + 2) < 0:
@@ -190,7 +337,7 @@ def _field(fields: bytes, name: bytes) -> bytes:
 
 
 async def request(
-    pool: RawPool, path: str, body: bytes, *, first_byte: float
+    pool: RawPool, backend: Backend, path: str, body: bytes, *, first_byte: float
 ) -> tuple[RawResponse | None, str | None, bool]:
     """POST ``body``; returns (response, error, connect_failed). Retries once when a pooled
     keep-alive connection turns out to be closed by the engine."""
@@ -204,53 +351,56 @@ async def request(
         + str(len(body)).encode()
         + b"\r\n\r\n"
     )
+    loop = asyncio.get_running_loop()
     for attempt in range(2):
         try:
-            reader, writer, reused = await pool.acquire()
+            conn, reused = await pool.acquire()
         except (OSError, TimeoutError) as exc:
             return None, f"connect failed: {exc!r}", True
+        # The shared watchdog, not a timer per request, enforces the first-byte timeout: it
+        # closes the socket, which ends the wait below.
+        watch = WATCHDOG.watch(conn, loop.time() + first_byte)
         try:
-            writer.write(head + body)
-            async with asyncio.timeout(first_byte):
-                raw = await reader.readuntil(b"\r\n\r\n")
-        except TimeoutError:
-            writer.close()
-            return None, f"no response within {first_byte:g}s", False
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-            writer.close()
+            assert conn.transport is not None
+            conn.transport.write(head + body)
+            raw = await conn.head()
+        except _Broken as exc:
+            conn.close()
+            if watch.fired:
+                return None, f"no response within {first_byte:g}s", False
             if reused and attempt == 0:
                 continue
-            return None, f"request failed: {exc!r}", False
-        except asyncio.LimitOverrunError:
-            writer.close()
-            return None, "response head too large", False
+            return None, f"request failed: {exc}", False
         except BaseException:
             # Cancelled (the client left): closing the socket makes the engine abort.
-            writer.close()
+            conn.close()
             raise
+        finally:
+            WATCHDOG.active.discard(watch)
         break
     first_line, _, fields = raw.partition(b"\r\n")
     try:
         status = int(first_line.split(b" ", 2)[1])
     except (IndexError, ValueError):
-        writer.close()
+        conn.close()
         return None, f"malformed status line {first_line[:40]!r}", False
     # Only four fields matter; look them up in the lower-cased block, not line by line.
     fields = b"\r\n" + fields.lower()
     chunked = b"chunked" in _field(fields, b"transfer-encoding")
     length_field = _field(fields, b"content-length")
     try:
-        length = int(length_field) if length_field else None
+        length = int(length_field) if length_field and not chunked else None
     except ValueError:
-        writer.close()
+        conn.close()
         return None, f"bad content-length {length_field[:20]!r}", False
     keep_alive = b"close" not in _field(fields, b"connection")
     content_type = _field(fields, b"content-type").split(b";")[0].decode("latin-1")
     content_type = content_type or "application/json"
     if not chunked and length is None:
         keep_alive = False  # body ends when the engine closes
+    conn.start_body(chunked, length)
     return (
-        RawResponse(pool, reader, writer, status, chunked, length, keep_alive, content_type),
+        RawResponse(pool, conn, status, keep_alive, content_type, backend, first_byte),
         None,
         False,
     )

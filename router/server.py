@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -21,6 +22,7 @@ from router.metrics import RouterMetrics
 from router.state import Deployment, RouterState
 from router.upstream import UpstreamFailed
 from router.validate import check_request, parse_body
+from router.watchdog import WATCHDOG, CancelTask
 from syshax.policy_schema import MODES, PolicyKnobs
 
 log = logging.getLogger("syshax.router")
@@ -130,8 +132,14 @@ async def _serve(
     )
     label = decision.route.value
     outcome = "error"
+    # The request deadline is one entry in the shared watchdog (which cancels this task),
+    # not a timer armed and cancelled per request.
+    task = asyncio.current_task()
+    assert task is not None
+    deadline = asyncio.get_running_loop().time() + knobs.request_timeout_seconds
+    guard = WATCHDOG.watch(CancelTask(task), deadline)
     try:
-        async with asyncio.timeout(knobs.request_timeout_seconds):
+        try:
             while True:
                 if decision.fallback:
                     metrics.fallback(f"to-{decision.route.value}")
@@ -166,6 +174,11 @@ async def _serve(
                             retry_after=retry_after_seconds(knobs),
                         ) from None
                     decision = nxt
+        except asyncio.CancelledError:
+            if not guard.fired:
+                raise
+            task.uncancel()
+            raise TimeoutError from None
     except TimeoutError:
         if exchange.started_output:
             return await _abort_stream(exchange, "request timed out")
@@ -182,6 +195,7 @@ async def _serve(
         outcome = "cancelled"
         raise
     finally:
+        WATCHDOG.active.discard(guard)
         metrics.count_request(label, outcome)
 
 
@@ -289,6 +303,8 @@ async def health(http: web.Request) -> web.Response:
     policy = router.state.default_policy()
     body = {
         "status": "ok" if serving else "unavailable",
+        # Which process answered: with --workers several share the port.
+        "pid": os.getpid(),
         "policy_version": policy.version,
         "mode": policy.knobs.mode,
         "algorithm": policy.knobs.algorithm,

@@ -10,6 +10,18 @@ class Closeable(Protocol):
     def close(self) -> None: ...
 
 
+class CancelTask:
+    """Makes a task's deadline a watch: "closing" it cancels the task."""
+
+    __slots__ = ("task",)
+
+    def __init__(self, task: asyncio.Task[object]) -> None:
+        self.task = task
+
+    def close(self) -> None:
+        self.task.cancel()
+
+
 class _Watch:
     __slots__ = ("deadline", "fired", "resp")
 

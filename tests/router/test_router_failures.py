@@ -87,6 +87,21 @@ def test_stalled_cpu_hits_the_idle_timeout_and_gpu_finishes(
         assert time.monotonic() - started < 5
         assert resp.status_code == 503 and "Retry-After" in resp.headers
         assert "within 0.5s" in resp.json()["error"]["message"]
+
+        # The whole-request deadline (request_timeout_seconds): a 504 once it passes.
+        short = router_factory(
+            stalled.url, None, "--mode", "gpu-only", "--request-timeout-seconds", "1"
+        )
+        started = time.monotonic()
+        resp = httpx.post(
+            short.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 50},
+            timeout=30,
+        )
+        assert 0.9 < time.monotonic() - started < 5
+        assert resp.status_code == 504
+        assert resp.json()["error"]["code"] == "request_timeout"
+        assert metric(short, "syshax_router_requests_total", outcome="error") == 1
     finally:
         stalled.stop()
 
