@@ -10,7 +10,7 @@ A pure function (no I/O) from a node's topology and a profile's CPU request to t
   launch), which otherwise compete with decode threads and slow prefill.
 
 The control plane imports this module for placement checks, so it depends on nothing but the
-standard library and speaks plain dataclasses.
+standard library (and the project's shared ``FieldError``) and speaks plain dataclasses.
 """
 
 from __future__ import annotations
@@ -19,17 +19,14 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from syshax.errors import FieldError
+
 MIN_THREAD_RATIO = 1.0
 MAX_THREAD_RATIO = 1.5
 
 
-class AffinityError(ValueError):
+class AffinityError(FieldError):
     """A request that cannot be placed on the node; ``field`` names the offending input."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 @dataclass(frozen=True)

@@ -9,17 +9,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from syshax.errors import FieldError
+
 MODES = ("auto", "gpu-only", "cpu-only", "forced-pd")
 ALGORITHMS = ("capacity", "syshax-threshold")
 
 
-class PolicyError(ValueError):
+class PolicyError(FieldError):
     """A policy value is out of range. ``field`` names the knob."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 @dataclass(frozen=True)

@@ -16,16 +16,14 @@ from django_celery_beat.models import CrontabSchedule, IntervalSchedule, Periodi
 from controlplane.benchmarks.choices import BenchmarkMode
 from controlplane.benchmarks.models import MAX_CONCURRENCY, Scenario
 from controlplane.deployments.models import Deployment
+from syshax.errors import FieldError
 
 TASK_NAME = "benchmarks.scheduled_run"
 DEFAULT_THRESHOLD_PERCENT = 10.0
 
 
-class ScheduleError(ValueError):
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+class ScheduleError(FieldError):
+    """A scheduled benchmark's arguments are wrong."""
 
 
 @dataclass(frozen=True)

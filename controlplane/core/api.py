@@ -14,7 +14,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from syshax.policy_schema import PolicyError
+from syshax.errors import FieldError
 
 HEALTH_SCHEMA = inline_serializer(
     "Health", {"status": serializers.CharField(), "database": serializers.CharField()}
@@ -37,11 +37,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         exc = exceptions.ValidationError(
             exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
         )
-    elif isinstance(exc, PolicyError) or (
-        hasattr(exc, "field")
-        and hasattr(exc, "message")
-        and not isinstance(exc, exceptions.APIException)
-    ):
+    elif isinstance(exc, FieldError):
         exc = exceptions.ValidationError({exc.field: [exc.message]})
     response = drf_exception_handler(exc, context)
     if response is None:

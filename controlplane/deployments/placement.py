@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from controlplane.deployments.choices import AffinityMode
 from controlplane.deployments.models import DeploymentProfile
 from controlplane.inventory.cpulist import CpuListError, format_cpu_list, parse_cpu_list
 from controlplane.inventory.models import Node
+from syshax.errors import FieldError
 
 # sysHAX's deployment guide: at least 20 GB of device memory per card.
 MIN_ACCELERATOR_MEMORY_GB = 20.0
 
 
-@dataclass(frozen=True)
-class PlacementError(Exception):
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
+class PlacementError(FieldError):
+    """The profile does not fit the node."""
 
 
 def check_placement(profile: DeploymentProfile, node: Node) -> list[PlacementError]:

@@ -17,13 +17,6 @@ from controlplane.policy.models import SchedulingPolicy
 from controlplane.policy.services import ensure_default_policy
 
 
-class DeploymentError(Exception):
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
 def add_event(
     deployment: Deployment,
     step: str,
@@ -217,7 +210,6 @@ def reconcile_returning_node(node_id: int) -> int:
 
 
 __all__ = [
-    "DeploymentError",
     "PlacementError",
     "add_event",
     "create_deployment",

@@ -11,14 +11,12 @@ from controlplane.access.models import MachineCredential
 from controlplane.deployments.choices import DeploymentState
 from controlplane.deployments.models import Deployment
 from controlplane.routers.models import RouterInstance, RouterStatsSample
+from syshax.errors import FieldError
 
 
-class RouterNameTaken(Exception):
-    field = "name"
-
+class RouterNameTaken(FieldError):
     def __init__(self, name: str) -> None:
-        self.message = f"router {name!r} is registered with another credential"
-        super().__init__(self.message)
+        super().__init__("name", f"router {name!r} is registered with another credential")
 
 
 def register_router(

@@ -45,7 +45,7 @@ def deployment_create(request: HttpRequest) -> HttpResponse:
                 acting_user=request.user,
                 start=data["start"],
             )
-        except (PlacementError, services.DeploymentError) as exc:
+        except PlacementError as exc:
             # Show every reason the profile does not fit, not only the first one raised.
             reasons = [(p.field, p.message) for p in check_placement(data["profile"], data["node"])]
             for field, message in reasons or [(exc.field, exc.message)]:
@@ -82,7 +82,7 @@ def deployment_action(request: HttpRequest, pk: int, action: str) -> HttpRespons
     deployment = get_object_or_404(Deployment.objects.select_related("node", "profile"), pk=pk)
     try:
         operation(deployment, acting_user=request.user)
-    except (PlacementError, services.DeploymentError) as exc:
+    except PlacementError as exc:
         messages.error(request, f"{action} refused: {exc.field}: {exc.message}")
     else:
         messages.success(request, f"{action} requested for {deployment.name}")
