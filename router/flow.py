@@ -358,10 +358,8 @@ class Exchange:
 
     # -- PD ----------------------------------------------------------------------------------
 
-    async def _prefill_syshax(self) -> tuple[str, str]:
-        """GPU prefill; emits the first token. Returns (request_id_inference, finish_reason)."""
-        body = self._base_body()
-        body.update(stream=False, num_decode_tokens=0)
+    async def _prefill_on_gpu(self, body: dict[str, Any]) -> Any:
+        """One non-streaming prefill request on the GPU engine, counted as in flight there."""
         gpu = self.deployment.gpu
         gpu.inflight += 1
         try:
@@ -369,6 +367,13 @@ class Exchange:
         finally:
             gpu.inflight -= 1
         gpu.record_success()
+        return data
+
+    async def _prefill_syshax(self) -> tuple[str, str]:
+        """GPU prefill; emits the first token. Returns (request_id_inference, finish_reason)."""
+        body = self._base_body()
+        body.update(stream=False, num_decode_tokens=0)
+        data = await self._prefill_on_gpu(body)
         try:
             choice = data["choices"][0]
             text = (choice["message"]["content"] if self.req.chat else choice["text"]) or ""
@@ -376,7 +381,9 @@ class Exchange:
             request_id = str(data["id"])
             usage = data.get("usage") or {}
         except (KeyError, IndexError, TypeError):
-            raise UpstreamFailed(gpu, "prefill answer has an unexpected shape") from None
+            raise UpstreamFailed(
+                self.deployment.gpu, "prefill answer has an unexpected shape"
+            ) from None
         self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         if text:
             await self.emit(text, int(usage.get("completion_tokens") or 1))
@@ -451,12 +458,7 @@ class Exchange:
         body = self._base_body()
         body.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         gpu = self.deployment.gpu
-        gpu.inflight += 1
-        try:
-            data = await post_json(gpu, self.req.path, body, first_byte=self.first_byte)
-        finally:
-            gpu.inflight -= 1
-        gpu.record_success()
+        data = await self._prefill_on_gpu(body)
         params = data.get("kv_transfer_params") if isinstance(data, dict) else None
         if not isinstance(params, dict):
             raise UpstreamFailed(gpu, "prefill answer has no kv_transfer_params")
