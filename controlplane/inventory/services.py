@@ -100,13 +100,11 @@ def record_heartbeat(node: Node, payload: dict[str, Any]) -> Node:
                 temperature_c=reading.get("temperature_c"),
             )
         # Compare-and-set: draining is an operator decision a heartbeat must not undo.
-        came_back = (
-            Node.objects.filter(pk=node.pk)
-            .exclude(status=NodeStatus.DRAINING)
-            .exclude(status=NodeStatus.ONLINE)
-            .update(status=NodeStatus.ONLINE, last_heartbeat_at=now)
-        )
-        Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now)
+        came_back = Node.objects.filter(
+            pk=node.pk, status__in=[NodeStatus.PENDING, NodeStatus.OFFLINE]
+        ).update(status=NodeStatus.ONLINE, last_heartbeat_at=now)
+        if not came_back:
+            Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now)
         node.refresh_from_db()
         if came_back:
             audit.record("node.online", node, acting_user="agent")
