@@ -16,7 +16,7 @@ standard library (and the project's shared ``FieldError``) and speaks plain data
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from syshax.errors import FieldError
@@ -92,19 +92,30 @@ class Topology:
 
 
 def topology_from_inventory(
-    numa_nodes: Sequence[Mapping[str, object]], *, physical_cores: int, threads: int
+    numa_nodes: Sequence[Mapping[str, object]],
+    *,
+    physical_cores: int,
+    threads: int,
+    exclude: Collection[int] = (),
 ) -> Topology:
     """Rebuild a :class:`Topology` from the inventory of docs/machine-api.md.
 
     The inventory lists each NUMA node's CPUs but not which CPUs are SMT siblings, so this
     assumes Linux's numbering on x86 and Kunpeng servers: with N physical cores and 2N threads,
     CPU c and CPU c+N are one core. Without SMT (threads == cores) every CPU is a core.
+    CPUs in ``exclude`` (held by other engines) are left out, and so are NUMA nodes left empty.
     """
     smt = threads // physical_cores if physical_cores and threads > physical_cores else 1
+    held = set(exclude)
     node_cpus = {
-        int(str(n["index"])): parse_cpu_list(str(n["cpus"]), field_name="numa_nodes.cpus")
+        int(str(n["index"])): [
+            cpu
+            for cpu in parse_cpu_list(str(n["cpus"]), field_name="numa_nodes.cpus")
+            if cpu not in held
+        ]
         for n in numa_nodes
     }
+    node_cpus = {index: cpus for index, cpus in node_cpus.items() if cpus}
     core_of = {
         cpu: cpu % physical_cores if smt > 1 else cpu for cpus in node_cpus.values() for cpu in cpus
     }

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from agents.affinity import AffinityError, AffinityRequest, Topology, plan_affinity
+from agents.affinity import (
+    AffinityError,
+    AffinityRequest,
+    Topology,
+    plan_affinity,
+    topology_from_inventory,
+)
 from controlplane.deployments.choices import AffinityMode, DeploymentState
 from controlplane.deployments.models import Deployment, DeploymentProfile
 from controlplane.deployments.placement import PlacementError
@@ -16,18 +22,14 @@ ACTIVE = (DeploymentState.DEPLOYING, DeploymentState.RUNNING, DeploymentState.UN
 
 
 def node_topology(node: Node, exclude: set[int] | None = None) -> Topology:
-    """The node's NUMA layout as the planner wants it. Linux numbers SMT siblings
-    ``cpu + physical_cores``; without sibling data each CPU is its own core."""
-    exclude = exclude or set()
-    node_cpus = {
-        n.index: [c for c in parse_cpu_list(n.cpus) if c not in exclude]
-        for n in node.numa_nodes.all()
-    }
+    """The node's NUMA layout as the planner wants it, without the CPUs in ``exclude``."""
     cpu = getattr(node, "cpu", None)
-    physical = cpu.physical_cores if cpu is not None else 0
-    smt = cpu is not None and cpu.threads == 2 * physical and physical > 0
-    core_of = {c: (c % physical if smt else c) for cpus in node_cpus.values() for c in cpus}
-    return Topology.from_cpu_map({i: cpus for i, cpus in node_cpus.items() if cpus}, core_of)
+    return topology_from_inventory(
+        [{"index": n.index, "cpus": n.cpus} for n in node.numa_nodes.all() if n.cpus.strip()],
+        physical_cores=cpu.physical_cores if cpu is not None else 0,
+        threads=cpu.threads if cpu is not None else 0,
+        exclude=exclude or (),
+    )
 
 
 def held_cpus(node: Node, *, excluding: Deployment | None = None) -> dict[int, str]:
