@@ -28,9 +28,7 @@ class MachineTokenAuthentication(authentication.BaseAuthentication):
         if not token.startswith(("sxa_", "sxr_")):
             raise exceptions.AuthenticationFailed("not a machine token")
         try:
-            credential = MachineCredential.objects.select_related("node").get(
-                key_hash=hash_token(token)
-            )
+            credential = MachineCredential.objects.get(key_hash=hash_token(token))
         except MachineCredential.DoesNotExist:
             raise exceptions.AuthenticationFailed("unknown machine token") from None
         if not credential.active:

@@ -8,6 +8,7 @@ from django.db import models
 from django.utils import timezone
 
 from controlplane.access.choices import CredentialKind
+from controlplane.core.audit import split_actor
 from controlplane.inventory.models import Node
 
 TOKEN_PREFIX = {CredentialKind.AGENT: "sxa_", CredentialKind.ROUTER: "sxr_"}
@@ -60,7 +61,7 @@ class MachineCredential(models.Model):
     ) -> tuple[MachineCredential, str]:
         """Create a credential and return it with its plaintext token (shown only now)."""
         token = TOKEN_PREFIX[CredentialKind(kind)] + secrets.token_urlsafe(32)
-        user = created_by if getattr(created_by, "_meta", None) is not None else None
+        user, _ = split_actor(created_by)
         credential = cls.objects.create(
             kind=kind,
             name=name,

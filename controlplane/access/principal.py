@@ -39,7 +39,3 @@ class MachinePrincipal:
 
     def __str__(self) -> str:
         return f"{self.credential.kind}:{self.credential.name}"
-
-
-def is_machine(user: object) -> bool:
-    return isinstance(user, MachinePrincipal)

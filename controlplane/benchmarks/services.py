@@ -8,13 +8,16 @@ from controlplane.benchmarks.choices import ACTIVE_STATUSES, RunStatus
 from controlplane.benchmarks.models import BenchmarkRun
 from controlplane.core import audit
 
+ADVISOR_RUNS = 20  # the mode advisor's window: the newest successful runs
+
 
 def create_run(*, acting_user: Any, **fields: Any) -> BenchmarkRun:
     """Create a run and queue it once the row is committed."""
     with transaction.atomic():
         run = BenchmarkRun(**fields)
-        if getattr(acting_user, "_meta", None) is not None:
-            run.created_by = acting_user
+        user, _ = audit.split_actor(acting_user)
+        if user is not None:
+            run.created_by = user
         run.full_clean()
         run.save()
         audit.record("benchmark.created", run, acting_user=acting_user)
@@ -78,3 +81,14 @@ def flag_regression(run: BenchmarkRun, threshold_percent: float) -> bool:
         }
     run.save(update_fields=["regression", "regression_detail"])
     return run.regression
+
+
+def advisor_summaries(
+    deployment_id: int | None = None, limit: int = ADVISOR_RUNS
+) -> list[dict[str, Any]]:
+    """The summaries the mode advisor decides from: the newest ``limit`` successful runs
+    (of one deployment if given), oldest first."""
+    runs = BenchmarkRun.objects.filter(status=RunStatus.SUCCEEDED).order_by("-finished_at")
+    if deployment_id is not None:
+        runs = runs.filter(deployment_id=deployment_id)
+    return [run.summary for run in reversed(list(runs[:limit]))]

@@ -1,18 +1,31 @@
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from django.db import models
 
 from controlplane.core.models import AuditEntry
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import User
+
+
+def split_actor(acting_user: Any) -> tuple[User | None, str]:
+    """Split ``acting_user`` into (Django user, "") or (None, machine label).
+
+    ``acting_user`` may be a Django user, a machine principal, a plain label or None
+    (an action the system took on its own, labelled "system").
+    """
+    if getattr(acting_user, "_meta", None) is not None:
+        return cast("User", acting_user), ""
+    return None, str(acting_user or "system")
 
 
 def record(
     action: str, obj: models.Model, *, acting_user: Any = None, detail: dict[str, Any] | None = None
 ) -> AuditEntry:
     """Write one audit row. ``acting_user`` may be a Django user, a machine principal or None."""
-    user = acting_user if getattr(acting_user, "_meta", None) is not None else None
-    label = "" if user is not None else str(acting_user or "system")
+    user, label = split_actor(acting_user)
     return AuditEntry.objects.create(
         actor=user,
         actor_label=label,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +18,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from controlplane.benchmarks import analysis
+from controlplane.benchmarks import services as benchmark_services
 from controlplane.benchmarks.analysis import Recommendation
-from controlplane.benchmarks.choices import RunStatus
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample
 from controlplane.dashboard.benchdata import (
     Figures,
@@ -31,11 +32,10 @@ from controlplane.deployments.choices import DeploymentState
 from controlplane.deployments.models import Deployment, DeploymentEvent
 from controlplane.inventory.choices import NodeStatus
 from controlplane.inventory.models import Accelerator, Node
+from controlplane.routers.choices import DECISIONS
 from controlplane.routers.models import RouterInstance
 
 ATTENTION_DEPLOYMENT_STATES = (DeploymentState.FAILED, DeploymentState.UNKNOWN)
-DECISION_KEYS = ("gpu-only", "pd", "cpu-only", "rejected")
-ADVISOR_RUNS = 20  # the advisor API's window: the newest successful runs
 
 
 @dataclass(frozen=True)
@@ -45,17 +45,30 @@ class Attention:
     url: str
 
 
-def attention_items() -> list[Attention]:
-    """Offline or silent nodes, failed or unknown deployments, and flagged regressions."""
+def attention_items(
+    nodes: Sequence[Node] | None = None, deployments: Sequence[Deployment] | None = None
+) -> list[Attention]:
+    """Offline or silent nodes, failed or unknown deployments, and flagged regressions.
+
+    A caller that has already loaded every node and deployment (the overview) passes them in
+    to save two queries; they are filtered here exactly as the queries would filter them."""
     items: list[Attention] = []
     now = timezone.now()
-    for node in Node.objects.exclude(status=NodeStatus.DRAINING):
+    if nodes is None:
+        nodes = list(Node.objects.exclude(status=NodeStatus.DRAINING))
+    if deployments is None:
+        deployments = list(Deployment.objects.filter(state__in=ATTENTION_DEPLOYMENT_STATES))
+    for node in nodes:
+        if node.status == NodeStatus.DRAINING:
+            continue
         url = reverse("dashboard:node", args=[node.name])
         if node.status == NodeStatus.OFFLINE:
             items.append(Attention("error", f"node {node.name} is offline", url))
         elif node.status == NodeStatus.ONLINE and not node.is_alive(now):
             items.append(Attention("warning", f"node {node.name} has missed heartbeats", url))
-    for deployment in Deployment.objects.filter(state__in=ATTENTION_DEPLOYMENT_STATES):
+    for deployment in deployments:
+        if deployment.state not in ATTENTION_DEPLOYMENT_STATES:
+            continue
         reason = f": {deployment.state_reason}" if deployment.state_reason else ""
         items.append(
             Attention(
@@ -80,7 +93,7 @@ def decision_mix(stats: dict[str, Any]) -> list[tuple[str, int, float]]:
     raw = stats.get("decisions") if isinstance(stats, dict) else None
     counts = {k: int(v) for k, v in (raw or {}).items() if isinstance(v, int | float)}
     total = sum(counts.values())
-    keys = [k for k in DECISION_KEYS if k in counts] + sorted(set(counts) - set(DECISION_KEYS))
+    keys = [k for k in DECISIONS if k in counts] + sorted(set(counts) - set(DECISIONS))
     return [(k, counts[k], 100.0 * counts[k] / total if total else 0.0) for k in keys]
 
 
@@ -88,16 +101,17 @@ def overview() -> dict[str, Any]:
     nodes = list(Node.objects.annotate(deployment_count=Count("deployments")))
     status_counts = Counter(node.status for node in nodes)
     routers = list(RouterInstance.objects.all())
+    deployments = list(Deployment.objects.select_related("node", "profile", "policy"))
     return {
         "nodes": nodes,
         "node_status": [
             (value, label, status_counts.get(value, 0)) for value, label in NodeStatus.choices
         ],
         "accelerators": list(Accelerator.objects.select_related("node")),
-        "deployments": list(Deployment.objects.select_related("node", "profile", "policy")),
+        "deployments": deployments,
         "routers": [(router, decision_mix(router.stats)) for router in routers],
         "runs": list(BenchmarkRun.objects.select_related("scenario", "deployment")[:8]),
-        "attention": attention_items(),
+        "attention": attention_items(nodes, deployments),
     }
 
 
@@ -205,8 +219,7 @@ def advice(
 ) -> tuple[Recommendation | None, str, int]:
     """The benchmarks app's mode advisor over the newest successful runs, as its API asks it:
     (recommendation, error, runs considered)."""
-    runs = BenchmarkRun.objects.filter(status=RunStatus.SUCCEEDED).order_by("-finished_at")
-    summaries = [run.summary for run in reversed(list(runs[:ADVISOR_RUNS]))]
+    summaries = benchmark_services.advisor_summaries()
     try:
         found = analysis.advise(summaries, goal, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms)
     except ValueError as exc:

@@ -13,7 +13,14 @@ MIN_ACCELERATOR_MEMORY_GB = 20.0
 
 
 class PlacementError(FieldError):
-    """The profile does not fit the node."""
+    """The profile does not fit the node.
+
+    ``problems`` holds every reason found by the same check (this error first), so a caller
+    that shows them all need not run the check again; a lone error holds only itself."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(field, message)
+        self.problems: list[PlacementError] = [self]
 
 
 def check_placement(profile: DeploymentProfile, node: Node) -> list[PlacementError]:

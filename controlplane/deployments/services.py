@@ -51,10 +51,12 @@ def placement_plan(
     profile: DeploymentProfile, node: Node, deployment: Deployment | None = None
 ) -> dict[str, Any]:
     """Check the profile fits the node and plan the CPU engine's cores; raise the first
-    PlacementError (it names the field and the limit)."""
+    PlacementError (it names the field and the limit), carrying all of them in ``problems``."""
     problems = check_placement(profile, node)
     if problems:
-        raise problems[0]
+        first = problems[0]
+        first.problems = problems
+        raise first
     if not profile.enable_cpu_engine:
         return {}
     from controlplane.deployments.affinity import plan_for
@@ -72,6 +74,7 @@ def create_deployment(
     start: bool = False,
 ) -> Deployment:
     plan = placement_plan(profile, node)
+    user, _ = audit.split_actor(acting_user)
     with transaction.atomic():
         deployment = Deployment.objects.create(
             name=name,
@@ -79,7 +82,7 @@ def create_deployment(
             node=node,
             affinity_plan=plan,
             policy=policy or ensure_default_policy(),
-            created_by=acting_user if getattr(acting_user, "_meta", None) is not None else None,
+            created_by=user,
         )
         add_event(deployment, "created", f"profile {profile.name} placed on node {node.name}")
         audit.record("deployment.created", deployment, acting_user=acting_user)

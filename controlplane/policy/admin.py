@@ -43,14 +43,10 @@ class SchedulingPolicyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def save_model(self, request, obj, form, change):  # type: ignore[no-untyped-def]
         # Route admin edits through the service so they become revisions like any other change.
         if not change:
+            # The admin form has already validated every knob, so save it as built and record
+            # the first revision (and an audit row) the same way services.create_policy does.
             super().save_model(request, obj, form, change)
-            PolicyRevision.objects.create(
-                policy=obj,
-                version=obj.version,
-                knobs=obj.knobs(),
-                reason="created in the admin",
-                created_by=request.user,
-            )
+            services.record_created(obj, acting_user=request.user, reason="created in the admin")
             return
         changes = {k: form.cleaned_data[k] for k in KNOB_NAMES if k in form.changed_data}
         if "description" in form.changed_data:

@@ -9,7 +9,7 @@ from django.db import models
 
 from controlplane.core.models import TimeStampedModel
 from controlplane.policy.choices import DeciderAlgorithm, PolicyMode
-from syshax.policy_schema import KNOBS, PolicyError, PolicyKnobs, validate_knobs
+from syshax.policy_schema import KNOBS, PolicyError, validate_knobs
 
 KNOB_NAMES = tuple(knob.name for knob in KNOBS)
 
@@ -81,9 +81,6 @@ class SchedulingPolicy(TimeStampedModel):
 
     def knobs(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in KNOB_NAMES}
-
-    def as_policy_knobs(self) -> PolicyKnobs:
-        return validate_knobs(self.knobs())
 
     def clean(self) -> None:
         try:

@@ -16,40 +16,54 @@ class NothingChanged(PolicyError):
         super().__init__("policy", "the change sets every knob to its current value")
 
 
-def _actor(acting_user: Any) -> tuple[Any, str]:
-    if getattr(acting_user, "_meta", None) is not None:
-        return acting_user, ""
-    return None, str(acting_user or "system")
+def _record_revision(
+    policy: SchedulingPolicy,
+    *,
+    reason: str,
+    acting_user: Any,
+    changed: dict[str, Any] | None = None,
+    rolled_back_to: int | None = None,
+) -> PolicyRevision:
+    """Snapshot the policy's current version and knobs as a revision row."""
+    user, label = audit.split_actor(acting_user)
+    return PolicyRevision.objects.create(
+        policy=policy,
+        version=policy.version,
+        knobs=policy.knobs(),
+        changed=changed if changed is not None else {},
+        reason=reason,
+        created_by=user,
+        created_by_label=label,
+        rolled_back_to=rolled_back_to,
+    )
 
 
 def ensure_default_policy() -> SchedulingPolicy:
     policy, created = SchedulingPolicy.objects.get_or_create(name="default")
     if created:
-        PolicyRevision.objects.create(
-            policy=policy,
-            version=policy.version,
-            knobs=policy.knobs(),
-            reason="initial defaults (sysHAX example configuration)",
-            created_by_label="system",
+        _record_revision(
+            policy, reason="initial defaults (sysHAX example configuration)", acting_user=None
         )
     return policy
 
 
-def create_policy(name: str, *, acting_user: Any, reason: str, **knobs: Any) -> SchedulingPolicy:
+def create_policy(
+    name: str, *, acting_user: Any, reason: str, description: str = "", **knobs: Any
+) -> SchedulingPolicy:
     validated = validate_knobs(knobs, partial=True)
     with transaction.atomic():
-        policy = SchedulingPolicy.objects.create(name=name, **validated.as_dict())
-        user, label = _actor(acting_user)
-        PolicyRevision.objects.create(
-            policy=policy,
-            version=policy.version,
-            knobs=policy.knobs(),
-            reason=reason,
-            created_by=user,
-            created_by_label=label,
+        policy = SchedulingPolicy.objects.create(
+            name=name, description=description, **validated.as_dict()
         )
-        audit.record("policy.created", policy, acting_user=acting_user)
+        record_created(policy, acting_user=acting_user, reason=reason)
     return policy
+
+
+def record_created(policy: SchedulingPolicy, *, acting_user: Any, reason: str) -> PolicyRevision:
+    """The first revision and the audit row for a policy that was just saved."""
+    revision = _record_revision(policy, reason=reason, acting_user=acting_user)
+    audit.record("policy.created", policy, acting_user=acting_user)
+    return revision
 
 
 def update_policy(
@@ -74,15 +88,11 @@ def update_policy(
             setattr(locked, key, new)
         locked.version += 1
         locked.save()
-        user, label = _actor(acting_user)
-        revision = PolicyRevision.objects.create(
-            policy=locked,
-            version=locked.version,
-            knobs=locked.knobs(),
-            changed=diff,
+        revision = _record_revision(
+            locked,
             reason=reason.strip(),
-            created_by=user,
-            created_by_label=label,
+            acting_user=acting_user,
+            changed=diff,
             rolled_back_to=rolled_back_to,
         )
         audit.record(

@@ -114,17 +114,18 @@ class AdvisorView(APIView):
     permission_classes = [ScopedPermission]
 
     def get_queryset(self) -> QuerySet[BenchmarkRun]:
+        # Names the model ScopedPermission checks; the advisor's own query is in services.
         return BenchmarkRun.objects.filter(status=RunStatus.SUCCEEDED).order_by("-finished_at")
 
     @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
         params = request.query_params
         goal = params.get("goal", "throughput")
-        runs = self.get_queryset()
+        deployment_id: int | None = None
         if params.get("deployment"):
             if not params["deployment"].isdigit():
                 raise ValidationError({"deployment": "must be a deployment id"})
-            runs = runs.filter(deployment_id=int(params["deployment"]))
+            deployment_id = int(params["deployment"])
         slo: dict[str, float] = {}
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             if params.get(name):
@@ -134,7 +135,7 @@ class AdvisorView(APIView):
                     raise ValidationError({name: "must be a number of milliseconds"}) from None
                 if slo[name] <= 0:
                     raise ValidationError({name: "must be positive"})
-        summaries = [run.summary for run in reversed(list(runs[:20]))]
+        summaries = services.advisor_summaries(deployment_id)
         try:
             advice = analysis.advise(
                 summaries,

@@ -47,9 +47,8 @@ def deployment_create(request: HttpRequest) -> HttpResponse:
             )
         except PlacementError as exc:
             # Show every reason the profile does not fit, not only the first one raised.
-            reasons = [(p.field, p.message) for p in check_placement(data["profile"], data["node"])]
-            for field, message in reasons or [(exc.field, exc.message)]:
-                form.add_service_error(field, message)
+            for problem in exc.problems:
+                form.add_service_error(problem.field, problem.message)
         else:
             messages.success(request, f"deployment {deployment.name} created")
             return redirect("dashboard:deployment", pk=deployment.pk)

@@ -41,10 +41,9 @@ class PolicyViewSet(ScopedModelViewSet):
         reason = data.pop("reason")
         name = data.pop("name")
         description = data.pop("description", "")
-        policy = services.create_policy(name, acting_user=self.request.user, reason=reason, **data)
-        if description:
-            policy.description = description
-            policy.save(update_fields=["description"])
+        policy = services.create_policy(
+            name, acting_user=self.request.user, reason=reason, description=description, **data
+        )
         serializer.instance = policy
 
     def partial_update(self, request: Request, *args: object, **kwargs: object) -> Response:
@@ -70,7 +69,7 @@ class PolicyViewSet(ScopedModelViewSet):
             acting_user=request.user,
             reason=change.validated_data["reason"],
         )
-        policy.refresh_from_db()
+        # update_policy/rollback_policy refresh ``policy`` in place.
         return Response(self.get_serializer(policy).data)
 
     def perform_destroy(self, instance: SchedulingPolicy) -> None:
@@ -97,7 +96,7 @@ class PolicyViewSet(ScopedModelViewSet):
             acting_user=request.user,
             reason=serializer.validated_data["reason"],
         )
-        policy.refresh_from_db()
+        # update_policy/rollback_policy refresh ``policy`` in place.
         return Response(self.get_serializer(policy).data)
 
 

@@ -2,9 +2,8 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
+from controlplane.routers.choices import DECISIONS
 from controlplane.routers.models import RouterInstance, RouterStatsSample
-
-DECISIONS = ("gpu-only", "pd", "cpu-only", "rejected")
 
 
 class RouterInstanceSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
