@@ -52,7 +52,6 @@ class Backend:
         # The passthrough path's lean client; PD calls use the aiohttp session.
         self.pool = RawPool(self.url, timeouts.connect)
         self.up = True  # optimistic until the first scrape says otherwise
-        self.scraped_once = False
         self.inflight = 0  # sequences this router currently has on the engine
         self.consecutive_errors = 0
         self.ejection_count = 0
@@ -153,7 +152,6 @@ class Backend:
         if not self.up:
             log.info("%s backend %s is up again", self.role, self.url)
         self.up = True
-        self.scraped_once = True
 
 
 async def scrape_forever(

@@ -200,7 +200,7 @@ class StandalonePolicy:
             self.mtime = mtime
 
 
-async def discover_model(router: Router, gpu_url: str) -> str | None:
+async def discover_model(gpu_url: str) -> str | None:
     import aiohttp
 
     for _ in range(10):
@@ -273,7 +273,7 @@ async def serve(args: argparse.Namespace) -> int:
             return 2
         if args.policy:
             standalone.mtime = os.stat(args.policy).st_mtime_ns
-        model = args.model or await discover_model(router, args.gpu_url or args.cpu_url)
+        model = args.model or await discover_model(args.gpu_url or args.cpu_url)
         if model is None:
             log.error("could not ask the GPU engine for its model name; pass --model")
             return 2
@@ -300,8 +300,6 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("router listening on http://%s:%s", args.host, port)
 
     if args.control_plane:
-        from router.managed import ControlPlaneClient
-
         client = ControlPlaneClient(
             router,
             base_url=args.control_plane,

@@ -133,7 +133,7 @@ def decide(knobs: PolicyKnobs, loads: Loads) -> Decision:
         if _cpu_allowed(knobs) and cpu.available:
             return Decision(Route.CPU_ONLY, reason="GPU engine down", fallback=True)
         return Decision(Route.REJECTED, reason="GPU engine down", status=503)
-    if knobs.mode == "gpu-only" or not _cpu_allowed(knobs):
+    if not _cpu_allowed(knobs):
         return Decision(Route.GPU_ONLY, reason=f"mode {knobs.mode}, CPU offload off")
     chunk = token_limit(knobs, cpu.throughput_tps)
     if knobs.mode == "forced-pd":
@@ -211,7 +211,7 @@ def decide_next_chunk(knobs: PolicyKnobs, loads: Loads) -> Decision:
     if pinned or not loads.gpu.available:
         # sysHAX sends continuations straight back to the CPU.
         return Decision(Route.PD, token_limit=chunk, reason="continue on CPU")
-    if knobs.mode == "gpu-only" or not _cpu_allowed(knobs):
+    if not _cpu_allowed(knobs):
         return Decision(Route.GPU_ONLY, reason=f"policy now {knobs.mode}, CPU offload off")
     gpu_ok, gpu_why = gpu_room(knobs, loads)
     if gpu_ok:

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from router.backends import Backend
 from router.decide import Decision, Route, decide_next_chunk
+from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.rawhttp import RawResponse
 from router.rawhttp import request as raw_request
@@ -161,6 +162,13 @@ class Exchange:
             raise ClientGone() from exc
         self.response = response
 
+    async def _ensure_stream(self) -> None:
+        """Open the client's stream on first output; a chat stream starts with the role chunk."""
+        if self.response is None:
+            await self._open_stream()
+            if self.req.chat:
+                await self._write(self.builder.role())
+
     def _tick(self) -> None:
         now = time.perf_counter()
         if self.last_token_at is None:
@@ -176,10 +184,7 @@ class Exchange:
         self.completion_tokens += tokens
         if not self.req.stream:
             return
-        if self.response is None:
-            await self._open_stream()
-            if self.req.chat:
-                await self._write(self.builder.role())
+        await self._ensure_stream()
         await self._write(self.builder.text(text))
 
     async def finish(self) -> web.StreamResponse:
@@ -200,16 +205,29 @@ class Exchange:
                 content_type="application/json",
                 headers={ROUTE_HEADER: self.decision_label},
             )
-        if self.response is None:
-            await self._open_stream()
-            if self.req.chat:
-                await self._write(self.builder.role())
+        await self._ensure_stream()
         tail = self.builder.finish(self.finish_reason)
         if self.req.include_usage:
             tail += self.builder.usage(self.prompt_tokens, self.completion_tokens)
         await self._write(tail + DONE)
         assert self.response is not None
         await self.response.write_eof()
+        return self.response
+
+    async def abort_stream(
+        self, message: str, *, client_gone_ok: bool = False
+    ) -> web.StreamResponse:
+        """End a stream that already started with an error event: never a hang, never a trace.
+        Without an open stream the error is a 502 answer instead. A client that left meanwhile
+        raises ClientGone unless ``client_gone_ok`` (then the stream is returned as it is)."""
+        if not self.req.stream or self.response is None:
+            raise RouterError(502, message, type_="server_error", code="backend_error")
+        try:
+            await self.response.write(self.builder.error(message, "backend_error") + DONE)
+            await self.response.write_eof()
+        except (ConnectionError, RuntimeError) as exc:
+            if not client_gone_ok:
+                raise ClientGone() from exc
         return self.response
 
     # -- upstream helpers --------------------------------------------------------------------
@@ -225,7 +243,7 @@ class Exchange:
             connect_failed=exc.connect_failed,
             may_eject=self.state.may_eject(backend),
         ):
-            self.metrics.ejections.labels(backend.url, backend.role).inc()
+            self.metrics.ejection(backend.url, backend.role)
         log.warning("upstream failure: %s", exc)
 
     async def passthrough(self, backend: Backend) -> web.StreamResponse:
@@ -258,9 +276,7 @@ class Exchange:
             self.record_failure(exc)
             if self.response is not None:
                 # Bytes already went out; end the stream with an error event, never a hang.
-                await self._write(self.builder.error(str(exc), "backend_error") + DONE)
-                await self.response.write_eof()
-                return self.response
+                return await self.abort_stream(str(exc))
             raise
         finally:
             if resp is not None:
@@ -348,7 +364,7 @@ class Exchange:
         if finish is None:
             raise UpstreamFailed(backend, "stream ended without a finish reason")
         backend.record_success()
-        self.metrics.chunks.labels(backend.role).inc()
+        self.metrics.chunk(backend.role)
         return finish
 
     def _remaining(self) -> int | None:
@@ -439,7 +455,8 @@ class Exchange:
                 break
             if not on_cpu:
                 continue
-            knobs = self.req.knobs or self.state.policy_for(self.deployment).knobs
+            # Read anew per chunk: a live policy change lands mid-request.
+            knobs = self.state.knobs_for(self.deployment, self.req.knobs)
             loads = self.deployment.loads(time.monotonic())
             nxt = decide_next_chunk(knobs, loads)
             if nxt.route is Route.PD:

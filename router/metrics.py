@@ -133,11 +133,17 @@ class RouterMetrics:
         self._child(self.itl, decision).observe(seconds)
 
     def backend_error(self, url: str, role: str) -> None:
-        self.backend_errors.labels(url, role).inc()
+        self._child(self.backend_errors, url, role).inc()
         self.backend_error_count += 1
 
+    def ejection(self, url: str, role: str) -> None:
+        self._child(self.ejections, url, role).inc()
+
+    def chunk(self, device: str) -> None:
+        self._child(self.chunks, device).inc()
+
     def fallback(self, kind: str) -> None:
-        self.fallbacks.labels(kind).inc()
+        self._child(self.fallbacks, kind).inc()
         self.fallback_count += 1
 
     def stats(self, policy_version: int) -> dict[str, object]:

@@ -256,10 +256,6 @@ class RawResponse:
         conn.watch = self._watch
         conn.idle = self._idle
 
-    @property
-    def done(self) -> bool:
-        return self.conn.finished and not self.conn.pending
-
     def set_direct(self, direct: Callable[[bytes], bool] | None) -> None:
         self.conn.direct = direct
 
@@ -283,9 +279,6 @@ class RawResponse:
 
     async def read_all(self) -> bytes:
         return b"".join([data async for data in self.iter_body()])
-
-    def close(self) -> None:
-        self.conn.close()
 
     def finish(self) -> None:
         """Return the connection to the pool if the body was read to its end, else close it."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 import time
@@ -16,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.backends import Backend, Timeouts
 from router.decide import Decision, Route, decide, retry_after_seconds
-from router.errors import RouterError, error_body, error_response, saturated, unavailable
+from router.errors import RouterError, error_response, saturated, unavailable
 from router.flow import ClientGone, ClientRequest, Exchange
 from router.metrics import RouterMetrics
 from router.state import Deployment, RouterState
@@ -76,10 +75,6 @@ class Router:
 MODE_HEADER = "X-Syshax-Mode"
 
 
-def _knobs(router: Router, deployment: Deployment, req: ClientRequest) -> PolicyKnobs:
-    return req.knobs or router.state.policy_for(deployment).knobs
-
-
 def forced_knobs(base: PolicyKnobs, header: str | None) -> PolicyKnobs | None:
     """The policy with its mode forced by the X-Syshax-Mode header, so the benchmark's CPU,
     GPU and hetero modes run through one router on the same engines. ``auto`` forces the
@@ -105,7 +100,8 @@ def _fallback(
     router: Router, deployment: Deployment, failed: Route, req: ClientRequest
 ) -> Decision | None:
     """The next route after ``failed`` could not be served, or None when nothing is left."""
-    knobs = _knobs(router, deployment, req)
+    # Read live: the policy may have changed while the failed route was being tried.
+    knobs = router.state.knobs_for(deployment, req.knobs)
     now = time.monotonic()
     cpu_ok = deployment.cpu is not None and deployment.cpu.available(now)
     cpu_allowed = knobs.mode != "gpu-only" and (
@@ -124,8 +120,8 @@ async def _serve(
     req: ClientRequest,
     deployment: Deployment,
     decision: Decision,
+    knobs: PolicyKnobs,
 ) -> web.StreamResponse:
-    knobs = _knobs(router, deployment, req)
     metrics = router.metrics
     exchange = Exchange(
         http, req, router.state, deployment, metrics, router.config.timeouts.first_byte
@@ -166,7 +162,7 @@ async def _serve(
                         )
                     exchange.record_failure(exc)
                     if exchange.started_output:
-                        return await _abort_stream(exchange, str(exc))
+                        return await exchange.abort_stream(str(exc), client_gone_ok=True)
                     nxt = _fallback(router, deployment, decision.route, req)
                     if nxt is None:
                         raise unavailable(
@@ -181,7 +177,7 @@ async def _serve(
             raise TimeoutError from None
     except TimeoutError:
         if exchange.started_output:
-            return await _abort_stream(exchange, "request timed out")
+            return await exchange.abort_stream("request timed out", client_gone_ok=True)
         raise RouterError(
             504,
             f"request exceeded {knobs.request_timeout_seconds:g}s",
@@ -197,20 +193,6 @@ async def _serve(
     finally:
         WATCHDOG.active.discard(guard)
         metrics.count_request(label, outcome)
-
-
-async def _abort_stream(exchange: Exchange, message: str) -> web.StreamResponse:
-    """End a stream that already started with an error event: never a hang, never a trace."""
-    if exchange.req.stream and exchange.response is not None:
-        from router.sse import DONE
-
-        try:
-            await exchange.response.write(exchange.builder.error(message, "backend_error") + DONE)
-            await exchange.response.write_eof()
-        except (ConnectionError, RuntimeError):
-            pass
-        return exchange.response
-    raise RouterError(502, message, type_="server_error", code="backend_error")
 
 
 async def completions(http: web.Request) -> web.StreamResponse:
@@ -240,11 +222,10 @@ async def completions(http: web.Request) -> web.StreamResponse:
         max_tokens=max_tokens,
         received_at=received,
     )
+    base = router.state.policy_for(deployment).knobs
     if router.config.allow_mode_header:
-        req.knobs = forced_knobs(
-            router.state.policy_for(deployment).knobs, http.headers.get(MODE_HEADER)
-        )
-    knobs = _knobs(router, deployment, req)
+        req.knobs = forced_knobs(base, http.headers.get(MODE_HEADER))
+    knobs = req.knobs or base
     decision = decide(knobs, deployment.loads(time.monotonic()))
     if decision.route is Route.PD and (body.get("n") or 1) > 1:
         # Splicing several choices across engines is not worth it; the GPU serves n > 1.
@@ -253,7 +234,7 @@ async def completions(http: web.Request) -> web.StreamResponse:
         decision = Decision(Route.GPU_ONLY, reason="deployment has no CPU engine")
     if decision.route is Route.REJECTED:
         raise router.record_rejection(decision)
-    return await _serve(router, http, req, deployment, decision)
+    return await _serve(router, http, req, deployment, decision, knobs)
 
 
 async def _read_body(http: web.Request, limit: int) -> bytes:
@@ -393,19 +374,16 @@ async def errors_middleware(
     except web.HTTPException as exc:
         if exc.status == 413:
             return error_response(RouterError(413, "request body too large", code="body_too_large"))
-        status = exc.status
-        body = error_body(exc.reason, type_="invalid_request_error", code=str(status))
-        return web.Response(
-            status=status, body=json.dumps(body).encode(), content_type="application/json"
+        return error_response(
+            RouterError(exc.status, exc.reason, type_="invalid_request_error", code=str(exc.status))
         )
     except asyncio.CancelledError:
         raise
     except Exception:
         # Log the trace for the operator; the client gets the OpenAI shape and no trace.
         log.exception("unhandled error on %s %s", request.method, request.path)
-        body = error_body("internal router error", type_="server_error", code="internal_error")
-        return web.Response(
-            status=500, body=json.dumps(body).encode(), content_type="application/json"
+        return error_response(
+            RouterError(500, "internal router error", type_="server_error", code="internal_error")
         )
 
 

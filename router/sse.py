@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from router.errors import error_body
+
 DONE = b"data: [DONE]\n\n"
 
 
@@ -35,7 +37,7 @@ def event_data(event: bytes) -> bytes | None:
     for line in event.split(b"\n"):
         line = line.rstrip(b"\r")
         if line.startswith(b"data:"):
-            data.append(line[5:].lstrip(b" ") if line[5:6] == b" " else line[5:])
+            data.append(line[5:].lstrip(b" "))
     return b"\n".join(data) if data else None
 
 
@@ -111,7 +113,7 @@ class ChunkBuilder:
         return self._encode([], usage=usage_dict(prompt_tokens, completion_tokens))
 
     def error(self, message: str, code: str) -> bytes:
-        body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+        body = error_body(message, type_="server_error", code=code)
         return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 

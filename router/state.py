@@ -135,11 +135,12 @@ class RouterState:
 
     def policy_for(self, deployment: Deployment | None) -> PolicyRecord:
         name = deployment.spec.policy if deployment is not None else "default"
-        return (
-            self.policies.get(name)
-            or self.policies.get("default")
-            or next(iter(self.policies.values()))
-        )
+        return self.policies.get(name) or self.default_policy()
+
+    def knobs_for(self, deployment: Deployment | None, forced: PolicyKnobs | None) -> PolicyKnobs:
+        """The knobs that apply to a request: those forced by its X-Syshax-Mode header, else
+        the deployment's live policy (read anew each call, so a policy change lands)."""
+        return forced or self.policy_for(deployment).knobs
 
     def set_policy(self, record: PolicyRecord) -> None:
         policies = dict(self.policies)

@@ -16,15 +16,16 @@ stats and write the state file under the same name.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from types import FrameType
+
+from router.cli import write_ready_file
+from syshax.supervisor import python_argv
 
 log = logging.getLogger("syshax.router")
 
@@ -77,7 +78,7 @@ class Supervisor:
         ready = self._ready_file(index)
         ready.unlink(missing_ok=True)
         args = worker_argv(self.argv, self.port, str(ready))
-        proc = subprocess.Popen([sys.executable, "-m", "syshax.cli", *args])
+        proc = subprocess.Popen(python_argv(*args))
         self.procs[index] = proc
         return proc
 
@@ -115,9 +116,7 @@ class Supervisor:
                 return 2
             log.info("router listening on port %d with %d workers", self.port, self.count)
             if ready_file:
-                tmp = ready_file + ".tmp"
-                Path(tmp).write_text(str(self.port))
-                os.replace(tmp, ready_file)
+                write_ready_file(ready_file, self.port)
             while not self.stopping:
                 time.sleep(0.2)
                 for index, proc in enumerate(self.procs):

@@ -62,9 +62,6 @@ class RunResult:
     wall_offset: float
     started_at: float
 
-    def epoch(self, perf_time: float) -> float:
-        return perf_time + self.wall_offset
-
 
 async def _closed_loop(
     client: StreamClient, specs: Sequence[RequestSpec], concurrency: int, on_done: OnDone | None

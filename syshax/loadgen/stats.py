@@ -25,7 +25,11 @@ def percentile(values: Sequence[float], q: float) -> float:
         raise ValueError("percentile of no values")
     if not 0.0 <= q <= 100.0:
         raise ValueError(f"percentile {q} is outside 0-100")
-    ordered = sorted(values)
+    return _percentile_sorted(sorted(values), q)
+
+
+def _percentile_sorted(ordered: Sequence[float], q: float) -> float:
+    """:func:`percentile` of values already sorted ascending (non-empty, ``q`` in 0-100)."""
     rank = (len(ordered) - 1) * q / 100.0
     low = math.floor(rank)
     high = math.ceil(rank)
@@ -58,13 +62,14 @@ def distribution(seconds: Sequence[float]) -> Distribution:
     values = [value * 1000.0 for value in seconds]
     mean = math.fsum(values) / len(values)
     variance = math.fsum((value - mean) ** 2 for value in values) / len(values)
+    ordered = sorted(values)
     return Distribution(
         count=len(values),
         mean=mean,
-        median=percentile(values, 50.0),
+        median=_percentile_sorted(ordered, 50.0),
         std=math.sqrt(variance),
-        p90=percentile(values, 90.0),
-        p99=percentile(values, 99.0),
+        p90=_percentile_sorted(ordered, 90.0),
+        p99=_percentile_sorted(ordered, 99.0),
         min=min(values),
         max=max(values),
     )

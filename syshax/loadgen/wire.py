@@ -20,6 +20,7 @@ import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -39,11 +40,12 @@ class Head:
     reason: str
     headers: dict[str, str]  # lower-cased names; a repeated header keeps its last value
 
-    @property
+    # Cached: data_received asks on every socket read, and the headers never change.
+    @cached_property
     def chunked(self) -> bool:
         return "chunked" in self.headers.get("transfer-encoding", "").lower()
 
-    @property
+    @cached_property
     def content_length(self) -> int | None:
         value = self.headers.get("content-length")
         return int(value) if value is not None and value.strip().isdigit() else None
@@ -159,16 +161,22 @@ class _Connection(asyncio.Protocol):
         if self.done is not None and not self.done.done():
             self.done.set_result(None)
 
-    def _check_complete(self) -> None:
-        """Parse the head once it is in; finish when the body is complete."""
-        raw = b"".join(self.reads)
+    def _read_head(self, raw: bytes) -> Head | None:
+        """The response head, parsed once it has fully arrived (None until then)."""
         if self.head is None:
             end = raw.find(_HEAD_END)
             if end < 0:
-                return
+                return None
             self.head = parse_head(raw[:end])
             self.head_size = end + len(_HEAD_END)
-        head = self.head
+        return self.head
+
+    def _check_complete(self) -> None:
+        """Parse the head once it is in; finish when the body is complete."""
+        raw = b"".join(self.reads)
+        head = self._read_head(raw)
+        if head is None:
+            return
         if head.chunked:
             body_size = self.size - self.head_size
             if raw.endswith(_CHUNKED_END) or (body_size == 5 and raw.endswith(b"0\r\n\r\n")):
@@ -180,13 +188,10 @@ class _Connection(asyncio.Protocol):
     def response(self) -> Response:
         """The exchange's response, parsed from what arrived."""
         raw = b"".join(self.reads)
-        if self.head is None:
-            end = raw.find(_HEAD_END)
-            if end < 0:
-                raise WireError(f"no complete response head ({len(raw)} bytes arrived)")
-            self.head = parse_head(raw[:end])
-            self.head_size = end + len(_HEAD_END)
-        head, body = self.head, raw[self.head_size :]
+        head = self._read_head(raw)
+        if head is None:
+            raise WireError(f"no complete response head ({len(raw)} bytes arrived)")
+        body = raw[self.head_size :]
         if head.chunked:
             chunks, complete = decode_chunked(body, self.head_size)
         elif head.content_length is not None:
