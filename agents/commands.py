@@ -9,7 +9,6 @@ engine it had started instead of starting a second one.
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
@@ -21,6 +20,7 @@ from typing import Any
 import httpx
 
 from agents.runtimes import EngineRuntimeError, EngineState, Runtime
+from agents.runtimes.launcher import write_json_atomic
 from agents.specs import ROLES, EngineSpec, SpecError, engine_labels, engine_name
 
 ACTIONS = ("start", "stop", "restart", "inspect", "logs")
@@ -50,6 +50,11 @@ class CommandFailed(Exception):
         self.containers = containers or []
 
 
+def safe_filename(dispatch_id: str) -> str:
+    """A dispatch id as a file name: anything but ``[A-Za-z0-9_.-]`` becomes ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", dispatch_id)
+
+
 def probe(endpoint: str | None, path: str, timeout: float = 1.0) -> tuple[bool, str]:
     if not endpoint:
         return False, "engine has no port"
@@ -75,8 +80,7 @@ class CommandExecutor:
     # ------------------------------------------------------------ ledger
 
     def _ledger_path(self, dispatch_id: str) -> Path:
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", dispatch_id)
-        return self.dispatch_dir / f"{safe}.json"
+        return self.dispatch_dir / f"{safe_filename(dispatch_id)}.json"
 
     def stored_result(self, dispatch_id: str) -> dict[str, Any] | None:
         try:
@@ -86,10 +90,7 @@ class CommandExecutor:
         return data
 
     def _store(self, dispatch_id: str, result: dict[str, Any]) -> None:
-        path = self._ledger_path(dispatch_id)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result))
-        os.replace(tmp, path)
+        write_json_atomic(self._ledger_path(dispatch_id), result)
 
     # ------------------------------------------------------------ entry point
 

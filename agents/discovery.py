@@ -164,8 +164,11 @@ def cpu_model_and_flags(cpuinfo_text: str) -> tuple[str, list[str]]:
     return model or platform.processor() or "unknown", flags
 
 
-def numa_nodes(sys_root: str | Path = "/sys") -> list[dict[str, Any]]:
-    topology = read_topology(sys_root)
+def numa_nodes(
+    sys_root: str | Path = "/sys", topology: Topology | None = None
+) -> list[dict[str, Any]]:
+    """``topology`` saves re-reading sysfs when the caller has it already."""
+    topology = topology or read_topology(sys_root)
     nodes = []
     for node in topology.numa_nodes:
         meminfo = _read(Path(sys_root) / f"devices/system/node/node{node.index}/meminfo") or ""
@@ -179,9 +182,13 @@ def numa_nodes(sys_root: str | Path = "/sys") -> list[dict[str, Any]]:
     return nodes
 
 
-def cpu_inventory(sys_root: str | Path = "/sys", proc_root: str | Path = "/proc") -> dict[str, Any]:
+def cpu_inventory(
+    sys_root: str | Path = "/sys",
+    proc_root: str | Path = "/proc",
+    topology: Topology | None = None,
+) -> dict[str, Any]:
     model, flags = cpu_model_and_flags(_read(Path(proc_root) / "cpuinfo") or "")
-    topology = read_topology(sys_root)
+    topology = topology or read_topology(sys_root)
     packages = set()
     for cpu in topology.cpus:
         pkg = _read(Path(sys_root) / f"devices/system/cpu/cpu{cpu}/topology/physical_package_id")
@@ -324,12 +331,13 @@ def collect_inventory(
     sims = simulated_accelerators(simulated, node_name)
     for offset, acc in enumerate(sims):
         acc["index"] = len(accelerators) + offset
+    topology = read_topology(sys_root)
     return {
         "agent_version": __version__,
         "hostname": socket.gethostname(),
         "address": address or primary_address(),
-        "cpu": cpu_inventory(sys_root, proc_root),
-        "numa_nodes": numa_nodes(sys_root),
+        "cpu": cpu_inventory(sys_root, proc_root, topology),
+        "numa_nodes": numa_nodes(sys_root, topology),
         "accelerators": accelerators + sims,
     }
 
@@ -338,6 +346,10 @@ def inventory_hash(inventory: Mapping[str, Any]) -> str:
     """SHA-256 hex of the canonical JSON (sorted keys, no spaces), as the control plane hashes."""
     canonical = json.dumps(inventory, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# collect_heartbeat's ``inventory_hash`` parameter shadows the function's name there.
+_hash_inventory = inventory_hash
 
 
 # ---------------------------------------------------------------- simulated live load
@@ -530,13 +542,24 @@ def nvidia_load() -> dict[str, dict[str, Any]]:
 
 
 def collect_heartbeat(
-    inventory: Mapping[str, Any], *, simulated_loads: Mapping[str, CardLoad] | None = None
+    inventory: Mapping[str, Any],
+    *,
+    simulated_loads: Mapping[str, CardLoad] | None = None,
+    inventory_hash: str | None = None,
 ) -> dict[str, Any]:
     """The heartbeat; ``simulated_loads`` (from ``SimulatedLoadReader``) holds the simulated
-    cards that have an engine, and every other simulated card reports idle."""
+    cards that have an engine, and every other simulated card reports idle.
+
+    ``inventory_hash``, when the caller knows it, saves hashing the inventory every beat.
+    """
     memory = psutil.virtual_memory()
     sim_loads = simulated_loads or {}
-    real = nvidia_load()
+    # NVML is initialised and shut down per call: only worth it when there is a real GPU.
+    has_nvidia = any(
+        acc.get("vendor") == "NVIDIA" and not acc.get("simulated")
+        for acc in inventory.get("accelerators", [])
+    )
+    real = nvidia_load() if has_nvidia else {}
     accelerators = []
     for acc in inventory.get("accelerators", []):
         if acc.get("simulated"):
@@ -547,6 +570,6 @@ def collect_heartbeat(
         "cpu_percent": float(psutil.cpu_percent(interval=None)),
         "memory_used_bytes": int(memory.total - memory.available),
         "memory_total_bytes": int(memory.total),
-        "inventory_hash": inventory_hash(inventory),
+        "inventory_hash": _hash_inventory(inventory) if inventory_hash is None else inventory_hash,
         "accelerators": accelerators,
     }

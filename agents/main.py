@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import re
 import socket
 import threading
 from collections.abc import Callable
@@ -21,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from agents.client import ApiError, ControlPlaneClient, Unreachable, backoff_delay
-from agents.commands import CommandExecutor
+from agents.commands import CommandExecutor, safe_filename
 from agents.discovery import (
     EngineOnCards,
     SimulatedLoadReader,
@@ -30,6 +28,7 @@ from agents.discovery import (
     inventory_hash,
 )
 from agents.runtimes import Runtime
+from agents.runtimes.launcher import write_json_atomic
 from agents.specs import Mount
 
 log = logging.getLogger("syshax.agent")
@@ -185,8 +184,9 @@ class Agent:
 
     def beat(self) -> None:
         loads = self.sim_loads.read(self.engines_on_simulated_cards())
-        payload = collect_heartbeat(self.inventory, simulated_loads=loads)
-        payload["inventory_hash"] = self.reported_hash
+        payload = collect_heartbeat(
+            self.inventory, simulated_loads=loads, inventory_hash=self.reported_hash
+        )
         answer = self.client.heartbeat(self.node_id, payload)
         if answer.get("inventory_hash") != payload["inventory_hash"]:
             self.sync_inventory()
@@ -255,15 +255,14 @@ class Agent:
         return result
 
     def _outbox_path(self, dispatch_id: str) -> Path:
-        return self.outbox / (re.sub(r"[^A-Za-z0-9_.-]", "_", dispatch_id) + ".json")
+        return self.outbox / (safe_filename(dispatch_id) + ".json")
 
     def report(self, dispatch_id: str, result: dict[str, Any]) -> None:
         # Written first, removed once delivered: a crash between the two re-sends, and the
         # control plane accepts a repeated result and ignores it.
-        path = self._outbox_path(dispatch_id)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"dispatch_id": dispatch_id, "result": result}))
-        os.replace(tmp, path)
+        write_json_atomic(
+            self._outbox_path(dispatch_id), {"dispatch_id": dispatch_id, "result": result}
+        )
         try:
             self.flush_outbox()
             assert self.executor is not None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,14 +32,9 @@ sys.path.insert(0, str(ROOT))
 from agents.commands import CommandExecutor  # noqa: E402
 from agents.runtimes import Runtime  # noqa: E402
 from agents.runtimes.process import ProcessRuntime  # noqa: E402
+from syshax.supervisor import free_port  # noqa: E402
 
 IMAGE = "localhost/syshax-hostroot:1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def sim_spec(device: str, container: bool, **extra: Any) -> dict[str, Any]:

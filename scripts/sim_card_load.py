@@ -7,8 +7,6 @@ the agent's own SimulatedLoadReader every 0.5 s wall, and drives it idle -> six 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -17,27 +15,17 @@ from pathlib import Path
 import httpx
 
 from agents.discovery import EngineOnCards, SimulatedLoadReader
+from syshax.supervisor import ReadyChild, python_argv
 
 WINDOW_S = 0.5
 
 
-def start_engine(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    ready = tmp / "port"
-    argv = [
-        sys.executable, "-m", "syshax.cli", "sim", "--device", "a100-80gb",
-        "--model", "deepseek-r1-distill-qwen-32b", "--port", "0", "--speed", "10",
-        "--ready-file", str(ready),
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise SystemExit("the simulator did not start")
-        time.sleep(0.05)
-    return proc, f"http://127.0.0.1:{int(ready.read_text())}"
+def start_engine(tmp: Path) -> ReadyChild:
+    argv = python_argv(
+        "sim", "--device", "a100-80gb", "--model", "deepseek-r1-distill-qwen-32b",
+        "--speed", "10",
+    )  # fmt: skip
+    return ReadyChild("sim", argv, tmp)
 
 
 def requests(url: str, count: int, words: int, max_tokens: int) -> list[threading.Thread]:
@@ -55,7 +43,8 @@ def requests(url: str, count: int, words: int, max_tokens: int) -> list[threadin
 
 
 def main() -> int:
-    proc, url = start_engine(Path(tempfile.mkdtemp(prefix="sim-card-load-")))
+    engine = start_engine(Path(tempfile.mkdtemp(prefix="sim-card-load-")))
+    url = engine.url
     reader = SimulatedLoadReader()
     engines = [EngineOnCards("demo", url, ("SIM-card",))]
 
@@ -81,8 +70,7 @@ def main() -> int:
         short[0].join()
     finally:
         reader.close()
-        proc.terminate()
-        proc.wait()
+        engine.stop()
     return 0
 
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -27,6 +25,7 @@ import httpx
 from syshax.sim.engine import EngineConfig
 from syshax.sim.presets import DEVICES, MODELS
 from syshax.sim.virtual import closed_loop
+from syshax.supervisor import ReadyChild, python_argv
 
 MODEL = "deepseek-r1-distill-qwen-32b"
 BASELINES = {"a100-80gb": (158.2, 146.0), "kunpeng-920-7280z": (32.6, 892.0)}
@@ -66,19 +65,12 @@ async def closed_loop_live(url: str, concurrency: int, requests: int) -> tuple[f
     return sum(r[2] for r in results) / (end - start), statistics.fmean(r[0] for r in results)
 
 
-def launch(tmp: Path, device: str, speed: float) -> tuple[subprocess.Popen[bytes], str]:
-    ready = tmp / f"{device}.port"
-    cmd = [
-        sys.executable, "-m", "syshax.cli", "sim", "--device", device, "--model", MODEL,
-        "--port", "0", "--ready-file", str(ready), "--speed", str(speed),
+def launch(tmp: Path, device: str, speed: float) -> ReadyChild:
+    cmd = python_argv(
+        "sim", "--device", device, "--model", MODEL, "--speed", str(speed),
         "--kv-cache-space", "40", "--log-level", "WARNING",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd)
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise SystemExit(f"{device} simulator failed to start")
-        time.sleep(0.05)
-    return proc, f"http://127.0.0.1:{int(ready.read_text())}"
+    )  # fmt: skip
+    return ReadyChild(device, cmd, tmp)
 
 
 def main() -> int:
@@ -103,12 +95,10 @@ def main() -> int:
                 replace(cfg), concurrency=args.concurrency, prompt_tokens=128, max_tokens=256,
                 requests=args.requests,
             )  # fmt: skip
-            proc, url = launch(Path(tmp), device, args.speed)
-            try:
-                thr, ttft = asyncio.run(closed_loop_live(url, args.concurrency, args.requests))
-            finally:
-                proc.terminate()
-                proc.wait()
+            with launch(Path(tmp), device, args.speed) as engine:
+                thr, ttft = asyncio.run(
+                    closed_loop_live(engine.url, args.concurrency, args.requests)
+                )
             print(
                 f"| {device} | {thr_doc} / {model.throughput_tok_s:.1f} / "
                 f"{thr / args.speed:.1f} | {ttft_doc:.0f} / {model.ttft_mean_s * 1000:.0f} / "

@@ -25,13 +25,13 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+from syshax.supervisor import ReadyChild, python_argv
 
 PROMPT = " ".join(f"t{i}" for i in range(32))
 
@@ -99,27 +99,19 @@ async def run_round(port: int, streams: int, tokens: int) -> list[StreamClient]:
     return clients
 
 
-def start_sim(
-    tmp: Path, device: str, model: str, max_seqs: int, fifo: bool
-) -> tuple[subprocess.Popen[bytes], int]:
-    ready = tmp / "port"
-    cmd = [
-        sys.executable, "-m", "syshax.cli", "sim", "--device", device,
-        "--model", model, "--port", "0", "--ready-file", str(ready),
+def start_sim(tmp: Path, device: str, model: str, max_seqs: int, fifo: bool) -> ReadyChild:
+    cmd = python_argv(
+        "sim", "--device", device, "--model", model,
         "--max-num-seqs", str(max_seqs), "--speed", "1", "--log-level", "WARNING",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd)
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise SystemExit("simulator failed to start")
-        time.sleep(0.05)
-    if hasattr(os, "sched_setaffinity") and os.cpu_count() and os.cpu_count() > 1:  # type: ignore[operator]
-        os.sched_setaffinity(proc.pid, {0})
+    )  # fmt: skip
+    two_cores = hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1
+    sim = ReadyChild("sim", cmd, tmp, cpus={0} if two_cores else None)
+    if two_cores:
         os.sched_setaffinity(0, {1})
     if fifo:
         # Real-time priority shields the simulator from other processes on a shared machine.
-        os.sched_setscheduler(proc.pid, os.SCHED_FIFO, os.sched_param(10))
-    return proc, int(ready.read_text())
+        os.sched_setscheduler(sim.popen.pid, os.SCHED_FIFO, os.sched_param(10))
+    return sim
 
 
 def main() -> int:
@@ -134,14 +126,12 @@ def main() -> int:
         "--fifo", action="store_true", help="run the simulator at SCHED_FIFO priority (root)"
     )
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, port = start_sim(Path(tmp), args.device, args.model, max(args.streams), args.fifo)
-        try:
-            print(f"{args.model} on {args.device}")
-            return sweep(proc.pid, port, args.streams, args.tokens, args.limit_ms)
-        finally:
-            proc.terminate()
-            proc.wait()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        start_sim(Path(tmp), args.device, args.model, max(args.streams), args.fifo) as sim,
+    ):
+        print(f"{args.model} on {args.device}")
+        return sweep(sim.popen.pid, sim.port, args.streams, args.tokens, args.limit_ms)
 
 
 def cpu_seconds(pid: int) -> float:

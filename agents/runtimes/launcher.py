@@ -14,13 +14,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 MAX_RESTARTS = 5  # the loop stops here so a crashing engine does not spin forever
 
 
-def _write(path: Path, data: dict[str, object]) -> None:
+def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
+    """Write ``data`` as JSON so a reader sees the old file or the whole new one, never half."""
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
@@ -48,12 +51,12 @@ def main(argv: list[str]) -> int:
             child = subprocess.Popen(engine_argv)
         except OSError as exc:
             print(f"launcher: cannot execute {engine_argv[0]!r}: {exc}", flush=True)
-            _write(
+            write_json_atomic(
                 state_path,
                 {"child_pid": None, "exit_code": 127, "last_exit_code": 127, "restarts": restarts},
             )
             return 127  # the shell's "command not found"
-        _write(
+        write_json_atomic(
             state_path,
             {
                 "child_pid": child.pid,
@@ -63,7 +66,7 @@ def main(argv: list[str]) -> int:
             },
         )
         last_code = child.wait()
-        _write(
+        write_json_atomic(
             state_path,
             {
                 "child_pid": None,

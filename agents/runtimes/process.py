@@ -24,6 +24,7 @@ import psutil
 
 from agents.affinity import AffinityError, parse_cpu_list
 from agents.runtimes import EngineRuntimeError, EngineState
+from agents.runtimes.launcher import write_json_atomic
 from agents.specs import EngineSpec
 
 
@@ -52,10 +53,7 @@ class ProcessRuntime:
         return data
 
     def _save(self, record: dict[str, Any]) -> None:
-        path = self._record_path(record["engine_id"])
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
+        write_json_atomic(self._record_path(record["engine_id"]), record)
 
     def _alive(self, record: Mapping[str, Any]) -> bool:
         pid = int(record["pid"])
@@ -91,7 +89,7 @@ class ProcessRuntime:
                     f"cpuset {spec.cpuset} is not available here (usable CPUs: {sorted(usable)})"
                 )
         engine_id = f"proc-{uuid.uuid4().hex[:12]}"
-        exit_file = self.state_dir / "engines" / f"{engine_id}.exit"
+        exit_file = self.engines_dir / f"{engine_id}.exit"
         log_path = self.logs_dir / f"{name}.log"
         env = {**os.environ, **spec.env}
         argv = [
@@ -139,8 +137,9 @@ class ProcessRuntime:
 
     def inspect(self, engine_id: str) -> EngineState | None:
         record = self._load(engine_id)
-        if record is None:
-            return None
+        return None if record is None else self._state(engine_id, record)
+
+    def _state(self, engine_id: str, record: dict[str, Any]) -> EngineState:
         exit_info: dict[str, Any] = {}
         with contextlib.suppress(OSError, ValueError):
             exit_info = json.loads(Path(record["exit_file"]).read_text())
@@ -201,7 +200,8 @@ class ProcessRuntime:
     def list(self, labels: Mapping[str, str]) -> list[EngineState]:
         out = []
         for path in sorted(self.engines_dir.glob("*.json")):
-            state = self.inspect(path.stem)
-            if state and all(state.labels.get(k) == v for k, v in labels.items()):
-                out.append(state)
+            # Labels first: the full state probes the process and reads its exit file.
+            record = self._load(path.stem)
+            if record is not None and all(record["labels"].get(k) == v for k, v in labels.items()):
+                out.append(self._state(path.stem, record))
         return out

@@ -10,6 +10,7 @@ behind. Running it again reuses the state under var/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -21,7 +22,10 @@ from types import FrameType
 
 import httpx
 
-from syshax.supervisor import Supervisor, python_argv
+from syshax.supervisor import Supervisor, python_argv, wait_until
+
+# How often ``syshax up`` polls while it waits for a child or the deployment.
+POLL_S = 0.3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,15 +72,13 @@ class Stack:
             raise RuntimeError(f"{dead.name} exited:\n{self.sup.tail(dead)}")
 
     def wait_http(self, url: str, what: str) -> None:
-        from syshax.commands.up_stack import wait_for
-
         def answers() -> bool:
             try:
                 return httpx.get(url, timeout=2).status_code < 500
             except httpx.HTTPError:
                 return False
 
-        wait_for(answers, self.args.startup_timeout, what, self.alive)
+        wait_until(answers, self.args.startup_timeout, what, interval=POLL_S, alive=self.alive)
 
     def child_env(self) -> dict[str, str]:
         # Children find the console script next to this interpreter.
@@ -121,11 +123,12 @@ class Stack:
             ),
             env,
         )
-        up_stack.wait_for(
+        wait_until(
             lambda: up_stack.node_ready(node),
             self.args.startup_timeout,
             f"node {node} to report its hardware",
-            self.alive,
+            interval=POLL_S,
+            alive=self.alive,
         )
         self.say(f"node       {node}: online (host CPUs, simulated A100 80GB)")
         self.deployment_id = up_stack.ensure_deployment(
@@ -139,7 +142,9 @@ class Stack:
             state = timeline.poll()
             return state if state in ("running", "failed") else None
 
-        state = up_stack.wait_for(settled, self.args.startup_timeout, "the deployment", self.alive)
+        state = wait_until(
+            settled, self.args.startup_timeout, "the deployment", interval=POLL_S, alive=self.alive
+        )
         if state != "running":
             raise RuntimeError(
                 f"deployment failed: {up_stack.deployment_state(self.deployment_id)[1]}"
@@ -166,7 +171,7 @@ class Stack:
         self.wait_for_model()
 
     def wait_for_model(self) -> None:
-        from syshax.commands.up_stack import SIM_MODEL, wait_for
+        from syshax.commands.up_stack import SIM_MODEL
 
         def listed() -> bool:
             try:
@@ -175,7 +180,13 @@ class Stack:
                 return False
             return any(m.get("id") == SIM_MODEL for m in body.get("data", []))
 
-        wait_for(listed, self.args.startup_timeout, "the router to serve the model", self.alive)
+        wait_until(
+            listed,
+            self.args.startup_timeout,
+            "the router to serve the model",
+            interval=POLL_S,
+            alive=self.alive,
+        )
 
     def smoke(self) -> None:
         from syshax.commands.up_stack import SIM_MODEL
@@ -248,14 +259,14 @@ class Stack:
         if self.deployment_id is not None and self.sup.first_exited() is None:
             try:
                 up_stack.stop(self.deployment_id)
-                up_stack.wait_for(
+                wait_until(
                     lambda: (
                         up_stack.deployment_state(self.deployment_id or 0)[0]
                         in ("stopped", "failed")
                     ),
                     60,
                     "the engines to stop",
-                    lambda: None,
+                    interval=POLL_S,
                 )
             except Exception as exc:
                 self.say(f"  could not stop the deployment cleanly: {exc}")
@@ -264,26 +275,19 @@ class Stack:
         self.say("stopped.")
 
 
-def kill_recorded_engines(state_dir: Path) -> int:
+def kill_recorded_engines(state_dir: Path) -> None:
     """Kill engines the process runtime recorded that still run, so nothing is orphaned."""
-    import psutil
+    if not (state_dir / "engines").is_dir():
+        return  # nothing recorded (and the runtime's constructor would create the dirs)
+    from agents.runtimes.process import ProcessRuntime
 
-    killed = 0
-    for record_path in (state_dir / "engines").glob("*.json"):
-        try:
-            record = json.loads(record_path.read_text())
-            process = psutil.Process(int(record["pid"]))
-            if abs(process.create_time() - float(record.get("create_time", 0))) > 1:
-                continue
-            os.killpg(process.pid, signal.SIGKILL)
-            killed += 1
-        except (OSError, ValueError, KeyError, psutil.Error):
-            continue
-    return killed
+    for engine in ProcessRuntime(state_dir).list({}):
+        if engine.status == "running":
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(engine.extra["pid"]), signal.SIGKILL)
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings.local")
     from syshax.commands._django import setup
 
     setup()

@@ -9,10 +9,8 @@ import os
 import re
 import secrets
 import socket
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 LOCAL_PROFILE = "local-hetero-sim"
 LOCAL_DEPLOYMENT = "local-hetero"
@@ -110,19 +108,6 @@ def ensure_deployment(node_name: str, gpu_port: int, cpu_port: int) -> int:
         defaults={"profile": profile, "node": node, "policy": ensure_default_policy()},
     )
     return deployment.pk
-
-
-def wait_for(
-    predicate: Callable[[], Any], timeout: float, what: str, alive: Callable[[], None]
-) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive()
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def node_ready(node_name: str) -> bool:

@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings.local")
+    # _django.setup() and controlplane/wsgi.py both default DJANGO_SETTINGS_MODULE.
     if not args.no_migrate:
         from django.core.management import call_command
 

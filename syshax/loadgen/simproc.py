@@ -4,43 +4,20 @@ tests and docs figures."""
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from syshax.supervisor import ChildStartError, ReadyChild, python_argv
+
 DEFAULT_MODEL = "deepseek-r1-distill-qwen-32b"
 
 
-class SimStartError(RuntimeError):
-    """The simulator (or router) exited or did not report its port in time."""
-
-
-def _read_port(ready: Path) -> int | None:
-    try:
-        text = ready.read_text().strip()
-    except FileNotFoundError:
-        return None
-    if not text:
-        return None
-    if text.isdigit():
-        return int(text)
-    try:
-        document = json.loads(text)
-    except ValueError:
-        return None  # still being written
-    if isinstance(document, int):
-        return document
-    if isinstance(document, dict) and isinstance(document.get("port"), int):
-        return int(document["port"])
-    return None
+# The simulator (or router) exited or did not report its port in time.
+SimStartError = ChildStartError
 
 
 @contextlib.contextmanager
@@ -60,55 +37,12 @@ def running_sim(
     not share a core with it.
     """
     with tempfile.TemporaryDirectory(prefix="syshax-sim-") as tmp:
-        ready = Path(tmp) / "ready"
-        log_path = Path(tmp) / "sim.log"
-        command = [
-            sys.executable, "-m", "syshax.cli", "sim",
-            "--device", device, "--model", model,
-            "--port", "0", "--ready-file", str(ready),
-            "--speed", str(speed), "--seed", str(seed),
-            *extra_args,
-        ]  # fmt: skip
-        pinned = set(cpus) if cpus else None
-        with _started(command, ready, log_path, pinned, startup_timeout_s) as port:
-            yield f"http://127.0.0.1:{port}"
-
-
-@contextlib.contextmanager
-def _started(
-    command: list[str],
-    ready: Path,
-    log_path: Path,
-    cpus: set[int] | None,
-    startup_timeout_s: float,
-) -> Iterator[int]:
-    """Run ``command`` until the block ends; yield the port it writes to ``ready``."""
-
-    def pin() -> None:
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin)
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        port = _read_port(ready)
-        while port is None:
-            if process.poll() is not None:
-                output = log_path.read_text(errors="replace")[-2000:]
-                raise SimStartError(f"{command[3]} exited with {process.returncode}:\n{output}")
-            if time.monotonic() > deadline:
-                raise SimStartError(f"{command[3]} gave no port within {startup_timeout_s} s")
-            time.sleep(0.05)
-            port = _read_port(ready)
-        yield port
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        command = python_argv(
+            "sim", "--device", device, "--model", model,
+            "--speed", str(speed), "--seed", str(seed), *extra_args,
+        )  # fmt: skip
+        with ReadyChild("sim", command, Path(tmp), cpus=cpus, timeout=startup_timeout_s) as sim:
+            yield sim.url
 
 
 async def fetch_sim_requests(session: aiohttp.ClientSession, base_url: str) -> dict[str, Any]:
@@ -132,12 +66,8 @@ def running_router(
 ) -> Iterator[str]:
     """Start ``syshax router`` standalone in front of two engines, its policy mode forced."""
     with tempfile.TemporaryDirectory(prefix="syshax-router-") as tmp:
-        ready = Path(tmp) / "ready"
-        log_path = Path(tmp) / "router.log"
-        command = [
-            sys.executable, "-m", "syshax.cli", "router",
-            "--gpu-url", gpu_url, "--cpu-url", cpu_url, "--mode", mode,
-            "--port", "0", "--ready-file", str(ready), *extra_args,
-        ]  # fmt: skip
-        with _started(command, ready, log_path, None, startup_timeout_s) as port:
-            yield f"http://127.0.0.1:{port}"
+        command = python_argv(
+            "router", "--gpu-url", gpu_url, "--cpu-url", cpu_url, "--mode", mode, *extra_args
+        )
+        with ReadyChild("router", command, Path(tmp), timeout=startup_timeout_s) as router:
+            yield router.url

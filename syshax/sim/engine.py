@@ -183,9 +183,6 @@ class SimEngine:
         self.scheduler.add(seq)
         self._wake.set()
 
-    def abort(self, seq: Sequence) -> None:
-        self.scheduler.abort(seq)
-
     def start(self) -> None:
         # Move everything allocated so far out of the collector's sight: fewer and shorter
         # full collections, which would otherwise stall token emission for milliseconds.

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAGIC = b"SXKVSEG1"
-HEADER = struct.Struct("<8sI128s64s128sQQddQ32sI")
+# The header is the body then a CRC32 of the body; one format so the two cannot drift.
+_BODY = struct.Struct("<8sI128s64s128sQQddQ32s")
+HEADER = struct.Struct(_BODY.format + "I")
 PAYLOAD_OFFSET = 4096  # the synthetic KV starts on its own page
 SEGMENT_PREFIX = "syshax-kv-"
 _ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -84,7 +86,7 @@ def _pack(seg: Segment) -> bytes:
         seg.data_size,
         _fingerprint(seg.request_id, seg.tokens),
     )
-    body = struct.pack("<8sI128s64s128sQQddQ32s", *fields)
+    body = _BODY.pack(*fields)
     return body + struct.pack("<I", zlib.crc32(body))
 
 

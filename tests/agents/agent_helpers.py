@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from syshax.supervisor import free_port
 
 
 def http_engine_spec(root: Path, **extra: Any) -> dict[str, Any]:

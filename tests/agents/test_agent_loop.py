@@ -26,6 +26,7 @@ from standin_control_plane import StandInControlPlane
 from agents.client import ApiError, ControlPlaneClient, Unreachable, backoff_delay
 from agents.commands import probe
 from agents.consumer import TASK_NAME
+from syshax.supervisor import wait_until
 
 
 def _test_broker() -> tuple[str, dict[str, Any]]:
@@ -56,13 +57,7 @@ def producer_for_tests() -> Celery:
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(pred, timeout, what, interval=0.05)
 
 
 def test_backoff_grows_exponentially_with_full_jitter_up_to_the_cap() -> None:

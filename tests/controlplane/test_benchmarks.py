@@ -1,11 +1,7 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
 import pytest
 from django_celery_beat.models import PeriodicTask
@@ -13,6 +9,7 @@ from django_celery_beat.models import PeriodicTask
 from controlplane.benchmarks import analysis, runner, schedules, services
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
 from controlplane.inventory.models import Heartbeat
+from syshax.loadgen.simproc import running_sim
 
 
 def summary(*rows: tuple[str, int, float, float, float, float]) -> dict:
@@ -215,39 +212,9 @@ def test_metrics_expose_fleet_state_and_regressions(
 
 
 @pytest.fixture
-def simulated_gpu(tmp_path):
-    ready = tmp_path / "port"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "syshax.cli",
-            "sim",
-            "--device",
-            "a100-80gb",
-            "--model",
-            "deepseek-r1-distill-qwen-32b",
-            "--port",
-            "0",
-            "--ready-file",
-            str(ready),
-            "--speed",
-            "20",
-            "--seed",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while not (ready.exists() and ready.read_text().strip()):
-            assert process.poll() is None and time.monotonic() < deadline, "sim did not start"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{int(Path(ready).read_text())}"
-    finally:
-        process.terminate()
-        process.wait(10)
+def simulated_gpu():
+    with running_sim("a100-80gb", speed=20.0, seed=1, startup_timeout_s=30) as url:
+        yield url
 
 
 @pytest.mark.django_db(transaction=True)

@@ -3,74 +3,26 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from syshax.supervisor import ReadyChild, free_port, python_argv, wait_until
+
 ROOT = Path(__file__).resolve().parents[2]
-SYSHAX = [sys.executable, "-m", "syshax.cli"]
+SYSHAX = python_argv()  # the argv prefix, for tests that build their own command lines
 MODEL = "m"
 
 
-class Proc:
-    """A child process that reports its bound port through a ready file."""
+class Proc(ReadyChild):
+    """A ``syshax`` subcommand that reports its bound port through a ready file."""
 
     def __init__(self, name: str, args: list[str], workdir: Path) -> None:
-        self.name = name
-        self.ready_file = workdir / f"{name}.port"
-        self.log_path = workdir / f"{name}.log"
-        self.ready_file.unlink(missing_ok=True)
-        self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.popen = subprocess.Popen(
-            [*SYSHAX, *args, "--port", "0", "--ready-file", str(self.ready_file)],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
-        self.port = self._wait_ready()
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _wait_ready(self, timeout: float = 30.0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.ready_file.exists():
-                text = self.ready_file.read_text().strip()
-                if text:
-                    return int(text)
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited early:\n{self.log_text()}")
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"{self.name} not ready in {timeout}s:\n{self.log_text()}")
-
-    def log_text(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def kill(self) -> None:
-        """SIGKILL: the engine dies without closing anything cleanly."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
-            self.popen.wait(10)
+        super().__init__(name, python_argv(*args), workdir, cwd=ROOT, timeout=30.0)
 
     def signal(self, sig: int) -> None:
         self.popen.send_signal(sig)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
-        self.log.close()
 
     def get(self, path: str, **kw: Any) -> httpx.Response:
         return httpx.get(self.url + path, timeout=10, **kw)
@@ -112,12 +64,7 @@ def start_router(name: str, workdir: Path, gpu: str, cpu: str | None, *extra: st
 
 def dead_url() -> str:
     """A URL on which nothing listens (bound then closed)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def metric(proc: Proc, name: str, **labels: str) -> float:
@@ -133,14 +80,18 @@ def metric(proc: Proc, name: str, **labels: str) -> float:
 
 
 def wait_for(check: Any, timeout: float = 5.0, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s (last: {last!r})")
+    return wait_until(check, timeout, interval=interval)
 
 
-__all__ = ["MODEL", "Proc", "dead_url", "metric", "os", "start_router", "start_sim", "wait_for"]
+__all__ = [
+    "MODEL",
+    "ROOT",
+    "SYSHAX",
+    "Proc",
+    "dead_url",
+    "metric",
+    "os",
+    "start_router",
+    "start_sim",
+    "wait_for",
+]

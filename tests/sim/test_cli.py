@@ -76,8 +76,8 @@ def test_served_model_name_and_sigterm(sim_factory: SimFactory) -> None:
     )
     assert ok.status_code == 200
     assert 'model_name="qwen32b"' in httpx.get(f"{sim.url}/metrics").text
-    sim.proc.send_signal(signal.SIGTERM)
-    assert sim.proc.wait(timeout=10) == 0
+    sim.popen.send_signal(signal.SIGTERM)
+    assert sim.popen.wait(timeout=10) == 0
 
 
 def test_accepts_what_an_agent_passes_to_real_vllm(sim_factory: SimFactory) -> None:

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from django.conf import settings
 from django.db import connection
+
+from syshax.supervisor import free_port, python_argv, wait_until
 
 
 def test_database_url() -> str:
@@ -32,12 +31,6 @@ def child_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "DATABASE_URL": test_database_url(), "PYTHONUNBUFFERED": "1"}
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager
@@ -65,15 +58,7 @@ def running(
             process.wait(5)
 
 
-def syshax(*args: str) -> list[str]:
-    return [sys.executable, "-m", "syshax.cli", *args]
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+# The syshax argv prefix, free_port and wait_until live in syshax.supervisor; these names
+# stay importable from here for the tests that use them.
+syshax = python_argv
+__all__ = ["child_env", "free_port", "running", "syshax", "test_database_url", "wait_until"]

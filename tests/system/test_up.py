@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support.controlplane import free_port
+from syshax.supervisor import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
