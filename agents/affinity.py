@@ -1,7 +1,8 @@
 """NUMA-aware CPU affinity planning for the CPU inference engine.
 
 A pure function (no I/O) from a node's topology and a profile's CPU request to the cpuset,
-``OMP_NUM_THREADS`` and ``CUSTOM_CPU_AFFINITY`` of the CPU engine, following sysHAX's guidance:
+``OMP_NUM_THREADS`` and thread binding (``VLLM_CPU_OMP_THREADS_BIND``, or sysHAX's
+``CUSTOM_CPU_AFFINITY``) of the CPU engine, following sysHAX's guidance:
 
 * OpenMP threads are 1-1.5x the physical cores given to the engine;
 * the cores are spread evenly over the NUMA nodes, so every node's memory bandwidth is used and
@@ -159,11 +160,27 @@ class AffinityPlan:
     def gpu_host_cpuset(self) -> str:
         return format_cpu_list(self.gpu_host_cpus)
 
-    def env(self) -> dict[str, str]:
-        return {
-            "OMP_NUM_THREADS": str(self.omp_num_threads),
-            "CUSTOM_CPU_AFFINITY": self.custom_cpu_affinity,
-        }
+    def env(self, engine: str = "vllm") -> dict[str, str]:
+        """The CPU engine's thread environment for an engine kind (see :func:`thread_env`)."""
+        return thread_env(engine, self.omp_num_threads, self.custom_cpu_affinity)
+
+
+SYSHAX_V0_ENGINE = "syshax-v0"  # sysHAX's patched vLLM V0 image: reads CUSTOM_CPU_AFFINITY
+
+
+def thread_env(engine: str, omp_num_threads: int | str, cpu_list: str) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` and the CPUs the engine's OpenMP threads bind to, named the way the
+    engine kind reads them.
+
+    Upstream vLLM (V1) and ``syshax sim`` read ``VLLM_CPU_OMP_THREADS_BIND``: one CPU list per
+    tensor-parallel rank, ranks joined by ``|``. The CPU engine is a single rank, so its list
+    is the plan's CPUs as they are (``0-39,40-79`` spans two NUMA nodes in one rank); upstream
+    starts one thread per listed CPU. Only sysHAX's patched V0 image reads
+    ``CUSTOM_CPU_AFFINITY``; upstream never does. Empty values are left out.
+    """
+    name = "CUSTOM_CPU_AFFINITY" if engine == SYSHAX_V0_ENGINE else "VLLM_CPU_OMP_THREADS_BIND"
+    env = {"OMP_NUM_THREADS": str(omp_num_threads), name: cpu_list}
+    return {key: value for key, value in env.items() if value}
 
 
 def parse_cpu_list(text: str, *, field_name: str = "cpu_affinity") -> tuple[int, ...]:

@@ -25,6 +25,19 @@ from agents.specs import ROLES, EngineSpec, SpecError, engine_labels, engine_nam
 
 ACTIONS = ("start", "stop", "restart", "inspect", "logs")
 LOG_TAIL_LINES = 20
+# A line of an engine's log that states why it stopped (argparse, a Python exception).
+CAUSE_LINE = re.compile(r"(?:^|[\s:])(?:\w*Error|error|Exception):\s")
+
+
+def cause_first(tail: str) -> str:
+    """The log tail with the last line that names an error put first, so a deployment
+    event starts with the cause (``unrecognized arguments: …``, ``No module named …``)
+    rather than with usage text or traceback frames."""
+    lines = tail.splitlines()
+    for line in reversed(lines):
+        if CAUSE_LINE.search(line):
+            return f"{line.strip()} | {tail}" if line is not lines[0] else tail
+    return tail
 
 
 @dataclass
@@ -295,7 +308,7 @@ class CommandExecutor:
                     else "exited"
                 )
                 raise CommandFailed(
-                    f"{role.upper()} engine {what}: {tail}",
+                    f"{role.upper()} engine {what}: {cause_first(tail)}",
                     [engine.container_state("unhealthy") | {"status": "missing"}],
                 )
             results = [probe(endpoint, p) for p in paths]

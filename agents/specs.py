@@ -1,16 +1,23 @@
 """The engine ``spec`` of a command (docs/agent.md) and pure builders of it from profile values.
 
 The control plane imports this module to build specs, so it depends only on the standard
-library and on :mod:`agents.affinity`.
+library and on :mod:`agents.affinity` (:func:`kv_connector_dir`, which only the agent calls,
+imports ``syshax.kvconnector`` when it runs).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from agents.affinity import AffinityPlan
+
+log = logging.getLogger(__name__)
 
 ROLES = ("gpu", "cpu")
 IPC_MODES = ("shareable", "peer", "private")
@@ -18,6 +25,11 @@ RESTART_POLICIES = ("no", "on-failure", "unless-stopped", "always")
 LABEL_PREFIX = "syshax."
 SIMULATED_UUID_PREFIX = "SIM-"  # agents.discovery names simulated cards SIM-<uuid>
 ASCEND_UUID_PREFIX = "NPU-"  # and Ascend NPUs NPU-<serial>
+# The KV connector both engines of a PD pair load (--kv-transfer-config): one self-contained
+# module, made importable by the runtime from the agent's own installed copy.
+KV_CONNECTOR_CLASS = "SyshaxShmConnector"
+KV_CONNECTOR_MODULE = "syshax_kv_connector"
+KV_CONNECTOR_CONTAINER_DIR = "/opt/syshax/kvconnector"
 # Keys the control plane may add for the operator's benefit; they do not change the engine.
 INFORMATIONAL_KEYS = frozenset(
     {
@@ -75,6 +87,7 @@ class EngineSpec:
     working_dir: str | None = None
     name: str | None = None  # engine/container name; default syshax-<deployment>-g<gen>-<role>
     ipc_peer: str | None = None  # informational: the GPU engine's name the CPU engine joins
+    kv_connector: bool = False  # the runtime puts the syshax KV connector on PYTHONPATH
     ignored_keys: tuple[str, ...] = ()
 
     @property
@@ -127,6 +140,9 @@ class EngineSpec:
         timeout = data.get("health_timeout_seconds", 120.0)
         if not isinstance(timeout, int | float) or timeout <= 0:
             raise SpecError("health_timeout_seconds", f"must be a positive number, got {timeout!r}")
+        kv_connector = data.get("kv_connector", False)
+        if not isinstance(kv_connector, bool):
+            raise SpecError("kv_connector", f"must be true or false, got {kv_connector!r}")
         for key in ("memory_limit_bytes", "shm_size_bytes"):
             value = data.get(key)
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -158,6 +174,7 @@ class EngineSpec:
             working_dir=data.get("working_dir") or None,
             name=data.get("name") or None,
             ipc_peer=data.get("ipc_peer") or None,
+            kv_connector=kv_connector,
             ignored_keys=ignored,
         )
 
@@ -197,7 +214,47 @@ def engine_labels(
     }
 
 
+def kv_connector_dir() -> Path:
+    """The directory of this node's installed ``syshax_kv_connector.py`` (the agent's own copy:
+    the control plane's filesystem may not be this node's)."""
+    try:
+        import syshax.kvconnector
+    except ImportError:
+        raise SpecError(
+            "kv_connector", "the syshax.kvconnector package is not installed beside this agent"
+        ) from None
+    directory = Path(syshax.kvconnector.__file__).resolve().parent
+    if not (directory / f"{KV_CONNECTOR_MODULE}.py").is_file():
+        # Not fatal here: an engine that needs it fails with vLLM's own import error in its log.
+        log.warning("%s.py is missing from %s", KV_CONNECTOR_MODULE, directory)
+    return directory
+
+
+def prepend_python_path(env: Mapping[str, str], directory: str) -> dict[str, str]:
+    """``env`` with ``directory`` first on its ``PYTHONPATH``, keeping what was there."""
+    existing = env.get("PYTHONPATH", "")
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (directory, existing) if p)}
+
+
 # ---------------------------------------------------------------- builders from profile values
+
+
+def kv_transfer_config(engine_id: str, peer_engine_id: str, shm_dir: str = "/dev/shm") -> str:
+    """vLLM's ``--kv-transfer-config`` JSON for one engine of a PD pair: both engines load the
+    syshax shared-memory connector as ``kv_both`` and name each other."""
+    return json.dumps(
+        {
+            "kv_connector": KV_CONNECTOR_CLASS,
+            "kv_connector_module_path": KV_CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "shm_dir": shm_dir,
+                "lease_seconds": 30,
+                "engine_id": engine_id,
+                "peer_engine_id": peer_engine_id,
+            },
+        }
+    )
 
 
 def gpu_engine_args(
@@ -207,11 +264,14 @@ def gpu_engine_args(
     tensor_parallel_size: int = 1,
     gpu_memory_utilization: float = 0.8,
     max_model_len: int | None = None,
-    preemption_mode: str | None = "swap",
+    preemption_mode: str | None = None,
     served_model_name: str | None = None,
     host: str = "0.0.0.0",
 ) -> list[str]:
-    """vLLM OpenAI-server args of the GPU engine (``syshax sim`` accepts the same flags)."""
+    """vLLM OpenAI-server args of the GPU engine (``syshax sim`` accepts the same flags).
+
+    ``preemption_mode`` only for sysHAX's patched V0 engine: upstream vLLM V1 refuses it.
+    """
     args = [
         "--model",
         model,
@@ -276,9 +336,15 @@ def build_cpu_spec(
     host: str = "127.0.0.1",
     health_timeout_seconds: float = 300.0,
     mounts: Sequence[Mount] = (),
+    engine: str = "vllm",
 ) -> EngineSpec:
-    """The CPU engine: cpuset and thread env from the affinity plan, in the GPU engine's IPC."""
-    full_env = {**(env or {}), **plan.env(), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib)}
+    """The CPU engine: cpuset and thread env (named for the ``engine`` kind) from the affinity
+    plan, in the GPU engine's IPC."""
+    full_env = {
+        **(env or {}),
+        **plan.env(engine),
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib),
+    }
     return EngineSpec(
         command=tuple(command),
         args=tuple(args),

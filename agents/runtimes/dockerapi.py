@@ -20,7 +20,12 @@ from docker.models.containers import Container
 from docker.types import DeviceRequest, Mount
 
 from agents.runtimes import EngineRuntimeError, EngineState
-from agents.specs import EngineSpec
+from agents.specs import (
+    KV_CONNECTOR_CONTAINER_DIR,
+    EngineSpec,
+    kv_connector_dir,
+    prepend_python_path,
+)
 from agents.specs import Mount as SpecMount
 
 ASCEND_SHARED_DEVICES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
@@ -40,10 +45,31 @@ _STATUS = {
 
 
 def container_kwargs(
-    name: str, spec: EngineSpec, labels: Mapping[str, str], role: str, ipc_peer_id: str | None
+    name: str,
+    spec: EngineSpec,
+    labels: Mapping[str, str],
+    role: str,
+    ipc_peer_id: str | None,
+    kv_connector_source: str | None = None,
 ) -> dict[str, Any]:
-    """The ``containers.create`` keyword arguments for one engine (pure, tested on its own)."""
+    """The ``containers.create`` keyword arguments for one engine (pure, tested on its own).
+
+    A spec with ``kv_connector`` gets ``kv_connector_source`` (this node's directory holding
+    ``syshax_kv_connector.py``) bind-mounted read-only at ``/opt/syshax/kvconnector``, first on
+    the engine's ``PYTHONPATH``. The image's own ``PYTHONPATH`` is not visible here, so a
+    profile that needs one sets it in its env.
+    """
     ipc = spec.ipc_for(role)
+    if spec.kv_connector:
+        if kv_connector_source is None:
+            raise EngineRuntimeError("spec.kv_connector: no KV connector directory on this node")
+        connector = SpecMount(kv_connector_source, KV_CONNECTOR_CONTAINER_DIR, read_only=True)
+        others = (m for m in spec.mounts if m.target != KV_CONNECTOR_CONTAINER_DIR)
+        spec = replace(
+            spec,
+            env=prepend_python_path(spec.env, KV_CONNECTOR_CONTAINER_DIR),
+            mounts=(*others, connector),
+        )
     kwargs: dict[str, Any] = {
         "image": spec.image,
         "command": spec.argv,
@@ -149,6 +175,7 @@ class DockerRuntime:
             full_labels,
             role,
             ipc_peer.engine_id if ipc_peer else None,
+            kv_connector_source=str(kv_connector_dir()) if spec.kv_connector else None,
         )
         try:
             container = self.client.containers.run(**kwargs)

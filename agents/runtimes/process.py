@@ -25,7 +25,7 @@ import psutil
 from agents.affinity import AffinityError, parse_cpu_list
 from agents.runtimes import EngineRuntimeError, EngineState
 from agents.runtimes.launcher import write_json_atomic
-from agents.specs import EngineSpec
+from agents.specs import EngineSpec, kv_connector_dir, prepend_python_path
 
 
 class ProcessRuntime:
@@ -92,6 +92,8 @@ class ProcessRuntime:
         exit_file = self.engines_dir / f"{engine_id}.exit"
         log_path = self.logs_dir / f"{name}.log"
         env = {**os.environ, **spec.env}
+        if spec.kv_connector:
+            env = prepend_python_path(env, str(kv_connector_dir()))
         argv = [
             self.python,
             "-m",

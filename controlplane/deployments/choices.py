@@ -21,13 +21,14 @@ class AffinityMode(models.TextChoices):
 
 
 class EngineKind(models.TextChoices):
-    VLLM = "vllm", "vLLM"
+    VLLM = "vllm", "vLLM (upstream, V1 engine)"
+    SYSHAX_V0 = "syshax-v0", "sysHAX's patched vLLM V0 image"
     SIMULATOR = "simulator", "syshax sim (simulated engine)"
 
 
 class PdProtocol(models.TextChoices):
-    SYSHAX = "syshax", "sysHAX style"
-    VLLM = "vllm", "vLLM kv_transfer_params"
+    VLLM = "vllm", "vLLM kv_transfer_params (KV through the syshax connector)"
+    SYSHAX = "syshax", "sysHAX style (num_decode_tokens, generated_text, request_id_inference)"
 
 
 class DesiredState(models.TextChoices):

@@ -44,7 +44,10 @@ class DeploymentProfile(TimeStampedModel):
     )
     engine = models.CharField(max_length=16, choices=EngineKind.choices, default=EngineKind.VLLM)
     pd_protocol = models.CharField(
-        max_length=8, choices=PdProtocol.choices, default=PdProtocol.SYSHAX
+        max_length=8,
+        choices=PdProtocol.choices,
+        default=PdProtocol.VLLM,
+        help_text="how the router hands a prefilled request to the CPU engine",
     )
     sim_gpu_device = models.CharField(
         max_length=64, default="a100-80gb", help_text="simulator engines: GPU/NPU device preset"
@@ -76,7 +79,11 @@ class DeploymentProfile(TimeStampedModel):
         default=256, validators=[MinValueValidator(1), MaxValueValidator(65536)]
     )
     preemption_mode = models.CharField(
-        max_length=10, choices=PreemptionMode.choices, default=PreemptionMode.SWAP
+        max_length=10,
+        choices=PreemptionMode.choices,
+        default=PreemptionMode.SWAP,
+        help_text="sysHAX's V0 engine (and the simulator in its sysHAX mode) only; "
+        "upstream vLLM V1 always recomputes and has no such flag",
     )
     gpu_shm_size_gb = models.FloatField(
         default=16.0, validators=[MinValueValidator(0.0625)], help_text="/dev/shm for KV handoff"
@@ -99,8 +106,10 @@ class DeploymentProfile(TimeStampedModel):
     cpu_affinity = models.CharField(
         max_length=4096, blank=True, help_text="explicit CPU list, e.g. 0-39,40-79"
     )
-    cpu_kv_cache_space_gb = models.FloatField(
-        default=40.0, validators=[MinValueValidator(1.0)], help_text="VLLM_CPU_KVCACHE_SPACE"
+    cpu_kv_cache_space_gb = models.PositiveIntegerField(
+        default=40,
+        validators=[MinValueValidator(1)],
+        help_text="VLLM_CPU_KVCACHE_SPACE: whole GiB (vLLM reads it with int())",
     )
     cpu_memory_limit_gb = models.FloatField(
         null=True, blank=True, validators=[MinValueValidator(1.0)]
@@ -129,6 +138,23 @@ class DeploymentProfile(TimeStampedModel):
     def model_name_for_clients(self) -> str:
         return self.served_model_name or self.model
 
+    @property
+    def speaks_syshax(self) -> bool:
+        """The engines take sysHAX's V0 flags (``--preemption-mode``) and request fields: its
+        patched image, or the simulator in its sysHAX-compatible mode (chosen by the protocol)."""
+        return self.engine == EngineKind.SYSHAX_V0 or (
+            self.engine == EngineKind.SIMULATOR and self.pd_protocol == PdProtocol.SYSHAX
+        )
+
+    @property
+    def uses_kv_connector(self) -> bool:
+        """Both engines load the syshax KV connector (``--kv-transfer-config``)."""
+        return (
+            self.enable_cpu_engine
+            and self.pd_protocol == PdProtocol.VLLM
+            and self.engine in (EngineKind.VLLM, EngineKind.SIMULATOR)
+        )
+
     def clean(self) -> None:
         errors: dict[str, str] = {}
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -145,6 +171,16 @@ class DeploymentProfile(TimeStampedModel):
                     parse_cpu_list(self.cpu_affinity)
                 except CpuListError as exc:
                     errors["cpu_affinity"] = str(exc)
+        if self.pd_protocol == PdProtocol.SYSHAX and self.engine == EngineKind.VLLM:
+            errors["pd_protocol"] = (
+                '"syshax" needs an engine that speaks sysHAX\'s fields (syshax-v0 or simulator); '
+                "upstream vLLM ignores them"
+            )
+        elif self.pd_protocol == PdProtocol.VLLM and self.engine == EngineKind.SYSHAX_V0:
+            errors["pd_protocol"] = (
+                '"vllm" needs an engine that loads the syshax KV connector (vllm or simulator); '
+                'sysHAX\'s patched V0 image hands KV over with its own fields: use "syshax"'
+            )
         for field in ("gpu_command", "cpu_command", "gpu_extra_args", "cpu_extra_args"):
             value = getattr(self, field)
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

@@ -1,25 +1,43 @@
 """Build the engine spec an agent receives, with the agents' own builders (agents.specs), so
-both sides agree on its shape (docs/agent.md)."""
+both sides agree on its shape (docs/agent.md).
+
+What goes on the command line depends on the engine kind (docs/operator-guide.md):
+
+* ``vllm``, upstream vLLM V1: no ``--preemption-mode`` (V1 always recomputes and refuses the
+  flag), thread binding in ``VLLM_CPU_OMP_THREADS_BIND``, and with PD both engines load the
+  syshax KV connector through ``--kv-transfer-config``;
+* ``syshax-v0``, sysHAX's patched V0 image: ``--preemption-mode`` and ``CUSTOM_CPU_AFFINITY``,
+  KV handed over with sysHAX's request fields;
+* ``simulator``: upstream's flags, or with ``pd_protocol: syshax`` its sysHAX-compatible mode
+  (``--syshax-compat``, which also takes ``--preemption-mode``).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from agents.specs import Accelerator, EngineSpec, engine_name
+from agents.affinity import thread_env
+from agents.specs import Accelerator, EngineSpec, engine_name, kv_transfer_config
 from controlplane.deployments.choices import EngineKind
 from controlplane.deployments.models import Deployment, DeploymentProfile
 
 GIB = 1024**3
 SIMULATOR_COMMAND = ["syshax", "sim"]
+VLLM_QUANTIZATION = ("awq", "gptq", "fp8")  # the profile quantizations vLLM takes as flags
 
 
-def engine_args(profile: DeploymentProfile, role: str) -> list[str]:
-    """vLLM-style engine flags; the simulator accepts the same ones plus its device preset."""
+def engine_args(
+    profile: DeploymentProfile, role: str, *, engine_id: str = "", peer_engine_id: str = ""
+) -> list[str]:
+    """The engine's flags for its kind; the KV connector's config names this engine and its
+    PD peer (the agents' engine names)."""
     served = profile.model_name_for_clients
     args: list[str] = []
     if profile.engine == EngineKind.SIMULATOR:
         device = profile.sim_gpu_device if role == "gpu" else profile.sim_cpu_device
         args += ["--device", device]
+        if profile.speaks_syshax:
+            args.append("--syshax-compat")
     args += [
         "--model",
         profile.model,
@@ -28,6 +46,11 @@ def engine_args(profile: DeploymentProfile, role: str) -> list[str]:
         "--max-model-len",
         str(profile.max_model_len),
     ]
+    if profile.uses_kv_connector:
+        args += ["--kv-transfer-config", kv_transfer_config(engine_id, peer_engine_id)]
+        # The decode's usage then reports the cached prompt tokens: the router's proof that
+        # the transferred KV was used (docs/kv-connector.md).
+        args.append("--enable-prompt-tokens-details")
     if role == "gpu":
         args += [
             "--port",
@@ -38,16 +61,30 @@ def engine_args(profile: DeploymentProfile, role: str) -> list[str]:
             str(profile.gpu_memory_utilization),
             "--max-num-seqs",
             str(profile.max_num_seqs),
-            "--preemption-mode",
-            profile.preemption_mode,
         ]
-        if profile.engine == EngineKind.VLLM and profile.quantization in ("awq", "gptq", "fp8"):
+        if profile.speaks_syshax:
+            args += ["--preemption-mode", profile.preemption_mode]
+        if profile.engine != EngineKind.SIMULATOR and profile.quantization in VLLM_QUANTIZATION:
             args += ["--quantization", profile.quantization]
         return args + list(profile.gpu_extra_args)
     args += ["--port", str(profile.cpu_port), "--max-num-seqs", str(profile.cpu_max_batch_size)]
     if profile.engine == EngineKind.SIMULATOR:
-        args += ["--kv-cache-space", f"{profile.cpu_kv_cache_space_gb:g}"]
+        args += ["--kv-cache-space", str(profile.cpu_kv_cache_space_gb)]
     return args + list(profile.cpu_extra_args)
+
+
+def cpu_engine_env(profile: DeploymentProfile, plan: dict[str, Any]) -> dict[str, str]:
+    """Threads, binding and KV space of the CPU engine; the profile's ``cpu_env`` wins."""
+    env = thread_env(
+        profile.engine,
+        plan.get("omp_num_threads", ""),
+        str(plan.get("custom_cpu_affinity", "")),
+    )
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(profile.cpu_kv_cache_space_gb)
+    if profile.quantization != "none":
+        env["SYSHAX_QUANTIZE"] = profile.quantization
+    env.update(profile.cpu_env)
+    return env
 
 
 def _command(profile: DeploymentProfile, role: str) -> list[str]:
@@ -62,6 +99,8 @@ def engine_spec(deployment: Deployment, role: str) -> dict[str, Any]:
     plan = deployment.affinity_plan or {}
     host = deployment.node.address or "127.0.0.1"
     name = engine_name(deployment.pk, deployment.generation, role)
+    peer = engine_name(deployment.pk, deployment.generation, "cpu" if role == "gpu" else "gpu")
+    args = tuple(engine_args(profile, role, engine_id=name, peer_engine_id=peer))
     if role == "gpu":
         accelerators = tuple(
             Accelerator(uuid=acc.uuid, index=acc.index, simulated=acc.simulated, kind=acc.kind)
@@ -71,7 +110,7 @@ def engine_spec(deployment: Deployment, role: str) -> dict[str, Any]:
         )
         spec = EngineSpec(
             command=tuple(_command(profile, "gpu")),
-            args=tuple(engine_args(profile, "gpu")),
+            args=args,
             image=profile.gpu_image,
             env=dict(profile.gpu_env),
             port=profile.gpu_port,
@@ -82,21 +121,14 @@ def engine_spec(deployment: Deployment, role: str) -> dict[str, Any]:
             ipc="shareable",
             health_timeout_seconds=profile.health_timeout_seconds,
             name=name,
+            kv_connector=profile.uses_kv_connector,
         )
     else:
-        env = {
-            "OMP_NUM_THREADS": str(plan.get("omp_num_threads", "")),
-            "CUSTOM_CPU_AFFINITY": str(plan.get("custom_cpu_affinity", "")),
-            "VLLM_CPU_KVCACHE_SPACE": f"{profile.cpu_kv_cache_space_gb:g}",
-            "SYSHAX_QUANTIZE": profile.quantization if profile.quantization != "none" else "",
-        }
-        env = {k: v for k, v in env.items() if v}
-        env.update(profile.cpu_env)
         spec = EngineSpec(
             command=tuple(_command(profile, "cpu")),
-            args=tuple(engine_args(profile, "cpu")),
+            args=args,
             image=profile.cpu_image,
-            env=env,
+            env=cpu_engine_env(profile, plan),
             port=profile.cpu_port,
             host=host,
             cpuset=plan.get("cpuset") or None,
@@ -106,7 +138,8 @@ def engine_spec(deployment: Deployment, role: str) -> dict[str, Any]:
             ipc="peer",
             health_timeout_seconds=profile.health_timeout_seconds,
             name=name,
-            ipc_peer=engine_name(deployment.pk, deployment.generation, "gpu"),
+            ipc_peer=peer,
+            kv_connector=profile.uses_kv_connector,
         )
     return {
         **spec.to_dict(),

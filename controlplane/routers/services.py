@@ -71,6 +71,10 @@ def routable_deployments() -> list[dict[str, Any]]:
             "state": d.state,
             "gpu_url": d.gpu_endpoint,
             "cpu_url": d.cpu_endpoint,
+            # The CPU engine's own --max-num-seqs: the router admits no more CPU decodes.
+            "cpu_max_num_seqs": d.profile.cpu_max_batch_size
+            if d.profile.enable_cpu_engine
+            else None,
         }
         for d in rows
     ]

@@ -36,7 +36,13 @@ def test_kunpeng_hetero_reserves_gpu_host_cores_and_spreads_the_rest_evenly() ->
     assert plan.cores_per_numa_node == {0: 24, 1: 24, 2: 24, 3: 24}
     assert not set(plan.cpus) & set(plan.gpu_host_cpus)
     assert plan.custom_cpu_affinity == "4-27,40-63,80-103,120-143"
-    assert plan.env() == {"OMP_NUM_THREADS": "96", "CUSTOM_CPU_AFFINITY": plan.custom_cpu_affinity}
+    # Upstream vLLM and the simulator read VLLM_CPU_OMP_THREADS_BIND (one rank: one list);
+    # only sysHAX's patched V0 image reads CUSTOM_CPU_AFFINITY.
+    binding = "4-27,40-63,80-103,120-143"
+    for engine in ("vllm", "simulator"):
+        assert plan.env(engine) == {"OMP_NUM_THREADS": "96", "VLLM_CPU_OMP_THREADS_BIND": binding}
+    assert plan.env() == plan.env("vllm")
+    assert plan.env("syshax-v0") == {"OMP_NUM_THREADS": "96", "CUSTOM_CPU_AFFINITY": binding}
 
 
 def test_kunpeng_all_free_cores_when_node0_is_short_fills_the_others() -> None:

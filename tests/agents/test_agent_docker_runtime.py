@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import sys
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from agent_helpers import IMAGE, free_port, host_mounts, http_engine_spec
 
 from agents.commands import CommandExecutor
+from agents.runtimes import EngineRuntimeError
 from agents.runtimes.dockerapi import DockerRuntime, container_kwargs
-from agents.specs import EngineSpec
+from agents.specs import EngineSpec, kv_connector_dir
 
 
 def container_spec(root: Path, **extra: Any) -> dict[str, Any]:
@@ -87,6 +90,31 @@ def test_container_kwargs_for_the_gpu_and_cpu_engines() -> None:
     assert kw["environment"]["OMP_NUM_THREADS"] == "48"
 
 
+def test_a_kv_connector_spec_mounts_the_connector_and_puts_it_on_pythonpath() -> None:
+    spec = EngineSpec.from_dict(
+        {
+            "command": ["vllm"],
+            "kv_connector": True,
+            "env": {"PYTHONPATH": "/models/lib"},
+            "mounts": [{"source": "/srv/old", "target": "/opt/syshax/kvconnector"}],
+        }
+    )
+    kw = container_kwargs("syshax-1-g1-gpu", spec, {}, "gpu", None, kv_connector_source="/srv/kv")
+    (mount,) = kw["mounts"]  # the node's own copy replaces a spec mount on the same target
+    assert (mount["Source"], mount["Target"], mount["ReadOnly"]) == (
+        "/srv/kv",
+        "/opt/syshax/kvconnector",
+        True,
+    )
+    assert kw["environment"]["PYTHONPATH"] == "/opt/syshax/kvconnector:/models/lib"
+    plain = container_kwargs("n", replace(spec, env={}), {}, "gpu", None, "/srv/kv")
+    assert plain["environment"]["PYTHONPATH"] == "/opt/syshax/kvconnector"
+    without = container_kwargs("n", EngineSpec.from_dict({"command": ["vllm"]}), {}, "gpu", None)
+    assert without["mounts"] == [] and "PYTHONPATH" not in without["environment"]
+    with pytest.raises(EngineRuntimeError, match="kv_connector"):
+        container_kwargs("n", spec, {}, "gpu", None)
+
+
 def test_ascend_npus_get_their_device_nodes_and_the_host_driver() -> None:
     """Mock-free but hardware-free: the create arguments an Ascend card would get."""
     npu = EngineSpec.from_dict(
@@ -114,9 +142,17 @@ def test_gpu_then_cpu_share_one_ipc_namespace_on_podman(
     refused = run(executor, "start", "cpu", container_spec(web_root))
     assert "IPC peer GPU engine syshax-11-g1-gpu is not running" in refused["detail"]
 
-    gpu = run(executor, "start", "gpu", container_spec(web_root, shm_size_bytes=64 << 20))
+    gpu_spec = container_spec(web_root, shm_size_bytes=64 << 20, kv_connector=True)
+    gpu = run(executor, "start", "gpu", gpu_spec)
     assert gpu["status"] == "succeeded", gpu["detail"]
     assert gpu["containers"][0]["health"] == "healthy"
+    # The node's copy of the KV connector is importable inside the engine's container.
+    found = "import importlib.util as u; print(u.find_spec('syshax_kv_connector').origin)"
+    assert shm(docker_runtime, gpu["containers"][0]["engine_id"], found) == (
+        0,
+        "/opt/syshax/kvconnector/syshax_kv_connector.py",
+    )
+    assert (kv_connector_dir() / "syshax_kv_connector.py").is_file()
     cpu = run(
         executor,
         "start",
@@ -201,6 +237,7 @@ def sim_spec(device: str, **extra: Any) -> dict[str, Any]:
             str(port),
             "--speed",
             "50",
+            "--syshax-compat",  # the handoff below uses sysHAX's request fields
         ],
         "port": port,
         "mounts": host_mounts(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -16,6 +17,7 @@ from agent_helpers import http_engine_spec
 
 from agents.commands import CommandExecutor
 from agents.runtimes.process import ProcessRuntime
+from agents.specs import kv_connector_dir
 
 
 def run(
@@ -104,8 +106,10 @@ def test_an_engine_that_exits_fails_the_start_with_its_code_and_last_log_lines(
     }
     result = run(executor, "start", role="cpu", spec=spec | {"ipc": "private"})
     assert result["status"] == "failed", result
-    assert str(result["detail"]).startswith("CPU engine exited with code 3: loading model")
-    assert "error: no such model" in str(result["detail"])
+    # The cause first, then the log's last lines.
+    assert str(result["detail"]).startswith(
+        "CPU engine exited with code 3: error: no such model | loading model"
+    )
     assert process_runtime.list({}) == []  # nothing orphaned
 
 
@@ -145,6 +149,36 @@ def test_cpu_engine_needs_its_gpu_peer_and_stop_takes_both(
     assert not child.is_running()
     assert process_runtime.list({}) == []
     assert run(executor, "stop", role=None, generation=1)["detail"] == "stopped 0 engine(s)"
+
+
+def test_a_kv_connector_engine_finds_the_agents_copy_of_the_connector_first_on_pythonpath(
+    executor: CommandExecutor, process_runtime: ProcessRuntime, web_root: Path
+) -> None:
+    spec = http_engine_spec(web_root, kv_connector=True, env={"PYTHONPATH": "/models/lib"})
+    started = run(executor, "start", spec=spec)
+    assert started["status"] == "succeeded", started["detail"]
+    engine = process_runtime.list({})[0]
+    environ = psutil.Process(engine_child_pid(process_runtime, engine.engine_id)).environ()
+    connector = kv_connector_dir()
+    assert environ["PYTHONPATH"].split(os.pathsep) == [str(connector), "/models/lib"]
+    found = subprocess.run(
+        [sys.executable, "-c", FIND_CONNECTOR],
+        env={"PYTHONPATH": environ["PYTHONPATH"], "PATH": os.environ.get("PATH", "")},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert found.stdout.strip() == str(connector / "syshax_kv_connector.py")
+
+    plain = run(executor, "start", spec=http_engine_spec(web_root), deployment_id=8)
+    assert plain["status"] == "succeeded"
+    other = process_runtime.list({"syshax.deployment": "8"})[0]
+    pythonpath = psutil.Process(engine_child_pid(process_runtime, other.engine_id)).environ()
+    assert str(connector) not in pythonpath.get("PYTHONPATH", "")
+
+
+# What vLLM does with kv_connector_module_path, without importing vLLM (not installed here).
+FIND_CONNECTOR = "import importlib.util as u; print(u.find_spec('syshax_kv_connector').origin)"
 
 
 def test_a_new_generation_replaces_the_old_and_a_stale_one_is_refused(
@@ -215,3 +249,20 @@ def test_bad_specs_and_actions_fail_clearly(executor: CommandExecutor) -> None:
     missing = run(executor, "start", spec={"command": ["/nonexistent/engine"], "port": 1})
     assert missing["status"] == "failed"
     assert str(missing["detail"]).startswith("GPU engine exited with code 127: launcher: cannot")
+
+
+def test_a_failed_start_names_its_cause_first() -> None:
+    from agents.commands import cause_first
+
+    usage = "usage: api_server.py [-h]\n  [--model MODEL]"
+    tail = usage + "\napi_server.py: error: unrecognized arguments: --preemption-mode swap"
+    assert cause_first(tail) == (
+        "api_server.py: error: unrecognized arguments: --preemption-mode swap | " + tail
+    )
+    trace = 'Traceback (most recent call last):\n  File "x.py", line 1\n'
+    trace += "ModuleNotFoundError: No module named 'syshax_kv_connector'\nINFO shutting down"
+    assert cause_first(trace).startswith(
+        "ModuleNotFoundError: No module named 'syshax_kv_connector' | Traceback"
+    )
+    assert cause_first("engine listening\nall fine") == "engine listening\nall fine"
+    assert cause_first("error: first line only") == "error: first line only"

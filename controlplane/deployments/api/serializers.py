@@ -24,6 +24,14 @@ class ProfileSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
     class Meta:
         model = DeploymentProfile
         fields = "__all__"
+        extra_kwargs = {
+            "cpu_kv_cache_space_gb": {
+                "error_messages": {
+                    "invalid": "must be a whole number of GiB (vLLM reads "
+                    "VLLM_CPU_KVCACHE_SPACE with int())"
+                }
+            }
+        }
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         # Model.clean() holds the single-row rules; run it on the merged state.

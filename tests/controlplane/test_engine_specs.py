@@ -1,0 +1,261 @@
+"""What each engine kind gets on its command line and in its environment, the profile rules
+that keep the combinations valid, and the CPU engine's limit in the routing payload."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import pytest
+from django.contrib import admin
+from django.forms.models import model_to_dict
+from django.test import RequestFactory
+
+from agents.specs import EngineSpec
+from controlplane.deployments.models import Deployment, DeploymentProfile
+from controlplane.deployments.specs import engine_spec
+from controlplane.routers.services import routable_deployments
+from router.backends import Backend, Timeouts
+from router.decide import Loads, Route, decide
+from router.engine_metrics import DeviceLoad
+from router.state import Deployment as RoutedDeployment
+from router.state import DeploymentSpec
+from syshax.policy_schema import PolicyKnobs
+from syshax.sim.cli import add_arguments as sim_arguments
+
+PLAN = {
+    "cpuset": "2-7",
+    "physical_cores": 6,
+    "omp_num_threads": 6,
+    "custom_cpu_affinity": "2-3,4-7",
+    "gpu_cpuset": "0-1",
+}
+
+
+def specs(make_deployment, node, make_profile, **profile: Any) -> tuple[dict, dict, Deployment]:
+    deployment = make_deployment(
+        node=node, profile=make_profile(**profile), affinity_plan=PLAN, generation=3
+    )
+    return engine_spec(deployment, "gpu"), engine_spec(deployment, "cpu"), deployment
+
+
+def flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+def test_upstream_vllm_gets_v1_flags_the_kv_connector_and_its_thread_binding(
+    make_deployment, node, make_profile
+) -> None:
+    gpu, cpu, deployment = specs(
+        make_deployment, node, make_profile, engine="vllm", quantization="none"
+    )
+    gpu_name, cpu_name = f"syshax-{deployment.pk}-g3-gpu", f"syshax-{deployment.pk}-g3-cpu"
+    for spec, me, peer in ((gpu, gpu_name, cpu_name), (cpu, cpu_name, gpu_name)):
+        assert "--preemption-mode" not in spec["args"] and "--syshax-compat" not in spec["args"]
+        assert json.loads(flag(spec["args"], "--kv-transfer-config") or "") == {
+            "kv_connector": "SyshaxShmConnector",
+            "kv_connector_module_path": "syshax_kv_connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "shm_dir": "/dev/shm",
+                "lease_seconds": 30,
+                "engine_id": me,
+                "peer_engine_id": peer,
+            },
+        }
+        assert spec["kv_connector"] is True
+        assert EngineSpec.from_dict(spec).kv_connector is True  # the agent reads it back
+    assert flag(cpu["args"], "--max-num-seqs") == "8"  # the profile's cpu_max_batch_size
+    env = cpu["env"]
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "2-3,4-7" and env["OMP_NUM_THREADS"] == "6"
+    assert "CUSTOM_CPU_AFFINITY" not in env
+    assert int(env["VLLM_CPU_KVCACHE_SPACE"]) == 40  # what vLLM does with it
+
+
+def test_syshax_v0_keeps_its_preemption_mode_and_custom_cpu_affinity(
+    make_deployment, node, make_profile
+) -> None:
+    gpu, cpu, _ = specs(
+        make_deployment,
+        node,
+        make_profile,
+        engine="syshax-v0",
+        pd_protocol="syshax",
+        preemption_mode="swap",
+        quantization="awq",
+    )
+    assert flag(gpu["args"], "--preemption-mode") == "swap"
+    assert flag(gpu["args"], "--quantization") == "awq"
+    assert "--kv-transfer-config" not in gpu["args"] + cpu["args"]
+    assert gpu["kv_connector"] is False and cpu["kv_connector"] is False
+    assert cpu["env"]["CUSTOM_CPU_AFFINITY"] == "2-3,4-7"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in cpu["env"]
+
+
+def sim_parse(args: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    sim_arguments(parser)
+    return parser.parse_args(args)
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "syshax"])
+def test_the_simulator_gets_flags_it_accepts_in_the_mode_of_the_protocol(
+    make_deployment, node, make_profile, protocol: str
+) -> None:
+    gpu, cpu, _ = specs(
+        make_deployment, node, make_profile, pd_protocol=protocol, cpu_kv_cache_space_gb=12
+    )
+    compat = protocol == "syshax"
+    gpu_args, cpu_args = sim_parse(gpu["args"]), sim_parse(cpu["args"])
+    assert gpu_args.syshax_compat is compat and cpu_args.syshax_compat is compat
+    assert gpu_args.preemption_mode == ("swap" if compat else None)
+    assert ("--kv-transfer-config" in gpu["args"]) is not compat
+    assert cpu_args.kv_cache_space == 12 and cpu["env"]["VLLM_CPU_KVCACHE_SPACE"] == "12"
+    assert cpu["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "2-3,4-7"  # its --cpu-bind default
+
+
+def test_without_a_cpu_engine_there_is_no_kv_transfer(make_deployment, node, make_profile) -> None:
+    gpu, _, _ = specs(make_deployment, node, make_profile, engine="vllm", enable_cpu_engine=False)
+    assert "--kv-transfer-config" not in gpu["args"] and gpu["kv_connector"] is False
+
+
+def post_profile(client, **fields: Any):
+    return client.post("/api/v1/profiles/", {"name": "p", "model": "m", **fields}, format="json")
+
+
+def test_upstream_vllm_with_the_syshax_protocol_is_a_400_naming_the_field(
+    admin_client, make_profile
+) -> None:
+    response = post_profile(admin_client, engine="vllm", pd_protocol="syshax")
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["message"] == (
+        'pd_protocol: "syshax" needs an engine that speaks sysHAX\'s fields '
+        "(syshax-v0 or simulator); upstream vLLM ignores them"
+    )
+    assert list(error["fields"]) == ["pd_protocol"]
+    # A change that makes a stored profile invalid is refused the same way.
+    profile = make_profile(engine="vllm")
+    patch = admin_client.patch(
+        f"/api/v1/profiles/{profile.pk}/", {"pd_protocol": "syshax"}, format="json"
+    )
+    assert patch.status_code == 400 and patch.json()["error"]["fields"].keys() == {"pd_protocol"}
+
+
+def test_engine_and_protocol_pairs_that_work_are_accepted(admin_client) -> None:
+    assert post_profile(admin_client).json()["pd_protocol"] == "vllm"  # the default
+    for name, engine, protocol in [
+        ("sim-syshax", "simulator", "syshax"),
+        ("sim-vllm", "simulator", "vllm"),
+        ("v0", "syshax-v0", "syshax"),
+    ]:
+        response = post_profile(admin_client, name=name, engine=engine, pd_protocol=protocol)
+        assert response.status_code == 201, response.json()
+    refused = post_profile(admin_client, name="v0-vllm", engine="syshax-v0", pd_protocol="vllm")
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"].startswith('pd_protocol: "vllm" needs an engine')
+
+
+def test_the_admin_form_reaches_the_same_rule(admin_user, make_profile) -> None:
+    profile = make_profile(engine="vllm")
+    model_admin = admin.site._registry[DeploymentProfile]
+    request = RequestFactory().get("/")
+    request.user = admin_user
+    form_class = model_admin.get_form(request, obj=profile)
+    data = {
+        key: json.dumps(value) if isinstance(value, list | dict) else value
+        for key, value in model_to_dict(profile).items()
+        if value is not None
+    }
+    assert form_class(data=data, instance=profile).is_valid()
+    form = form_class(data={**data, "pd_protocol": "syshax"}, instance=profile)
+    assert not form.is_valid()
+    assert "upstream vLLM ignores them" in form.errors["pd_protocol"][0]
+
+
+def test_kv_cache_space_is_whole_gib(admin_client) -> None:
+    response = post_profile(admin_client, cpu_kv_cache_space_gb=1.5)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == (
+        "cpu_kv_cache_space_gb: must be a whole number of GiB (vLLM reads "
+        "VLLM_CPU_KVCACHE_SPACE with int())"
+    )
+    assert post_profile(admin_client, cpu_kv_cache_space_gb=2).json()["cpu_kv_cache_space_gb"] == 2
+
+
+def test_the_routing_payload_carries_the_cpu_engines_limit_and_the_router_caps_at_it(
+    router_client, make_deployment, node, make_profile
+) -> None:
+    make_deployment(
+        node=node,
+        profile=make_profile(cpu_max_batch_size=4),
+        state="running",
+        gpu_endpoint="http://127.0.0.1:7001",
+        cpu_endpoint="http://127.0.0.1:7002",
+    )
+    (entry,) = router_client.get("/api/v1/routing/deployments").json()["deployments"]
+    assert entry["cpu_max_num_seqs"] == 4
+    assert routable_deployments() == [entry]
+    spec = DeploymentSpec.from_api(entry)
+    assert spec.cpu_max_num_seqs == 4
+    old = {k: v for k, v in entry.items() if k != "cpu_max_num_seqs"}
+    assert DeploymentSpec.from_api(old).cpu_max_num_seqs is None  # an older control plane
+
+    timeouts = Timeouts()
+    routed = RoutedDeployment(
+        spec, Backend(spec.gpu_url, "gpu", timeouts), Backend(entry["cpu_url"], "cpu", timeouts)
+    )
+    assert routed.loads(0.0).cpu_max_num_seqs == 4
+    # The GPU is full, so new decodes go to the CPU while it has room under min(8, 4).
+    knobs = PolicyKnobs(cpu_max_batch_size=8, max_num_seqs=16)
+    full_gpu = DeviceLoad(True, 16, 0, 50.0, 0.0, None)
+
+    def route(cpu_running: int, limit: int | None) -> tuple[Route, str]:
+        cpu = DeviceLoad(True, cpu_running, 0, 0.0, 0.0, None)
+        decision = decide(knobs, Loads(full_gpu, cpu, cpu_max_num_seqs=limit))
+        return decision.route, decision.reason
+
+    assert route(3, 4)[0] is Route.PD
+    capped, reason = route(4, 4)
+    assert capped is Route.GPU_ONLY and "CPU running 4 >= the CPU engine's max_num_seqs 4" in reason
+    assert route(4, None)[0] is Route.PD  # unknown engine limit: the policy's 8 alone
+    assert route(8, None)[1].count("cpu_max_batch_size 8") == 1
+
+
+def test_the_migration_rounds_kv_space_up_and_moves_syshax_protocol_vllm_to_syshax_v0(
+    transactional_db,
+) -> None:
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    before = [("deployments", "0001_initial")]
+    after = [("deployments", "0002_engine_kinds_and_whole_gib_kv_space")]
+    executor = MigrationExecutor(connection)
+    latest = executor.loader.graph.leaf_nodes()
+    executor.migrate(before)
+    try:
+        old = MigrationExecutor(connection).loader.project_state(before).apps
+        Profile = old.get_model("deployments", "DeploymentProfile")
+        rows = {
+            name: Profile.objects.create(
+                name=name, model="m", engine=engine, pd_protocol=protocol, **fields
+            ).pk
+            for name, engine, protocol, fields in [
+                ("half", "vllm", "vllm", {"cpu_kv_cache_space_gb": 1.5}),
+                ("whole", "simulator", "syshax", {"cpu_kv_cache_space_gb": 40.0}),
+                ("v0", "vllm", "syshax", {"cpu_kv_cache_space_gb": 7.01}),
+            ]
+        }
+        MigrationExecutor(connection).migrate(after)
+    finally:
+        MigrationExecutor(connection).migrate(latest)  # the rest of the suite's schema
+    stored = {
+        p.name: (p.engine, p.pd_protocol, p.cpu_kv_cache_space_gb)
+        for p in DeploymentProfile.objects.filter(pk__in=rows.values())
+    }
+    assert stored == {
+        "half": ("vllm", "vllm", 2),
+        "whole": ("simulator", "syshax", 40),
+        "v0": ("syshax-v0", "syshax", 8),
+    }
