@@ -24,6 +24,8 @@ import sys
 from syshax.loadgen.simproc import DEFAULT_MODEL, running_router, running_sim
 from syshax.policy_schema import PolicyKnobs
 
+SYSHAX = ("--syshax-compat",)  # the router's PD speaks sysHAX's protocol
+
 
 def scaled_knobs(speed: float) -> list[str]:
     """Router flags for engines running ``speed`` times faster than real time.
@@ -61,8 +63,8 @@ def main() -> int:
     parser.add_argument("rest", nargs="*", help="after --: more syshax benchmark arguments")
     args = parser.parse_args()
     with (
-        running_sim(args.cpu_device, args.model, speed=args.speed) as cpu_url,
-        running_sim(args.gpu_device, args.model, speed=args.speed) as gpu_url,
+        running_sim(args.cpu_device, args.model, speed=args.speed, extra_args=SYSHAX) as cpu_url,
+        running_sim(args.gpu_device, args.model, speed=args.speed, extra_args=SYSHAX) as gpu_url,
     ):
         if args.direct:
             engines = {"cpu": cpu_url, "gpu": gpu_url}

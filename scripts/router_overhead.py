@@ -520,6 +520,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         str(work / "shm"),
         "--log-level",
         "WARNING",
+        "--syshax-compat",  # the router's forced-pd speaks sysHAX's protocol
     ]
     children: list[Child] = []
     gen: LoadGen | None = None

@@ -34,6 +34,22 @@ def _flag(parser: argparse._ActionsContainer, name: str, **kw: Any) -> None:
     parser.add_argument(*names, **kw)
 
 
+class _V0Flag(argparse.Action):
+    """A flag of sysHAX's patched V0 engine: stored with the spelling it was given, so that
+    without ``--syshax-compat`` it is refused the way vLLM 0.32 refuses it (see ``run``)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        given = [*getattr(namespace, "v0_flags_given", []), f"{option_string} {values}"]
+        namespace.v0_flags_given = given
+
+
 def _model_name(text: str) -> str:
     """A model preset, also found by its Hugging Face id (what an agent passes to vLLM)."""
     for preset in MODELS.values():
@@ -64,7 +80,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor-parallel-size", "--tensor_parallel_size", "-tp", type=int, default=1
     )
-    _flag(parser, "--preemption-mode", choices=["swap", "recompute"], default="recompute")
+    _flag(
+        parser,
+        "--syshax-compat",
+        action="store_true",
+        help="sysHAX-compatible mode: the patched V0 engine's flags and request fields "
+        "(without it the flags follow vLLM 0.32's V1 engine)",
+    )
+    _flag(
+        parser,
+        "--preemption-mode",
+        action=_V0Flag,
+        choices=["swap", "recompute"],
+        help="with --syshax-compat only (vLLM V1 has no such flag and always recomputes)",
+    )
     _flag(parser, "--swap-space", type=float, default=4.0, help="GiB of KV swap space")
     _flag(
         parser,
@@ -87,11 +116,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "VLLM_CPU_OMP_THREADS_BIND, else all cores of the preset)",
     )
     _flag(parser, "--log-level", default="INFO")
+    _flag(
+        parser,
+        "--kv-transfer-config",
+        help="vLLM's KV connector JSON: SyshaxShmConnector only; its kv_connector_extra_config "
+        "engine_id, peer_engine_id, shm_dir and lease_seconds win over --engine-id, --shm-dir "
+        "and --kv-lease-seconds",
+    )
+    _flag(
+        parser,
+        "--disable-log-stats",
+        action="store_true",
+        help="no vllm:* metrics on /metrics, as vLLM serves none with this flag",
+    )
+    _flag(
+        parser,
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens, as vLLM does with this flag",
+    )
     ignored = parser.add_argument_group("accepted for vLLM compatibility and ignored")
-    for name in ("--dtype", "--quantization", "--kv-transfer-config", "--uvicorn-log-level"):
+    for name in ("--dtype", "--quantization", "--uvicorn-log-level"):
         _flag(ignored, name)
     for name in ("--enforce-eager", "--trust-remote-code", "--disable-log-requests",
-                 "--disable-log-stats", "--enable-chunked-prefill"):  # fmt: skip
+                 "--enable-chunked-prefill"):  # fmt: skip
         _flag(ignored, name, action="store_true")
 
 
@@ -122,10 +170,17 @@ def _kv_space(args: argparse.Namespace) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    refused = getattr(args, "v0_flags_given", [])
+    if refused and not args.syshax_compat:
+        # What vLLM 0.32's argument parser answers, and argparse's exit code.
+        print(f"syshax sim: error: unrecognized arguments: {' '.join(refused)}", file=sys.stderr)
+        print("syshax sim: (sysHAX's V0 flags need --syshax-compat)", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # Imported here so --help stays instant.
+    from syshax.sim.connector import parse_kv_transfer_config
     from syshax.sim.engine import EngineConfig
     from syshax.sim.perfmodel import parse_cpu_list, restrict_cpu
     from syshax.sim.presets import device_preset, model_preset
@@ -143,6 +198,19 @@ def run(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size < 1 or args.max_num_seqs < 1:
         print("syshax sim: --tensor-parallel-size and --max-num-seqs must be >= 1", file=sys.stderr)
         return 2
+    connector = None
+    if args.kv_transfer_config is not None:
+        try:
+            connector = parse_kv_transfer_config(args.kv_transfer_config)
+        except ValueError as exc:
+            print(f"syshax sim: --kv-transfer-config: {exc}", file=sys.stderr)
+            return 2
+        # The connector's own settings win: they are what a real engine would use.
+        args.engine_id = connector.engine_id or args.engine_id
+        if connector.shm_dir is not None:
+            connector.shm_dir.mkdir(parents=True, exist_ok=True)  # as the connector does
+            args.shm_dir = connector.shm_dir
+        args.kv_lease_seconds = connector.lease_seconds or args.kv_lease_seconds
     if args.shm_dir is None:
         args.shm_dir = _default_shm_dir()
     if not args.shm_dir.is_dir():
@@ -162,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         kv_cache_space_gb=_kv_space(args),
         swap_space_gb=args.swap_space,
-        preemption_mode=args.preemption_mode,
+        preemption_mode=args.preemption_mode or "recompute",
+        syshax_compat=args.syshax_compat,
         block_size=args.block_size,
     )
     settings = ServerSettings(
@@ -170,6 +239,9 @@ def run(args: argparse.Namespace) -> int:
         metrics_mode=args.metrics,
         shm_dir=args.shm_dir,
         kv_lease_seconds=args.kv_lease_seconds,
+        kv_connector=connector,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        log_stats=not args.disable_log_stats,
     )
     try:
         asyncio.run(serve(config, settings, args.port, args.ready_file))

@@ -28,7 +28,7 @@ from syshax.sim.presets import GIB, DevicePreset, ModelPreset
 from syshax.sim.scheduler import BatchScheduler, SchedulerConfig, Sequence
 from syshax.sim.stats import BusyMeter, EngineStats, RequestRing
 from syshax.sim.timer import PreciseTimer
-from syshax.sim.tokens import build_vocabulary
+from syshax.sim.tokens import TokenModel
 
 log = logging.getLogger("syshax.sim")
 
@@ -39,8 +39,8 @@ RESYNC_LAG_S = 0.050
 
 
 class Sink(Protocol):
-    def on_token(self, seq: Sequence, text: str) -> bool:
-        """Deliver one token now; False if the client has gone."""
+    def on_token(self, seq: Sequence, token: int) -> bool:
+        """Deliver one token id now; False if the client has gone."""
 
     def on_finish(self, seq: Sequence) -> None: ...
 
@@ -61,6 +61,8 @@ class EngineConfig:
     kv_cache_space_gb: float = 4.0
     swap_space_gb: float = 4.0
     preemption_mode: str = "recompute"
+    # sysHAX-compatible mode (--syshax-compat): the patched V0 engine's flags and request fields.
+    syshax_compat: bool = False
     block_size: int = 16
     ring_size: int = 4096
     # vLLM's API server turns each output into an SSE chunk in Python, one request after
@@ -97,7 +99,7 @@ def plan_capacity(config: EngineConfig) -> Capacity:
 
 
 def build_scheduler(
-    config: EngineConfig, capacity: Capacity, hw: EffectiveHardware, vocabulary: list[str]
+    config: EngineConfig, capacity: Capacity, hw: EffectiveHardware, token_model: TokenModel
 ) -> BatchScheduler:
     swap_blocks = int(
         config.swap_space_gb * GIB // (config.model.kv_bytes_per_token * config.block_size)
@@ -116,7 +118,7 @@ def build_scheduler(
         ),
         hw,
         config.model,
-        vocabulary,
+        token_model,
         config.device.swap_bandwidth,
     )
 
@@ -131,8 +133,8 @@ class SimEngine:
                 self.capacity.max_model_len,
             )
         self.hw: EffectiveHardware = effective_hardware(config.device, config.tensor_parallel_size)
-        self.vocabulary = build_vocabulary(config.seed)
-        self.scheduler = build_scheduler(config, self.capacity, self.hw, self.vocabulary)
+        self.token_model = TokenModel(config.seed)
+        self.scheduler = build_scheduler(config, self.capacity, self.hw, self.token_model)
         self.stats = EngineStats()
         self.busy = BusyMeter()
         self.ring = RequestRing(config.ring_size)
@@ -242,17 +244,17 @@ class SimEngine:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
 
-    def _emit(self, emitted: list[tuple[Sequence, str]], start_wall: float) -> None:
+    def _emit(self, emitted: list[tuple[Sequence, int]], start_wall: float) -> None:
         """Write each token at its modelled time: the k-th output of a step k frontend
         costs after the first (see ``output_token_overhead_s``)."""
         gone: list[Sequence] = []
         spacing = self.config.output_token_overhead_s / self.speed
         clock = time.monotonic
-        for k, (seq, text) in enumerate(emitted):
+        for k, (seq, token) in enumerate(emitted):
             target = start_wall + k * spacing
             while clock() < target:
                 pass  # microseconds: the writes themselves take most of the spacing
-            if not seq.sink.on_token(seq, text):
+            if not seq.sink.on_token(seq, token):
                 gone.append(seq)
         for seq in gone:
             if seq.finish_reason is None:
@@ -261,21 +263,19 @@ class SimEngine:
 
     def _account(
         self,
-        emitted: list[tuple[Sequence, str]],
+        emitted: list[tuple[Sequence, int]],
         finished: list[Sequence],
         prompt_tokens: int,
         end: float,
     ) -> None:
         stats = self.stats
-        new_prompt = 0
         for seq, _ in emitted:
             times = seq.token_times
             if len(times) == 1:
-                new_prompt += seq.prompt_tokens + seq.resumed_tokens
+                stats.count_prompt(seq)
                 stats.ttft.observe(end - seq.arrival)
             else:
                 stats.itl.observe(times[-1] - times[-2])
-        stats.prompt_tokens_total += new_prompt
         stats.generation_tokens_total += len(emitted)
         stats.record_step(end, prompt_tokens, len(emitted))
         for seq in finished:

@@ -1,4 +1,4 @@
-"""KV handoff through POSIX shared memory.
+"""KV handoff through POSIX shared memory, sysHAX style (``--syshax-compat``).
 
 A segment is a file under the shm directory (``/dev/shm`` = the container's IPC namespace)
 named after the sequence. It is sized like the real KV state (KV bytes per token x tokens,
@@ -19,6 +19,8 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+from syshax.sim.connector import is_connector_segment
 
 MAGIC = b"SXKVSEG1"
 # The header is the body then a CRC32 of the body; one format so the two cannot drift.
@@ -246,6 +248,8 @@ def reap(shm_dir: Path, *, now: float | None = None, min_grace: float = 1.0) -> 
         name = path.name
         if not (name.startswith(SEGMENT_PREFIX) or name.startswith("." + SEGMENT_PREFIX)):
             continue
+        if is_connector_segment(name):
+            continue  # the connector's own naming carries its lease (connector.reap)
         try:
             seg = read_header(path)
             deadline = seg.expires + max(min_grace, seg.expires - seg.created)

@@ -82,6 +82,42 @@ class EngineCollector(Collector):
             yield histogram(
                 "vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", stats.itl
             )
+            yield counter(
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                stats.prefix_cache_queries_total,
+            )
+            yield counter(
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens (no local prefix "
+                "cache is modelled: always 0).",
+                stats.prefix_cache_hits_total,
+            )
+            yield counter(
+                "vllm:external_prefix_cache_queries",
+                "External prefix cache queries from KV connector cross-instance cache "
+                "sharing, in terms of number of queried tokens.",
+                stats.external_prefix_cache_queries_total,
+            )
+            yield counter(
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache sharing, "
+                "in terms of number of cached tokens.",
+                stats.external_prefix_cache_hits_total,
+            )
+            yield counter(
+                "vllm:prompt_tokens_cached",
+                "Number of cached prompt tokens (local + external).",
+                stats.prompt_tokens_cached_total,
+            )
+            success = CounterMetricFamily(
+                "vllm:request_success",
+                "Count of successfully processed requests.",
+                labels=[*LABELS, "finished_reason"],
+            )
+            for reason in ("stop", "length", "abort"):
+                success.add_metric([*labels, reason], stats.requests_finished.get(reason, 0))
+            yield success
         if self.legacy:
             device_usage = sched.kv_usage()
             yield gauge(
@@ -114,9 +150,13 @@ class EngineCollector(Collector):
             )
 
 
-def build_registry(engine: SimEngine, mode: MetricsMode) -> CollectorRegistry:
+def build_registry(
+    engine: SimEngine, mode: MetricsMode, log_stats: bool = True
+) -> CollectorRegistry:
+    """The engine's metrics; none at all without ``log_stats`` (vLLM's --disable-log-stats)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine, mode))
+    if log_stats:
+        registry.register(EngineCollector(engine, mode))
     return registry
 
 

@@ -53,6 +53,7 @@ class ModelPreset:
     head_dim: int
     kv_dtype_bytes: int  # the KV cache stays fp16/bf16 even for q4_0 weights
     max_position: int
+    vocab_size: int  # token ids a prompt may use (config.json's vocab_size)
     source: str
 
     @property
@@ -180,6 +181,7 @@ MODELS: dict[str, ModelPreset] = {
             head_dim=128,
             kv_dtype_bytes=2,
             max_position=131072,
+            vocab_size=152064,
             source="config.json of deepseek-ai/DeepSeek-R1-Distill-Qwen-32B (Qwen2.5-32B "
             "architecture); q4_0 block layout from ggml",
         ),
@@ -195,6 +197,7 @@ MODELS: dict[str, ModelPreset] = {
             head_dim=128,
             kv_dtype_bytes=2,
             max_position=32768,
+            vocab_size=152064,
             source="config.json and model card of Qwen/Qwen2.5-7B-Instruct",
         ),
     )

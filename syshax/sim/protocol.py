@@ -1,15 +1,27 @@
 """Parsing and validating OpenAI/vLLM request bodies into one plain description.
 
-Errors are ``ApiError`` carrying vLLM's error shape; the server turns them into responses.
+Follows vLLM 0.32's OpenAI server: fields are coerced the way its pydantic models coerce
+them ("5" is a fine max_tokens, "yes" a fine stream), unknown fields are ignored, and errors
+carry its two shapes: a pydantic validation error (``type: "Bad Request"``, ``param:
+"body.<field>"``) or a request check (``type: "BadRequestError"``, ``param: <field>``, the
+message ending ``(parameter=..., value=...)``). ``ApiError`` is the error; the server turns
+it into a response.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from syshax.sim.tokens import chat_prompt_tokens, count_words
+from syshax.sim.tokens import Tokenizer
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
+_MISSING = object()
+_BOOL_WORDS = {
+    "0": False, "off": False, "f": False, "false": False, "n": False, "no": False,
+    "1": True, "on": True, "t": True, "true": True, "y": True, "yes": True,
+}  # fmt: skip
 
 
 class ApiError(Exception):
@@ -39,173 +51,355 @@ class ApiError(Exception):
 
 
 @dataclass
+class SyshaxFields:
+    """sysHAX's request fields (``--syshax-compat`` only)."""
+
+    num_decode_tokens: int | None = None
+    request_id_inference: str | None = None
+    generated_text: str | None = None
+
+
+@dataclass
 class ParsedRequest:
     kind: Literal["chat", "completion"]
     model: str | None
-    prompt_tokens: int
-    prompt_key: str  # what seeds the generated tokens
-    max_tokens: int | None
+    prompt_ids: list[int]
+    max_tokens: int | None  # None: up to max_model_len
     stream: bool
     include_usage: bool
     ignore_eos: bool
-    num_decode_tokens: int | None
-    request_id_inference: str | None
-    generated_text: str | None
+    return_token_ids: bool
     kv_transfer_params: dict[str, Any] | None
+    max_tokens_param: str = "max_tokens"  # or max_completion_tokens, for error messages
+    min_tokens: int = 0
+    syshax: SyshaxFields = field(default_factory=SyshaxFields)
+    resumed_ids: list[int] = field(default_factory=list)  # sysHAX: generated_text's ids
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
     @property
     def resumed_tokens(self) -> int:
-        return count_words(self.generated_text) if self.generated_text else 0
+        return len(self.resumed_ids)
 
 
-def _bad(message: str, param: str | None) -> ApiError:
-    return ApiError(400, message, param)
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return f"<dict of {len(value)} items>"
+    if isinstance(value, list):
+        return f"<list of {len(value)} items>"
+    return str(value)
 
 
-def _typed(body: dict[str, Any], name: str, types: tuple[type, ...], label: str) -> Any:
+def validation_error(kind: str, loc: str, msg: str, value: Any, **ctx: Any) -> ApiError:
+    """One pydantic validation error, worded as vLLM's server reports it."""
+    error: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg, "input": _describe(value)}
+    if ctx:
+        error["ctx"] = ctx
+    return ApiError(400, f"1 validation error:\n  {error}", loc, "Bad Request")
+
+
+def request_error(message: str, param: str | None, value: Any = _MISSING) -> ApiError:
+    """A request check of vLLM's (VLLMValidationError)."""
+    if param is None:
+        return ApiError(400, message, None)
+    detail = f"parameter={param}" if value is _MISSING else f"parameter={param}, value={value}"
+    return ApiError(400, f"{message} ({detail})", param)
+
+
+def _int(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    # bool is an int subclass; a JSON true is no integer.
-    if isinstance(value, bool) and bool not in types:
-        raise _bad(f"'{name}' must be {label}, got {json.dumps(value)}", name)
-    if not isinstance(value, types):
-        raise _bad(f"'{name}' must be {label}, got {type(value).__name__}", name)
-    return value
+    loc = f"body.{name}"
+    if isinstance(value, bool | int):
+        return int(value)
+    if isinstance(value, float):
+        if value.is_integer():
+            return int(value)
+        raise validation_error(
+            "int_from_float",
+            loc,
+            "Input should be a valid integer, got a number with a fractional part",
+            value,
+        )
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise validation_error(
+                "int_parsing",
+                loc,
+                "Input should be a valid integer, unable to parse string as an integer",
+                value,
+            ) from None
+    raise validation_error("int_type", loc, "Input should be a valid integer", value)
+
+
+def _float(body: dict[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool | int | float):
+        return float(value)
+    loc = f"body.{name}"
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            raise validation_error(
+                "float_parsing",
+                loc,
+                "Input should be a valid number, unable to parse string as a number",
+                value,
+            ) from None
+    raise validation_error("float_type", loc, "Input should be a valid number", value)
+
+
+def _bool(body: dict[str, Any], name: str, loc: str | None = None) -> bool | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    loc = loc or f"body.{name}"
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[value.strip().lower()]
+    if isinstance(value, int | float | str):
+        raise validation_error(
+            "bool_parsing", loc, "Input should be a valid boolean, unable to interpret input", value
+        )
+    raise validation_error("bool_type", loc, "Input should be a valid boolean", value)
+
+
+def _str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    raise validation_error("string_type", f"body.{name}", "Input should be a valid string", value)
+
+
+def _dict(body: dict[str, Any], name: str) -> dict[str, Any] | None:
+    value = body.get(name)
+    if value is None or isinstance(value, dict):
+        return value
+    raise validation_error("dict_type", f"body.{name}", "Input should be a valid dictionary", value)
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _bad(f"request body is not valid JSON: {exc}", None) from None
+    except UnicodeDecodeError as exc:
+        raise validation_error(
+            "json_invalid", "body", "JSON decode error", {}, error=str(exc)
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise validation_error(
+            "json_invalid", f"body.{exc.pos}", "JSON decode error", {}, error=exc.msg
+        ) from None
     if not isinstance(body, dict):
-        raise _bad("request body must be a JSON object", None)
+        raise validation_error(
+            "model_attributes_type",
+            "body",
+            "Input should be a valid dictionary or object to extract fields from",
+            body,
+        )
     return body
 
 
 def _content_text(content: Any, index: int) -> str:
     if content is None or isinstance(content, str):
         return content or ""
+    loc = f"body.messages.{index}.content"
     if isinstance(content, list):
         parts = []
         for part in content:
             if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
-                raise _bad(f"messages[{index}].content parts must be objects with text", "messages")
+                raise validation_error("model_type", loc, "Input should be a text part", part)
             parts.append(part.get("text", ""))
         return " ".join(parts)
-    raise _bad(f"messages[{index}].content must be a string or a list of parts", "messages")
+    raise validation_error("string_type", loc, "Input should be a valid string", content)
 
 
-def _chat_prompt(body: dict[str, Any]) -> tuple[int, str]:
-    messages = body.get("messages")
-    if messages is None:
-        raise _bad("'messages' is required", "messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty list", "messages")
-    contents = []
+def _chat_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+    messages = body.get("messages", _MISSING)
+    if messages is _MISSING or messages is None:
+        raise validation_error("missing", "body.messages", "Field required", body)
+    if not isinstance(messages, list):
+        raise validation_error(
+            "list_type", "body.messages", "Input should be a valid list", messages
+        )
+    if not messages:
+        raise request_error("messages must be a non-empty list", "messages")
+    pairs = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise _bad(f"messages[{i}] must be an object with a string 'role'", "messages")
-        contents.append(_content_text(msg.get("content"), i))
-    return chat_prompt_tokens(contents), "\n".join(contents)
+            raise validation_error("missing", f"body.messages.{i}.role", "Field required", msg)
+        pairs.append((msg["role"], _content_text(msg.get("content"), i)))
+    return tokenizer.encode_chat(pairs)
 
 
-def _completion_prompt(body: dict[str, Any]) -> tuple[int, str]:
+def _token_ids(prompt: list[Any], tokenizer: Tokenizer) -> list[int]:
+    for i, token in enumerate(prompt):
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise validation_error(
+                "int_type", f"body.prompt.{i}", "Input should be a valid integer", token
+            )
+        if token < 0:
+            raise validation_error(
+                "greater_than_equal",
+                f"body.prompt.{i}",
+                "Input should be greater than or equal to 0",
+                token,
+                ge=0,
+            )
+        if token >= tokenizer.vocab_size:
+            raise request_error(f"Token id {token} is out of vocabulary", None)
+    return list(prompt)
+
+
+def _completion_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
     prompt = body.get("prompt")
-    if prompt is None:
-        raise _bad("'prompt' is required", "prompt")
+    empty = request_error(
+        "Either prompt or prompt_embeds must be provided and non-empty.", "prompt"
+    )
+    if prompt is None or prompt == "":
+        raise empty
+    if isinstance(prompt, list) and not prompt:
+        raise request_error("You must pass at least one prompt", None)
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return count_words(prompt), prompt
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        return len(prompt), " ".join(map(str, prompt))
-    raise _bad(
-        "'prompt' must be a string, a list of token ids, or a list of one of those "
-        "(this engine serves one prompt per request)",
-        "prompt",
-    )
+        ids = tokenizer.encode(prompt)
+        if not ids:
+            raise empty
+        return ids
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        # vLLM serves a batch of prompts as one response with n choices; this engine does not.
+        raise request_error("this engine serves one prompt per request", "prompt")
+    if isinstance(prompt, list):
+        return _token_ids(prompt, tokenizer)
+    raise validation_error("string_type", "body.prompt", "Input should be a valid string", prompt)
 
 
-def parse_request(kind: Literal["chat", "completion"], body: dict[str, Any]) -> ParsedRequest:
-    model = _typed(body, "model", (str,), "a string")
+def _max_tokens(kind: str, body: dict[str, Any]) -> tuple[int | None, str]:
+    """(the requested output limit, the field that gave it); checked in ``check_length``."""
     if kind == "chat":
-        prompt_tokens, key = _chat_prompt(body)
-        max_tokens = _typed(body, "max_completion_tokens", (int,), "an integer")
-        if max_tokens is None:
-            max_tokens = _typed(body, "max_tokens", (int,), "an integer")
-    else:
-        prompt_tokens, key = _completion_prompt(body)
-        max_tokens = _typed(body, "max_tokens", (int,), "an integer")
-    if max_tokens is not None and max_tokens < 1:
-        raise _bad(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        _typed(body, name, (int, float), "a number")
-    n = _typed(body, "n", (int,), "an integer")
-    if n is not None and n != 1:
-        raise _bad("this engine supports n=1 only", "n")
-    stream = bool(_typed(body, "stream", (bool,), "a boolean"))
-    options = _typed(body, "stream_options", (dict,), "an object") or {}
-    include_usage = bool(options.get("include_usage"))
-    ignore_eos = bool(_typed(body, "ignore_eos", (bool,), "a boolean"))
-    num_decode = _typed(body, "num_decode_tokens", (int,), "an integer")
+        value = _int(body, "max_completion_tokens")
+        if value is not None:
+            return value, "max_completion_tokens"
+        return _int(body, "max_tokens"), "max_tokens"
+    if "max_tokens" in body:
+        return _int(body, "max_tokens"), "max_tokens"  # an explicit null: up to max_model_len
+    return COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens"
+
+
+def _syshax_fields(body: dict[str, Any], tokenizer: Tokenizer) -> tuple[SyshaxFields, list[int]]:
+    num_decode = _int(body, "num_decode_tokens")
     if num_decode is not None and num_decode < 0:
-        raise _bad(f"num_decode_tokens must be >= 0, got {num_decode}", "num_decode_tokens")
-    rid = _typed(body, "request_id_inference", (str,), "a string")
-    generated = _typed(body, "generated_text", (str,), "a string")
-    kv_params = _typed(body, "kv_transfer_params", (dict,), "an object")
+        raise ApiError(
+            400, f"num_decode_tokens must be >= 0, got {num_decode}", "num_decode_tokens"
+        )
+    rid = _str(body, "request_id_inference")
+    generated = _str(body, "generated_text")
     if rid is not None and generated is None:
-        raise _bad(
+        raise ApiError(
+            400,
             "a decode request with request_id_inference needs generated_text "
             "(all text generated so far)",
             "generated_text",
         )
     if rid is not None and num_decode is None:
-        raise _bad(
+        raise ApiError(
+            400,
             "a decode request with request_id_inference needs num_decode_tokens",
             "num_decode_tokens",
         )
+    fields = SyshaxFields(num_decode, rid, generated)
+    return fields, tokenizer.encode(generated) if generated else []
+
+
+def parse_request(
+    kind: Literal["chat", "completion"],
+    body: dict[str, Any],
+    tokenizer: Tokenizer,
+    *,
+    syshax_compat: bool = False,
+) -> ParsedRequest:
+    """The request as the engine runs it. sysHAX's fields count only with ``syshax_compat``;
+    otherwise they are unknown fields, ignored as vLLM ignores them."""
+    model = _str(body, "model")
+    if kind == "chat":
+        prompt_ids = _chat_prompt(body, tokenizer)
+    else:
+        prompt_ids = _completion_prompt(body, tokenizer)
+    max_tokens, max_tokens_param = _max_tokens(kind, body)
+    for name in (
+        "temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
+    ):  # fmt: skip
+        _float(body, name)
+    _int(body, "seed")
+    n = _int(body, "n")
+    if n is not None and n != 1:
+        raise request_error("this engine supports n=1 only", "n", n)
+    min_tokens = _int(body, "min_tokens") or 0
+    if min_tokens < 0:
+        raise request_error(
+            f"min_tokens must be greater than or equal to 0, got {min_tokens}.",
+            "min_tokens",
+            min_tokens,
+        )
+    options = _dict(body, "stream_options") or {}
+    include_usage = _bool(options, "include_usage", "body.stream_options.include_usage")
+    syshax, resumed = _syshax_fields(body, tokenizer) if syshax_compat else (SyshaxFields(), [])
     return ParsedRequest(
         kind=kind,
         model=model,
-        prompt_tokens=prompt_tokens,
-        prompt_key=key,
+        prompt_ids=prompt_ids,
         max_tokens=max_tokens,
-        stream=stream,
-        include_usage=include_usage,
-        ignore_eos=ignore_eos,
-        num_decode_tokens=num_decode,
-        request_id_inference=rid,
-        generated_text=generated,
-        kv_transfer_params=kv_params,
+        max_tokens_param=max_tokens_param,
+        stream=bool(_bool(body, "stream")),
+        include_usage=bool(include_usage),
+        ignore_eos=bool(_bool(body, "ignore_eos")),
+        return_token_ids=bool(_bool(body, "return_token_ids")),
+        kv_transfer_params=_dict(body, "kv_transfer_params"),
+        min_tokens=min_tokens,
+        syshax=syshax,
+        resumed_ids=resumed,
     )
 
 
 def check_length(req: ParsedRequest, max_model_len: int) -> int:
-    """The number of new tokens this request may generate; ApiError when it cannot fit."""
-    context = req.prompt_tokens + req.resumed_tokens
-    if req.max_tokens is None:
-        if context >= max_model_len:
-            raise _bad(
-                f"This model's maximum context length is {max_model_len} tokens. However, your "
-                f"request has {context} input tokens. Please reduce the length of the input "
-                "messages.",
-                "messages" if req.kind == "chat" else "prompt",
-            )
-        return max_model_len - context
-    total = context + req.max_tokens
-    if total > max_model_len:
-        where = "messages" if req.kind == "chat" else "prompt"
-        raise _bad(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {total} tokens ({context} in the {where}, {req.max_tokens} in the "
-            "completion). Please reduce the length of the "
-            f"{where} or completion.",
-            "max_tokens",
+    """The number of new tokens this request may generate; ApiError where vLLM refuses.
+
+    vLLM's order: an output limit above max_model_len is refused, then a prompt longer than
+    max_model_len; a limit the prompt leaves no room for is clamped to what fits, and only a
+    result below 1 is refused."""
+    limit = req.max_tokens
+    if limit is not None and limit > max_model_len:
+        param = req.max_tokens_param
+        raise request_error(
+            f"{param}={limit} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            param,
+            limit,
         )
-    return req.max_tokens
+    context = req.prompt_tokens + req.resumed_tokens
+    if context > max_model_len:
+        raise request_error(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {context} input tokens, which exceeds this limit even without "
+            "any output tokens. Please reduce the length of the input prompt.",
+            "input_tokens",
+            context,
+        )
+    room = max_model_len - context
+    new_tokens = room if limit is None else min(room, limit)
+    if new_tokens < 1:
+        raise request_error(
+            f"max_tokens must be at least 1, got {new_tokens}.", "max_tokens", new_tokens
+        )
+    return new_tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import signal
 import socket
@@ -18,17 +19,18 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from syshax import __version__
 from syshax.sim import kvshm, responses
+from syshax.sim.connector import Connector, ConnectorConfig
 from syshax.sim.engine import EngineConfig, SimEngine
 from syshax.sim.handoff import Handoff, HandoffPlan
 from syshax.sim.kvshm import HandoffError
 from syshax.sim.metrics import MetricsMode, build_registry, render
 from syshax.sim.protocol import ApiError, ParsedRequest, check_length, decode_json, parse_request
 from syshax.sim.scheduler import FinishReason, Sequence
-from syshax.sim.tokens import natural_length, request_rng
+from syshax.sim.tokens import Tokenizer, context_tail
 
 log = logging.getLogger("syshax.sim")
 
-VLLM_API_VERSION = "0.11.0"  # the vLLM whose API and metric names the simulator follows
+VLLM_VERSION = "0.32.0"  # the vLLM whose API and metric names the simulator follows
 
 
 @dataclass
@@ -37,6 +39,9 @@ class ServerSettings:
     metrics_mode: MetricsMode
     shm_dir: Path
     kv_lease_seconds: float
+    kv_connector: ConnectorConfig | None = None  # --kv-transfer-config (already resolved)
+    enable_prompt_tokens_details: bool = False
+    log_stats: bool = True  # False (--disable-log-stats): /metrics has no vllm:* families
 
 
 class SimServer:
@@ -47,20 +52,28 @@ class SimServer:
         self.model_name = cfg.served_model_name
         self.max_model_len = engine.capacity.max_model_len
         self.port_ref = [0]
+        self.tokenizer = Tokenizer(cfg.model.vocab_size)
+        digest = hashlib.blake2b(f"{cfg.model.name}:{cfg.seed}".encode(), digest_size=4)
+        self.fingerprint = f"vllm-{VLLM_VERSION}-{digest.hexdigest()}"
+        self.connector: Connector | None = None
+        if settings.kv_connector is not None:
+            self.connector = Connector(
+                engine_id=cfg.engine_id,
+                peer_engine_id=settings.kv_connector.peer_engine_id,
+                shm_dir=settings.shm_dir,
+                lease_seconds=settings.kv_lease_seconds,
+                model=cfg.model,
+                tensor_parallel_size=cfg.tensor_parallel_size,
+            )
         self.handoff = Handoff(
             shm_dir=settings.shm_dir,
             engine_id=cfg.engine_id,
-            served_model_name=cfg.served_model_name,
             model=cfg.model,
             device=cfg.device,
             lease_seconds=settings.kv_lease_seconds,
-            block_size=cfg.block_size,
-            host=settings.host,
-            port_ref=self.port_ref,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            seed=cfg.seed,
+            connector=self.connector,
         )
-        self.registry = build_registry(engine, settings.metrics_mode)
+        self.registry = build_registry(engine, settings.metrics_mode, settings.log_stats)
         self.created = int(time.time())
         self._reaper: asyncio.Task[None] | None = None
         self.reclaimed = 0
@@ -99,6 +112,10 @@ class SimServer:
             for path in kvshm.reap(self.settings.shm_dir):
                 self.reclaimed += 1
                 log.info("reclaimed leaked KV segment %s", path)
+            if self.connector is not None:
+                for name in self.connector.reap():
+                    self.reclaimed += 1
+                    log.info("reclaimed expired KV transfer segment %s", name)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -117,7 +134,7 @@ class SimServer:
         return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": VLLM_API_VERSION})
+        return web.json_response({"version": VLLM_VERSION})
 
     async def models(self, request: web.Request) -> web.Response:
         card = {
@@ -207,6 +224,9 @@ class SimServer:
                 "kv_bytes_per_token": cfg.model.kv_bytes_per_token,
                 "shm_dir": str(self.settings.shm_dir),
                 "kv_lease_seconds": self.settings.kv_lease_seconds,
+                "kv_connector": self.connector.describe() if self.connector else None,
+                "syshax_compat": cfg.syshax_compat,
+                "enable_prompt_tokens_details": self.settings.enable_prompt_tokens_details,
                 "segments_reclaimed": self.reclaimed,
                 "late_steps": self.engine.late_steps,
                 # "device" above is the preset's name (kept as it was), hence another key.
@@ -225,69 +245,89 @@ class SimServer:
     async def _generate(
         self, request: web.Request, kind: Literal["chat", "completion"]
     ) -> web.StreamResponse:
-        req = parse_request(kind, decode_json(await request.read()))
+        compat = self.engine.config.syshax_compat
+        body = decode_json(await request.read())
+        req = parse_request(kind, body, self.tokenizer, syshax_compat=compat)
         if req.model is not None and req.model != self.model_name:
-            raise ApiError(404, f"The model `{req.model}` does not exist.", "model")
+            raise ApiError(
+                404,
+                f"The model `{req.model}` does not exist. Valid aliases: {self.model_name}.",
+                "model",
+            )
         max_new = check_length(req, self.max_model_len)
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        response_id = req.request_id_inference or f"{prefix}{uuid.uuid4().hex}"
+        response_id = req.syshax.request_id_inference or f"{prefix}{uuid.uuid4().hex[:16]}"
         plan = self.handoff.prepare(req, response_id)
         seq = self._sequence(req, response_id, max_new, plan)
-        created = int(time.time())
+        fmt = responses.StreamFormat(
+            kind=kind,
+            rid=seq.request_id,
+            created=int(time.time()),
+            model=self.model_name,
+            fingerprint=self.fingerprint,
+            return_token_ids=req.return_token_ids,
+            include_usage=req.include_usage,
+            prompt_ids=req.prompt_ids,
+        )
         if req.stream:
-            return await self._stream(request, req, seq, plan, created)
+            return await self._stream(request, req, seq, plan, fmt)
         sink = responses.CollectSink(request.transport)
         seq.sink = sink
         self.engine.submit(seq)
         await sink.done
-        reason, extra = await self._after(seq, plan)
-        body = responses.full_response(
-            kind,
-            seq.request_id,
-            created,
-            self.model_name,
-            "".join(sink.parts),
-            reason,
-            req.prompt_tokens,
-            seq.generated,
+        reason, kv_params = await self._after(seq, plan)
+        usage = responses.usage(
+            kind, req.prompt_tokens, seq.generated, self._cached(plan), stream=False
         )
-        body.update(extra)
-        return web.json_response(body)
+        return web.json_response(
+            responses.full_response(fmt, sink.token_ids, reason, usage, kv_params)
+        )
+
+    def _cached(self, plan: HandoffPlan) -> int | None:
+        """``usage.prompt_tokens_details.cached_tokens``: local prefix-cache hits (none
+        here) + KV the connector loaded, or what the prefill reported."""
+        if not self.settings.enable_prompt_tokens_details:
+            return None
+        return plan.cached_override if plan.cached_override is not None else plan.connector_hits
 
     def _sequence(
         self, req: ParsedRequest, response_id: str, max_new: int, plan: HandoffPlan
     ) -> Sequence:
-        seed = self.engine.config.seed
-        rng = request_rng(seed, f"{req.prompt_key}|{req.resumed_tokens}")
-        stop_at = None
-        if req.max_tokens is None and not req.ignore_eos:
-            stop_at = natural_length(rng, max_new)
         return Sequence(
             request_id=response_id,
             prompt_tokens=req.prompt_tokens,
             resumed_tokens=req.resumed_tokens,
             max_new_tokens=max_new,
-            rng=rng,
+            tail=context_tail(req.prompt_ids + req.resumed_ids),
             new_token_limit=plan.new_token_limit,
-            stop_at=stop_at,
+            natural_stop=req.max_tokens is None and not req.ignore_eos,
+            min_tokens=req.min_tokens,
             imported_tokens=plan.imported_tokens,
+            connector_queried=plan.connector_queried,
+            connector_hits=plan.connector_hits,
             ready_at=self.engine.sim_now() + plan.import_seconds,
         )
 
-    async def _after(self, seq: Sequence, plan: HandoffPlan) -> tuple[str, dict[str, Any]]:
-        """Publish the KV a finished chunk leaves behind; returns (finish reason, extra fields)."""
+    async def _after(self, seq: Sequence, plan: HandoffPlan) -> tuple[str, dict[str, Any] | None]:
+        """Publish the KV a finished request leaves behind; returns (finish reason, the
+        answer's kv_transfer_params)."""
         reason = seq.finish_reason or FinishReason.ABORT
-        extra: dict[str, Any] = {}
-        publish_syshax = reason == FinishReason.SCHEDULED and plan.sequence_id is not None
-        if (publish_syshax or plan.vllm_prefill) and reason != FinishReason.ABORT:
+        if reason == FinishReason.ABORT:
+            return reason.value, None
+        speed = self.engine.speed
+        if reason == FinishReason.SCHEDULED and plan.sequence_id is not None:
             tokens = seq.computed
-            await asyncio.sleep(self.handoff.export_seconds(tokens) / self.engine.speed)
-            if publish_syshax and plan.sequence_id is not None:
-                self.handoff.publish_syshax(plan.sequence_id, tokens)
-            else:
-                published = self.handoff.publish_vllm(seq.request_id, tokens)
-                extra["kv_transfer_params"] = published.kv_transfer_params
-        return reason.value, extra
+            await asyncio.sleep(self.handoff.export_seconds(tokens) / speed)
+            self.handoff.publish_syshax(plan.sequence_id, tokens)
+            return reason.value, None
+        if plan.connector_prefill and reason != FinishReason.STOP:
+            # Stopped by itself: nothing is left to decode, so nothing is published.
+            tokens = seq.prompt_tokens + seq.resumed_tokens
+            await asyncio.sleep(self.handoff.export_seconds(tokens) / speed)
+            return reason.value, self.handoff.publish_connector(tokens)
+        if plan.connector_error is not None:
+            return reason.value, {"syshax_kv_error": plan.connector_error}
+        return reason.value, None
 
     async def _stream(
         self,
@@ -295,52 +335,36 @@ class SimServer:
         req: ParsedRequest,
         seq: Sequence,
         plan: HandoffPlan,
-        created: int,
+        fmt: responses.StreamFormat,
     ) -> web.StreamResponse:
-        kind = req.kind
         resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+            }
         )
         resp.enable_chunked_encoding()
         # A StreamResponse sends its headers in prepare(), so from here on the engine can
         # write token chunks straight to the transport. Completions have no role chunk.
         await resp.prepare(request)
-        if kind == "chat":
-            await resp.write(responses.role_chunk(seq.request_id, created, self.model_name))
-        prefix, suffix = responses.token_template(kind, seq.request_id, created, self.model_name)
-        sink = responses.StreamSink(request.transport, prefix, suffix)
+        if req.kind == "chat":
+            await resp.write(fmt.role_chunk())
+        defer = plan.sequence_id is not None
+        sink = responses.StreamSink(request.transport, fmt, defer_scheduled=defer)
         seq.sink = sink
         self.engine.submit(seq)
         await sink.done
         if seq.finish_reason == FinishReason.ABORT:
             return resp
-        reason, extra = await self._after(seq, plan)
+        # The connector's kv_transfer_params are not streamed (vLLM puts them only in a
+        # non-streaming answer); a streamed prefill still publishes, for its lease.
+        reason, _ = await self._after(seq, plan)
         try:
-            final = responses.finish_chunk(kind, seq.request_id, created, self.model_name, reason)
-            if extra:
-                final = (
-                    responses.sse(
-                        {
-                            **responses.chunk_header(
-                                kind, seq.request_id, created, self.model_name
-                            ),
-                            "choices": [],
-                            **extra,
-                        }
-                    )
-                    + final
-                )
-            await resp.write(final)
+            if defer and reason == FinishReason.SCHEDULED:
+                await resp.write(fmt.finish_chunk(reason))
             if req.include_usage:
                 await resp.write(
-                    responses.usage_chunk(
-                        kind,
-                        seq.request_id,
-                        created,
-                        self.model_name,
-                        req.prompt_tokens,
-                        seq.generated,
-                    )
+                    fmt.usage_chunk(req.prompt_tokens, seq.generated, self._cached(plan))
                 )
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()

@@ -9,7 +9,10 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from syshax.sim.scheduler import Sequence
 
 # vLLM's own bucket boundaries (vllm/v1/metrics/loggers.py and the 0.4 series).
 TTFT_BUCKETS = (
@@ -51,14 +54,32 @@ class Histogram:
 
 @dataclass
 class EngineStats:
-    prompt_tokens_total: int = 0
+    prompt_tokens_total: int = 0  # every prompt token, computed or cached (vLLM's counting)
     generation_tokens_total: int = 0
+    # vLLM's prefix-cache counters, in tokens. The simulator has no local prefix cache, so
+    # local hits stay 0; "external" is the KV connector (queried for every request when one
+    # is configured, hit by the tokens it loaded).
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    external_prefix_cache_queries_total: int = 0
+    external_prefix_cache_hits_total: int = 0
+    prompt_tokens_cached_total: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     # (sim time, prompt tokens, generation tokens) per step, for the legacy averages
     recent_steps: deque[tuple[float, int, int]] = field(default_factory=deque)
+
+    def count_prompt(self, seq: Sequence) -> None:
+        """A sequence's prompt, once its first token is out."""
+        context = seq.prompt_tokens + seq.resumed_tokens
+        self.prompt_tokens_total += context
+        self.prefix_cache_queries_total += context
+        if seq.connector_queried:
+            self.external_prefix_cache_queries_total += context
+            self.external_prefix_cache_hits_total += seq.connector_hits
+            self.prompt_tokens_cached_total += seq.connector_hits
 
     def record_step(self, now: float, prompt_tokens: int, generation_tokens: int) -> None:
         self.recent_steps.append((now, prompt_tokens, generation_tokens))

@@ -1,21 +1,36 @@
-"""Deterministic tokenisation of the simulator.
+"""The simulator's tokenizer and its "model": both deterministic functions, no randomness.
 
-One token per whitespace-separated word. Generated tokens are " word" (leading space) drawn
-from a seeded vocabulary of lower-case ASCII words, so a text of k generated tokens splits
-back into exactly k tokens and needs no JSON escaping. A chat prompt counts the words of every
-message's content plus ``CHAT_TOKENS_PER_MESSAGE`` per message (role and separators of a chat
-template) plus ``CHAT_TOKENS_REPLY_PRIMER`` for the assistant header the template appends.
+Token ids ``0 .. VOCABULARY_SIZE - 1`` are the generated vocabulary: fixed lower-case ASCII
+words that decode to ``" word"`` (leading space, no JSON escaping needed). Tokenising text
+splits it on whitespace; a word of that vocabulary maps to its id (so generated text
+re-tokenises to exactly the ids that produced it), any other word to a stable hash in
+``[VOCABULARY_SIZE, vocab_size - SPECIAL_TOKENS)``. The top ``SPECIAL_TOKENS`` ids are the
+chat template's markers.
+
+A chat prompt is, per message, ``<start> role content... <end>`` (content words + 3) and then
+``<start> assistant <newline>`` for the reply header (3).
+
+Generation is greedy decoding of a function of the context: the next token id is a hash of
+the engine seed (the "weights"), the last ``CONTEXT_WINDOW`` token ids and the position. So a
+prompt given as token ids continues exactly where an uninterrupted request would have, on
+any engine with the same seed, whether its KV was computed, handed over or recomputed.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-CHAT_TOKENS_PER_MESSAGE = 3
-CHAT_TOKENS_REPLY_PRIMER = 3
 VOCABULARY_SIZE = 4096
+SPECIAL_TOKENS = 8
+CONTEXT_WINDOW = 4  # how many trailing token ids the next token depends on (plus position)
+# A sequence without max_tokens (and without ignore_eos) ends by itself: each generated token
+# is the end with probability 1 / MEAN_NATURAL_LENGTH, a geometric length of mean ~200.
+MEAN_NATURAL_LENGTH = 200
+_VOCABULARY_SEED = 0  # the tokenizer is part of the model: the same on every engine
+_MASK = (1 << 64) - 1
 _SYLLABLES = [
     "ka",
     "ri",
@@ -44,20 +59,9 @@ _SYLLABLES = [
 ]
 
 
-def count_words(text: str) -> int:
-    return len(text.split())
-
-
-def chat_prompt_tokens(contents: Iterable[str]) -> int:
-    count = CHAT_TOKENS_REPLY_PRIMER
-    for content in contents:
-        count += CHAT_TOKENS_PER_MESSAGE + count_words(content)
-    return count
-
-
-def build_vocabulary(seed: int, size: int = VOCABULARY_SIZE) -> list[str]:
-    """``size`` distinct pre-spaced tokens (" word"), the same for the same seed."""
-    rng = random.Random(seed)
+def build_vocabulary(size: int = VOCABULARY_SIZE) -> list[str]:
+    """``size`` distinct pre-spaced tokens (" word"), always the same."""
+    rng = random.Random(_VOCABULARY_SEED)
     words: set[str] = set()
     vocabulary: list[str] = []
     while len(vocabulary) < size:
@@ -68,16 +72,71 @@ def build_vocabulary(seed: int, size: int = VOCABULARY_SIZE) -> list[str]:
     return vocabulary
 
 
-def request_rng(seed: int, key: str) -> random.Random:
-    """A generator for one request's tokens: fixed by the engine seed and the prompt."""
-    digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
-    return random.Random(int.from_bytes(digest, "big"))
+VOCABULARY: list[str] = build_vocabulary()
+VOCABULARY_BYTES: list[bytes] = [w.encode() for w in VOCABULARY]
+_WORD_IDS: dict[str, int] = {w[1:]: i for i, w in enumerate(VOCABULARY)}
 
 
-def natural_length(rng: random.Random, limit: int) -> int:
-    """Where a sequence without max_tokens stops by itself (an end-of-sequence token).
+class Tokenizer:
+    """Text <-> token ids for one model's vocabulary size."""
 
-    Geometric-like with a mean of about 200 tokens, at least 1, at most ``limit``.
-    """
-    length = 1 + int(rng.expovariate(1 / 200))
-    return max(1, min(length, limit))
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size <= VOCABULARY_SIZE + SPECIAL_TOKENS:
+            raise ValueError(f"vocab_size {vocab_size} leaves no room for prompt words")
+        self.vocab_size = vocab_size
+        self.start_id = vocab_size - 1
+        self.end_id = vocab_size - 2
+        self.newline_id = vocab_size - 3
+        self._hash_span = vocab_size - SPECIAL_TOKENS - VOCABULARY_SIZE
+        self._word_id = functools.lru_cache(maxsize=1 << 16)(self._hash_word)
+
+    def _hash_word(self, word: str) -> int:
+        known = _WORD_IDS.get(word)
+        if known is not None:
+            return known
+        digest = hashlib.blake2b(word.encode(), digest_size=8).digest()
+        return VOCABULARY_SIZE + int.from_bytes(digest, "big") % self._hash_span
+
+    def encode(self, text: str) -> list[int]:
+        word_id = self._word_id
+        return [word_id(w) for w in text.split()]
+
+    def encode_chat(self, messages: Iterable[tuple[str, str]]) -> list[int]:
+        """(role, content) pairs through the chat template, reply header included."""
+        ids: list[int] = []
+        for role, content in messages:
+            ids.append(self.start_id)
+            ids.append(self._word_id(role))
+            ids.extend(self.encode(content))
+            ids.append(self.end_id)
+        ids += [self.start_id, self._word_id("assistant"), self.newline_id]
+        return ids
+
+
+def decode(token_ids: Iterable[int]) -> str:
+    """The text of generated token ids (every one is below VOCABULARY_SIZE)."""
+    return "".join(VOCABULARY[t] for t in token_ids)
+
+
+class TokenModel:
+    """Greedy "decoding": a pure function of (seed, last token ids, position)."""
+
+    __slots__ = ("_salt",)
+
+    def __init__(self, seed: int) -> None:
+        self._salt = (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK
+
+    def sample(self, tail: Sequence[int], position: int) -> tuple[int, bool]:
+        """(next token id, whether it ends the sequence naturally) at ``position``."""
+        h = (self._salt ^ (position * 0xD6E8FEB86659FD93)) & _MASK
+        for token in tail:
+            h = ((h ^ token) * 0xBF58476D1CE4E5B9) & _MASK
+            h ^= h >> 31
+        h = (h * 0x94D049BB133111EB) & _MASK
+        h ^= h >> 29
+        return h % VOCABULARY_SIZE, (h >> 32) % MEAN_NATURAL_LENGTH == 0
+
+
+def context_tail(token_ids: Sequence[int]) -> list[int]:
+    """The part of a context the next token depends on."""
+    return list(token_ids[-CONTEXT_WINDOW:])

@@ -7,7 +7,6 @@ live run at any ``--speed`` produces, minus network and timer noise.
 
 from __future__ import annotations
 
-import random
 import statistics
 from dataclasses import dataclass, replace
 
@@ -15,7 +14,7 @@ from syshax.sim.engine import EngineConfig, build_scheduler, plan_capacity
 from syshax.sim.perfmodel import effective_hardware
 from syshax.sim.presets import DevicePreset
 from syshax.sim.scheduler import Sequence
-from syshax.sim.tokens import build_vocabulary
+from syshax.sim.tokens import TokenModel
 
 # A benchmark client's time from reading a response's end to sending its next request.
 CLIENT_TURNAROUND_S = 0.001
@@ -49,7 +48,7 @@ def closed_loop(
     """
     capacity = plan_capacity(config)
     hw = effective_hardware(config.device, config.tensor_parallel_size)
-    sched = build_scheduler(config, capacity, hw, build_vocabulary(config.seed))
+    sched = build_scheduler(config, capacity, hw, TokenModel(config.seed))
     now = 0.0
     issued = 0
     done: list[Sequence] = []
@@ -61,7 +60,7 @@ def closed_loop(
             request_id=str(issued),
             prompt_tokens=prompt_tokens,
             max_new_tokens=max_tokens,
-            rng=random.Random(issued),
+            tail=[issued],
             arrival=at,
         )
         issued += 1

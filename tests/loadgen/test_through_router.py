@@ -12,13 +12,16 @@ import pytest
 
 from syshax.loadgen.simproc import running_router, running_sim
 
+SYSHAX = ("--syshax-compat",)
+
 
 @pytest.fixture(scope="module")
 def pd_router() -> Iterator[str]:
     """A router forcing PD (GPU prefill, CPU decode) over two 20x-speed engines."""
     with (
-        running_sim("kunpeng-920-7280z", speed=20.0) as cpu,
-        running_sim("a100-80gb", speed=20.0) as gpu,
+        # The router's default PD protocol is sysHAX's: the engines' sysHAX-compatible mode.
+        running_sim("kunpeng-920-7280z", speed=20.0, extra_args=SYSHAX) as cpu,
+        running_sim("a100-80gb", speed=20.0, extra_args=SYSHAX) as gpu,
         running_router(gpu, cpu, mode="forced-pd") as router,
     ):
         yield router

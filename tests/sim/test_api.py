@@ -106,15 +106,15 @@ def test_raw_sse_stream_shape(engine: SimProcess) -> None:
     assert raw.events[-1] == "[DONE]"
     events = raw.json_events()
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    token_events = [
-        e for e in events[1:] if e["choices"] and e["choices"][0]["delta"].get("content")
-    ]
-    assert len(token_events) == 4  # one chunk per token
-    finish = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
-    assert len(finish) == 1 and finish[0]["choices"][0]["finish_reason"] == "length"
+    assert events[0]["prompt_token_ids"] is None  # no return_token_ids
+    token_events = [e for e in events[1:] if e["choices"]]
+    assert len(token_events) == 4  # one chunk per token; the last one carries the finish
+    assert all(e["choices"][0]["delta"]["content"] for e in token_events)
+    assert [e["choices"][0]["finish_reason"] for e in token_events] == [None] * 3 + ["length"]
     usage = events[-1]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 4
+    assert usage["system_fingerprint"].startswith("vllm-0.32.0-")
     assert {e["id"] for e in events} == {events[0]["id"]}
     assert all(e["object"] == "chat.completion.chunk" for e in events)
 
@@ -125,8 +125,11 @@ def test_raw_sse_completion_without_usage_has_no_usage_chunk(gpu_sim: SimProcess
     )
     events = raw.json_events()
     assert raw.events[-1] == "[DONE]"
-    assert all(e["choices"] for e in events)
-    assert [e["choices"][0]["text"] != "" for e in events] == [True, True, True, False]
+    assert len(events) == 3 and all(e["choices"][0]["text"] for e in events)
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None, None, "length"]
+    # Without a usage chunk the last token's chunk is the stream's final message.
+    assert ["system_fingerprint" in e for e in events] == [False, False, True]
+    assert all(e["choices"][0]["token_ids"] is None for e in events)
 
 
 def test_streamed_tokens_arrive_at_modelled_decode_pace(cpu_sim: SimProcess) -> None:
@@ -144,7 +147,7 @@ def test_streamed_tokens_arrive_at_modelled_decode_pace(cpu_sim: SimProcess) -> 
 def test_health_version_models(gpu_sim: SimProcess) -> None:
     health = httpx.get(f"{gpu_sim.url}/health")
     assert health.status_code == 200 and health.content == b""
-    assert isinstance(httpx.get(f"{gpu_sim.url}/version").json()["version"], str)
+    assert httpx.get(f"{gpu_sim.url}/version").json() == {"version": "0.32.0"}
     models = client(gpu_sim).models.list()
     assert [m.id for m in models.data] == [MODEL]
     raw = httpx.get(f"{gpu_sim.url}/v1/models").json()
@@ -167,40 +170,91 @@ def _error(
 
 
 @pytest.mark.parametrize(
-    ("body", "param"),
+    ("body", "param", "err_type"),
     [
-        (b"{not json", None),
-        (b"[1, 2]", None),
-        ({"max_tokens": 5}, "prompt"),
-        ({"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
-        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-        ({"prompt": "hi", "stream": "yes"}, "stream"),
-        ({"prompt": 42}, "prompt"),
-        ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+        (b"{not json", "body.1", "Bad Request"),
+        (b"[1, 2]", "body", "Bad Request"),
+        ({"max_tokens": 5}, "prompt", "BadRequestError"),
+        ({"prompt": "", "max_tokens": 5}, "prompt", "BadRequestError"),
+        ({"prompt": "hi", "max_tokens": "five"}, "body.max_tokens", "Bad Request"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "BadRequestError"),
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens", "BadRequestError"),
+        ({"prompt": "hi", "stream": "maybe"}, "body.stream", "Bad Request"),
+        ({"prompt": 42}, "body.prompt", "Bad Request"),
+        ({"prompt": [1, -1]}, "body.prompt.1", "Bad Request"),
+        ({"prompt": [10**7]}, None, "BadRequestError"),
+        ({"prompt": "hi", "temperature": "hot"}, "body.temperature", "Bad Request"),
+        ({"prompt": "hi", "kv_transfer_params": "x"}, "body.kv_transfer_params", "Bad Request"),
     ],
 )
-def test_malformed_completion_requests_are_400(
-    gpu_sim: SimProcess, body: bytes | dict[str, object], param: str | None
+def test_malformed_completion_requests_are_400_in_vllms_shapes(
+    gpu_sim: SimProcess, body: bytes | dict[str, object], param: str | None, err_type: str
 ) -> None:
+    # vLLM 0.32 has two: a pydantic validation error ("Bad Request", param "body.<field>")
+    # and a request check ("BadRequestError", param "<field>").
     status, err = _error(gpu_sim, "/v1/completions", body)
-    assert status == 400 and err["type"] == "BadRequestError"
-    assert err["param"] == param
+    assert status == 400
+    assert (err["param"], err["type"]) == (param, err_type)
+
+
+def test_fields_are_coerced_as_vllms_pydantic_models_coerce_them(gpu_sim: SimProcess) -> None:
+    r = httpx.post(
+        f"{gpu_sim.url}/v1/completions",
+        json={"prompt": "hi", "max_tokens": "5", "stream": "no", "temperature": "0.5"},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_unknown_and_syshax_fields_are_ignored_without_syshax_compat(gpu_sim: SimProcess) -> None:
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        r = httpx.post(
+            f"{gpu_sim.url}{path}",
+            json={**body, "max_tokens": 2, "num_decode_tokens": 0, "bogus": 1,
+                  "generated_text": "x y", "request_id_inference": "../../etc"},
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        data = r.json()
+        assert data["usage"]["completion_tokens"] == 2
+        assert data["choices"][0]["finish_reason"] == "length"
+        assert data["id"] != "../../etc"
 
 
 def test_chat_without_messages_is_400(gpu_sim: SimProcess) -> None:
     status, err = _error(gpu_sim, "/v1/chat/completions", {"model": MODEL})
-    assert status == 400 and err["param"] == "messages"
+    assert status == 400 and err["param"] == "body.messages"
     status, err = _error(gpu_sim, "/v1/chat/completions", {"messages": [{"content": "no role"}]})
     assert status == 400
 
 
-def test_over_max_model_len_is_400_with_the_numbers(gpu_sim: SimProcess) -> None:
+def test_max_tokens_past_max_model_len_is_clamped_like_vllm(gpu_sim: SimProcess) -> None:
     prompt = " ".join(["x"] * 4000)
-    status, err = _error(gpu_sim, "/v1/completions", {"prompt": prompt, "max_tokens": 200})
-    assert status == 400
-    message = str(err["message"])
-    for number in ("4096", "4200", "4000", "200"):
-        assert number in message
+    r = httpx.post(f"{gpu_sim.url}/v1/completions", json={"prompt": prompt, "max_tokens": 200})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 96  # what fits in 4096
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_max_tokens_above_max_model_len_is_400(gpu_sim: SimProcess) -> None:
+    status, err = _error(gpu_sim, "/v1/completions", {"prompt": "hi", "max_tokens": 10**7})
+    assert status == 400 and (err["param"], err["type"]) == ("max_tokens", "BadRequestError")
+    assert "cannot be greater than max_model_len=4096" in str(err["message"])
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}
+    status, err = _error(gpu_sim, "/v1/chat/completions", chat)
+    assert status == 400 and err["param"] == "max_completion_tokens"
+
+
+def test_a_prompt_over_max_model_len_is_400_with_the_numbers(gpu_sim: SimProcess) -> None:
+    status, err = _error(gpu_sim, "/v1/completions", {"prompt": " ".join(["x"] * 4100)})
+    assert status == 400 and err["param"] == "input_tokens"
+    assert "4096" in str(err["message"]) and "4100" in str(err["message"])
+    # A prompt of exactly max_model_len leaves no room for one output token.
+    status, err = _error(gpu_sim, "/v1/completions", {"prompt": " ".join(["x"] * 4096)})
+    assert status == 400 and err["param"] == "max_tokens"
 
 
 def test_unknown_model_is_404(gpu_sim: SimProcess) -> None:
@@ -208,16 +262,30 @@ def test_unknown_model_is_404(gpu_sim: SimProcess) -> None:
         client(gpu_sim).completions.create(model="no-such-model", prompt="hi", max_tokens=2)
     assert "no-such-model" in str(info.value)
     status, err = _error(gpu_sim, "/v1/completions", {"model": "other", "prompt": "hi"})
-    assert status == 404 and err["type"] == "NotFoundError"
+    assert status == 404 and err["type"] == "NotFoundError" and err["param"] == "model"
 
 
-def test_natural_stop_without_max_tokens_is_seeded(gpu_sim: SimProcess) -> None:
+def test_completions_default_to_16_tokens_like_vllm(gpu_sim: SimProcess) -> None:
+    out = client(gpu_sim).completions.create(model=MODEL, prompt="tell me a story")
+    assert out.usage is not None and out.usage.completion_tokens == 16
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_without_max_tokens_a_sequence_stops_by_itself_the_same_way_every_time(
+    gpu_sim: SimProcess,
+) -> None:
     c = client(gpu_sim)
-    a = c.completions.create(model=MODEL, prompt="tell me a story")
-    b = c.completions.create(model=MODEL, prompt="tell me a story")
+    messages = [{"role": "user", "content": "tell me a story"}]
+    a = c.chat.completions.create(model=MODEL, messages=messages)  # type: ignore[arg-type]
+    b = c.chat.completions.create(model=MODEL, messages=messages)  # type: ignore[arg-type]
     assert a.choices[0].finish_reason == "stop"
-    assert a.choices[0].text == b.choices[0].text
-    assert a.usage is not None and a.usage.completion_tokens == len(a.choices[0].text.split())
+    assert a.choices[0].message.content == b.choices[0].message.content
+    text = a.choices[0].message.content or ""
+    assert a.usage is not None and a.usage.completion_tokens == len(text.split())
+    explicit_null = httpx.post(
+        f"{gpu_sim.url}/v1/completions", json={"prompt": "tell me a story", "max_tokens": None}
+    ).json()
+    assert explicit_null["choices"][0]["finish_reason"] == "stop"
 
 
 def test_sim_requests_ring_reports_own_timings(gpu_sim: SimProcess) -> None:

@@ -81,15 +81,44 @@ def test_served_model_name_and_sigterm(sim_factory: SimFactory) -> None:
 
 
 def test_accepts_what_an_agent_passes_to_real_vllm(sim_factory: SimFactory) -> None:
+    kv_transfer = '{"kv_connector": "SyshaxShmConnector", "kv_role": "kv_both"}'
     sim = sim_factory(
         "--device", "a100-80gb", "--model", "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B",
-        "--gpu_memory_utilization", "0.8", "--preemption_mode", "swap", "-tp", "1",
+        "--gpu_memory_utilization", "0.8", "-tp", "1", "--kv-transfer-config", kv_transfer,
         "--enforce-eager", "--dtype", "auto",
     )  # fmt: skip
     info = sim.info()
     assert info["model"] == MODEL and info["served_model_name"] == MODEL
     expected = int((80 * 2**30 * 0.8 - 32.76e9 * 18 / 32 - 2 * 2**30) // BLOCK_BYTES)
     assert info["num_kv_blocks"] == expected
+
+
+@pytest.mark.parametrize("flag", ["--preemption-mode", "--preemption_mode"])
+def test_preemption_mode_is_refused_like_vllm_0_32_without_syshax_compat(flag: str) -> None:
+    out = run_cli("--device", "a100-80gb", "--model", MODEL, flag, "swap")
+    assert out.returncode == 2
+    assert f"error: unrecognized arguments: {flag} swap" in out.stderr
+
+
+def test_syshax_compat_takes_the_v0_engines_preemption_mode(sim_factory: SimFactory) -> None:
+    sim = sim_factory(
+        "--device", "a100-80gb", "--model", MODEL, "--preemption_mode", "swap", "--syshax-compat"
+    )
+    assert sim.info()["model"] == MODEL
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ("{not json", "not JSON"),
+        ('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}', "only SyshaxShmConnector"),
+        ('{"kv_connector": "SyshaxShmConnector", "kv_role": "kv_sideways"}', "kv_role"),
+    ],
+)
+def test_an_unusable_kv_transfer_config_exits_2(config: str, says: str) -> None:
+    out = run_cli("--device", "a100-80gb", "--model", MODEL, "--kv-transfer-config", config)
+    assert out.returncode == 2
+    assert says in out.stderr
 
 
 def test_cpu_binding_scales_compute_and_bandwidth(sim_factory: SimFactory) -> None:

@@ -20,6 +20,12 @@ CURRENT = {
     "vllm:time_to_first_token_seconds",
     "vllm:inter_token_latency_seconds",
     "vllm:e2e_request_latency_seconds",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:external_prefix_cache_queries",
+    "vllm:external_prefix_cache_hits",
+    "vllm:prompt_tokens_cached",
+    "vllm:request_success",
 }
 LEGACY = {
     "vllm:gpu_cache_usage_perc",
@@ -69,6 +75,12 @@ def test_metrics_flag_selects_the_family(
     assert not (absent & names)
 
 
+def test_disable_log_stats_serves_no_engine_metrics_like_vllm(sim_factory: SimFactory) -> None:
+    sim = sim_factory("--device", "a100-80gb", "--model", MODEL, "--disable-log-stats")
+    response = httpx.get(f"{sim.url}/metrics")
+    assert response.status_code == 200 and "vllm:" not in response.text
+
+
 def test_counters_and_histograms_follow_requests(sim_factory: SimFactory) -> None:
     sim = sim_factory(
         "--device", "a100-80gb", "--model", MODEL, "--speed", "20", "--engine-id", "gpu-7"
@@ -81,6 +93,11 @@ def test_counters_and_histograms_follow_requests(sim_factory: SimFactory) -> Non
         )
     after = scrape(sim)
     assert after["vllm:prompt_tokens"]["vllm:prompt_tokens_total{}"] == 12
+    # No local prefix cache is modelled: every prompt token is a query and none a hit.
+    assert after["vllm:prefix_cache_queries"]["vllm:prefix_cache_queries_total{}"] == 12
+    assert after["vllm:prefix_cache_hits"]["vllm:prefix_cache_hits_total{}"] == 0
+    success = after["vllm:request_success"]
+    assert success["vllm:request_success_total{finished_reason=length}"] == 3
     assert after["vllm:generation_tokens"]["vllm:generation_tokens_total{}"] == 30
     ttft = after["vllm:time_to_first_token_seconds"]
     assert ttft["vllm:time_to_first_token_seconds_count{}"] == 3
@@ -139,7 +156,8 @@ def test_a_full_kv_cache_preempts_and_every_stream_still_completes(
     # 0.05 GiB of CPU KV holds 200 tokens of the 32B model: not enough for 4 x (40 + 100).
     sim = sim_factory(
         "--device", "kunpeng-920-7280z", "--model", MODEL, "--speed", "20",
-        "--kv-cache-space", "0.05", "--max-model-len", "150", "--preemption-mode", mode,
+        "--kv-cache-space", "0.05", "--max-model-len", "150",
+        *(["--syshax-compat", "--preemption-mode", mode] if mode == "swap" else []),
     )  # fmt: skip
     results: list[int] = []
 

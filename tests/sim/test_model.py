@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import random
 from dataclasses import replace
 
 import pytest
@@ -18,6 +17,7 @@ from syshax.sim.perfmodel import (
 )
 from syshax.sim.presets import DEVICES, GIB, MODELS
 from syshax.sim.scheduler import FinishReason, SeqStatus, Sequence
+from syshax.sim.tokens import TokenModel
 from syshax.sim.virtual import closed_loop
 
 Q32 = MODELS["deepseek-r1-distill-qwen-32b"]
@@ -103,8 +103,8 @@ def _run_to_completion(
 ) -> tuple[list[Sequence], int]:
     """Run n sequences to the end; returns them and the most that sat in swap at once."""
     cap = plan_capacity(cfg)
-    sched = build_scheduler(cfg, cap, effective_hardware(cfg.device), [" a", " b"])
-    seqs = [Sequence(str(i), prompt, out, random.Random(i)) for i in range(n)]
+    sched = build_scheduler(cfg, cap, effective_hardware(cfg.device), TokenModel(0))
+    seqs = [Sequence(str(i), prompt, out, tail=[i]) for i in range(n)]
     for s in seqs:
         sched.add(s)
     now, peak_swapped = 0.0, 0
@@ -142,9 +142,9 @@ def test_swap_mode_moves_sequences_to_swap_space() -> None:
 def test_max_num_seqs_bounds_the_batch() -> None:
     cfg = config("a100-80gb", max_num_seqs=3)
     cap = plan_capacity(cfg)
-    sched = build_scheduler(cfg, cap, effective_hardware(cfg.device), [" a"])
+    sched = build_scheduler(cfg, cap, effective_hardware(cfg.device), TokenModel(0))
     for i in range(7):
-        sched.add(Sequence(str(i), 10, 5, random.Random(i)))
+        sched.add(Sequence(str(i), 10, 5, tail=[i]))
     step = sched.plan(0.0)
     assert step is not None and len(step.scheduled) == 3
     assert len(sched.running) == 3 and len(sched.waiting) == 4
@@ -164,8 +164,8 @@ def test_cpu_lists_parse_like_vllm_binds() -> None:
 def test_frontend_emits_a_steps_tokens_one_after_another_and_queues() -> None:
     cfg = config("a100-80gb", output_token_overhead_s=0.005)  # 5 ms per token: overloaded
     cap = plan_capacity(cfg)
-    sched = build_scheduler(cfg, cap, effective_hardware(cfg.device), [" a"])
-    seqs = [Sequence(str(i), 4, 3, random.Random(i)) for i in range(10)]
+    sched = build_scheduler(cfg, cap, effective_hardware(cfg.device), TokenModel(0))
+    seqs = [Sequence(str(i), 4, 3, tail=[i]) for i in range(10)]
     for s in seqs:
         sched.add(s)
     now = 0.0
@@ -186,9 +186,9 @@ def test_recompute_preemption_drops_handed_over_kv_too() -> None:
     cfg = config("kunpeng-920-7280z", kv_cache_space_gb=0.05)
     cap = plan_capacity(cfg)
     assert cap.num_blocks == 12
-    sched = build_scheduler(cfg, cap, effective_hardware(cfg.device), [" a"])
-    b = Sequence("b", 60, 100, random.Random(1))
-    a = Sequence("a", 100, 20, random.Random(2), resumed_tokens=1, imported_tokens=100)
+    sched = build_scheduler(cfg, cap, effective_hardware(cfg.device), TokenModel(0))
+    b = Sequence("b", 60, 100, tail=[1])
+    a = Sequence("a", 100, 20, tail=[2], resumed_tokens=1, imported_tokens=100)
     sched.add(b)
     sched.add(a)
     chunks_of_a: list[int] = []

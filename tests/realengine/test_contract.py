@@ -1,0 +1,380 @@
+"""The simulator against real vLLM 0.32: the same requests to both, and the answers compared
+by shape (key sets, value types, status codes, error types and params), never by text.
+
+One real engine (the tiny random-weight model on one CPU, with the SyshaxShmConnector naming
+itself as its own peer, so one engine can both publish and load a transfer) and one
+simulator configured the same way. What is compared is listed in docs/simulator.md
+("Contract with real vLLM"). vLLM must be installable: if it is not, the fixture fails.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from syshax.supervisor import ReadyChild, free_port, python_argv
+from tests.realengine import vllm_env
+
+pytestmark = pytest.mark.timeout(1200)
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "tiny"
+MAX_MODEL_LEN = 2048
+PROMPT = "the prefill decode token cache engine router policy node card memory shared"
+MESSAGES = [{"role": "user", "content": PROMPT}]
+# The families 1b of the PD contract names: they show the transferred KV was used.
+PD_FAMILIES = {
+    "vllm:external_prefix_cache_queries",
+    "vllm:external_prefix_cache_hits",
+    "vllm:prompt_tokens_cached",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+}
+# What the simulator adds by default (--metrics both) for routers of older engines; vLLM 0.32
+# has none of them.
+SIM_LEGACY = {
+    "vllm:gpu_cache_usage_perc",
+    "vllm:cpu_cache_usage_perc",
+    "vllm:num_requests_swapped",
+    "vllm:avg_prompt_throughput_toks_per_s",
+    "vllm:avg_generation_throughput_toks_per_s",
+    "vllm:time_per_output_token_seconds",
+}
+
+
+class Sim(ReadyChild):
+    pass
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("contract")
+
+
+@pytest.fixture(scope="module")
+def real(workdir: Path) -> Iterator[vllm_env.VllmEngine]:
+    shm = workdir / "real-shm"
+    shm.mkdir()
+    engine = vllm_env.VllmEngine(
+        "real",
+        free_port(),
+        workdir,
+        cpus="1",
+        kv_transfer_config=vllm_env.connector_config("real", "real", shm),
+        max_model_len=MAX_MODEL_LEN,
+    )
+    try:
+        engine.wait_ready()
+        yield engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def sim(workdir: Path) -> Iterator[Sim]:
+    shm = workdir / "sim-shm"
+    shm.mkdir()
+    argv = python_argv(
+        "sim", "--device", "a100-80gb", "--model", "qwen2.5-7b-instruct",
+        "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--speed", "20",
+        "--enable-prompt-tokens-details",
+        "--kv-transfer-config", vllm_env.connector_config("sim", "sim", shm),
+    )  # fmt: skip
+    child = Sim("sim", argv, workdir, cwd=ROOT, timeout=30)
+    yield child
+    child.stop()
+
+
+Engine = vllm_env.VllmEngine | Sim
+
+
+def shape(value: Any) -> Any:
+    """Keys and value types, recursively (lists by their first element)."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    return type(value).__name__
+
+
+def post(engine: Engine, path: str, body: dict[str, Any] | bytes) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(
+            engine.url + path,
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=120,
+        )
+    return httpx.post(engine.url + path, json=body, timeout=120)
+
+
+def stream(engine: Engine, path: str, body: dict[str, Any]) -> list[Any]:
+    events: list[Any] = []
+    with httpx.stream("POST", engine.url + path, json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def both(real: vllm_env.VllmEngine, sim: Sim, path: str, body: dict[str, Any] | bytes) -> list[Any]:
+    return [post(engine, path, body) for engine in (real, sim)]
+
+
+# -- metrics ---------------------------------------------------------------------------------
+
+
+def families(engine: Engine) -> dict[str, tuple[str, frozenset[str]]]:
+    """vllm:* family -> (type, label names)."""
+    text = httpx.get(engine.url + "/metrics", timeout=30).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith("vllm:"):
+            labels = frozenset(k for s in family.samples for k in s.labels if k != "le")
+            out[family.name] = (family.type, labels)
+    return out
+
+
+def names_read_by_the_router_and_the_load_generator() -> set[str]:
+    """Every vllm:* sample name in router/engine_metrics.py and syshax/loadgen, as a family."""
+    sources = [ROOT / "router" / "engine_metrics.py", *(ROOT / "syshax" / "loadgen").glob("*.py")]
+    names = set()
+    for source in sources:
+        names |= set(re.findall(r"vllm:[a-z_]+", source.read_text()))
+    return {re.sub(r"(_total|_sum|_count|_bucket)$", "", n) for n in names}
+
+
+def test_metric_families_match(real: vllm_env.VllmEngine, sim: Sim) -> None:
+    read = names_read_by_the_router_and_the_load_generator()
+    assert "vllm:num_requests_running" in read
+    theirs, ours = families(real), families(sim)
+    for name in sorted((read & set(theirs)) | PD_FAMILIES):
+        assert name in theirs, f"vLLM 0.32 has no {name}"
+        assert ours.get(name) == theirs[name], f"{name}: vLLM {theirs[name]}, sim {ours.get(name)}"
+    # What the router reads that vLLM lacks is the simulator's legacy set, nothing else.
+    assert read - set(theirs) <= SIM_LEGACY
+    assert not SIM_LEGACY & set(theirs)
+
+
+def metric(engine: Engine, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(engine.url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+ERROR_CASES = [
+    ("malformed json", "/v1/completions", b"{not json"),
+    ("missing prompt", "/v1/completions", {"model": MODEL, "max_tokens": 2}),
+    ("missing messages", "/v1/chat/completions", {"model": MODEL, "max_tokens": 2}),
+    ("unknown model", "/v1/completions", {"model": "nope", "prompt": "hi", "max_tokens": 2}),
+    ("unknown model, chat", "/v1/chat/completions",
+     {"model": "nope", "messages": MESSAGES, "max_tokens": 2}),
+    ("prompt over max_model_len", "/v1/completions", {"model": MODEL, "prompt": [5] * 2100}),
+    ("max_tokens over max_model_len", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "max_tokens": 10**7}),
+    ("max_tokens negative", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}),
+    ("max_tokens zero", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}),
+    ("max_tokens negative, chat", "/v1/chat/completions",
+     {"model": MODEL, "messages": MESSAGES, "max_tokens": -1}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "path", "body"), ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_errors_have_vllms_status_and_shape(
+    real: vllm_env.VllmEngine, sim: Sim, case: str, path: str, body: dict[str, Any] | bytes
+) -> None:
+    theirs, ours = both(real, sim, path, body)
+    assert ours.status_code == theirs.status_code >= 400
+    t, o = theirs.json()["error"], ours.json()["error"]
+    assert shape(o) == shape(t)
+    assert (o["type"], o["param"], o["code"]) == (t["type"], t["param"], t["code"])
+
+
+@pytest.mark.parametrize(
+    ("case", "body"),
+    [
+        ("no model", {"prompt": "hi", "max_tokens": 2}),
+        ("prompt + max_tokens over max_model_len", {"prompt": [5] * 2000, "max_tokens": 100}),
+    ],
+)
+def test_requests_vllm_answers_with_200(
+    real: vllm_env.VllmEngine, sim: Sim, case: str, body: dict[str, Any]
+) -> None:
+    theirs, ours = both(real, sim, "/v1/completions", {**body, "ignore_eos": True})
+    assert (ours.status_code, theirs.status_code) == (200, 200), ours.text + theirs.text
+    t, o = theirs.json(), ours.json()
+    assert o["usage"]["completion_tokens"] == t["usage"]["completion_tokens"]
+    assert o["choices"][0]["finish_reason"] == t["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_syshax_and_unknown_fields_are_ignored(
+    real: vllm_env.VllmEngine, sim: Sim, path: str
+) -> None:
+    prompt = {"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT}
+    body = {
+        "model": MODEL, **prompt, "max_tokens": 2, "ignore_eos": True, "num_decode_tokens": 0,
+        "generated_text": "x y", "request_id_inference": "cmpl-abc", "bogus": 1,
+    }  # fmt: skip
+    theirs, ours = both(real, sim, path, body)
+    assert (ours.status_code, theirs.status_code) == (200, 200)
+    counts = [r.json()["usage"]["completion_tokens"] for r in (theirs, ours)]
+    assert counts == [2, 2]
+
+
+# -- flags -----------------------------------------------------------------------------------
+
+
+def test_flags_refused_and_accepted_alike(real: vllm_env.VllmEngine, sim: Sim) -> None:
+    refused = {
+        "vllm": [str(vllm_env.python()), "-m", "vllm.entrypoints.openai.api_server",
+                 "--model", str(vllm_env.MODEL), "--preemption-mode", "swap"],
+        "sim": python_argv("sim", "--device", "a100-80gb", "--model", "qwen2.5-7b-instruct",
+                           "--preemption-mode", "swap"),
+    }  # fmt: skip
+    for name, argv in refused.items():
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert done.returncode == 2, f"{name}: {done.stderr[-2000:]}"
+        assert "unrecognized arguments" in done.stderr, name
+    # Both fixtures run with --kv-transfer-config naming the SyshaxShmConnector.
+    assert "SyshaxShmConnector real" in real.log_text()
+    info = httpx.get(sim.url + "/sim/info").json()
+    assert info["kv_connector"]["engine_id"] == "sim"
+
+
+def test_version(real: vllm_env.VllmEngine, sim: Sim) -> None:
+    theirs = httpx.get(real.url + "/version").json()
+    ours = httpx.get(sim.url + "/version").json()
+    assert ours == theirs == {"version": "0.32.0"}
+
+
+def test_models_list_shape(real: vllm_env.VllmEngine, sim: Sim) -> None:
+    theirs = httpx.get(real.url + "/v1/models").json()
+    ours = httpx.get(sim.url + "/v1/models").json()
+    assert shape(ours) == shape(theirs)
+
+
+# -- answers with token ids ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("return_token_ids", [True, False])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_non_streaming_answer_shape(
+    real: vllm_env.VllmEngine, sim: Sim, path: str, return_token_ids: bool
+) -> None:
+    prompt = {"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT}
+    body = {"model": MODEL, **prompt, "max_tokens": 3, "ignore_eos": True,
+            "return_token_ids": return_token_ids}  # fmt: skip
+    theirs, ours = both(real, sim, path, body)
+    assert shape(ours.json()) == shape(theirs.json())
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+@pytest.mark.parametrize("return_token_ids", [True, False])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_chunk_shapes(
+    real: vllm_env.VllmEngine, sim: Sim, path: str, return_token_ids: bool, include_usage: bool
+) -> None:
+    prompt = {"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT}
+    body = {
+        "model": MODEL, **prompt, "max_tokens": 3, "ignore_eos": True, "stream": True,
+        "return_token_ids": return_token_ids,
+        "stream_options": {"include_usage": include_usage},
+    }  # fmt: skip
+    theirs, ours = (stream(engine, path, body) for engine in (real, sim))
+    assert ours[-1] == theirs[-1] == "[DONE]"
+    # Chunk by chunk: (chat's role chunk), first, middle, last token, (usage).
+    assert [shape(e) for e in ours] == [shape(e) for e in theirs]
+
+
+# -- the PD contract -------------------------------------------------------------------------
+
+
+def prefill(engine: Engine, path: str = "/v1/completions") -> Any:
+    prompt = {"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT}
+    body = {"model": MODEL, **prompt, "max_tokens": 1, "temperature": 0, "stream": False,
+            "return_token_ids": True, "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    response = post(engine, path, body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def decode_body(answer: Any, **change: Any) -> dict[str, Any]:
+    choice = answer["choices"][0]
+    prompt_ids = choice.get("prompt_token_ids") or answer["prompt_token_ids"]
+    params = {k: v for k, v in answer["kv_transfer_params"].items()
+              if k != "remote_prefill_cached_tokens"}  # fmt: skip
+    return {
+        "model": MODEL, "prompt": prompt_ids + choice["token_ids"], "max_tokens": 4,
+        "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}, "return_token_ids": True,
+        "kv_transfer_params": {**params, **change},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_prefill_answer_shape(real: vllm_env.VllmEngine, sim: Sim, path: str) -> None:
+    theirs, ours = prefill(real, path), prefill(sim, path)
+    assert shape(ours) == shape(theirs)
+    assert ours["kv_transfer_params"]["remote_prefill_cached_tokens"] == 0
+    # Use the transfers, so their segments do not wait for their leases.
+    for engine, answer in ((real, theirs), (sim, ours)):
+        stream(engine, "/v1/completions", decode_body(answer))
+
+
+def test_decode_loads_the_transfer_and_says_so(real: vllm_env.VllmEngine, sim: Sim) -> None:
+    for engine in (real, sim):
+        answer = prefill(engine)
+        num_tokens = answer["kv_transfer_params"]["num_tokens"]
+        hits = metric(engine, "vllm:external_prefix_cache_hits_total")
+        events = stream(engine, "/v1/completions", decode_body(answer))
+        usage = events[-2]["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= num_tokens, engine
+        assert sum(len(e["choices"][0]["token_ids"]) for e in events[:-2]) == 4
+        deadline = time.monotonic() + 10  # vLLM's metrics follow its engine core's steps
+        while metric(engine, "vllm:external_prefix_cache_hits_total") < hits + num_tokens:
+            assert time.monotonic() < deadline, f"{engine}: external hits did not move"
+            time.sleep(0.2)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"producer_engine_id": "someone-else"},
+        {"ipc_namespace": "ipc:[1]"},
+        {"geometry": {"layers": 1}},
+        {"lease_expires_at": 1},
+        {"transfer_id": "0" * 32},
+    ],
+    ids=["other producer", "other IPC namespace", "geometry", "lease expired", "missing"],
+)
+def test_an_unusable_transfer_is_recomputed_by_both(
+    real: vllm_env.VllmEngine, sim: Sim, change: dict[str, Any]
+) -> None:
+    shapes = []
+    for engine in (real, sim):
+        answer = prefill(engine)
+        body = {**decode_body(answer, **change), "stream": False}
+        body.pop("stream_options")
+        response = post(engine, "/v1/completions", body)
+        assert response.status_code == 200, response.text
+        data = response.json()
+        assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert set(data["kv_transfer_params"]) == {"syshax_kv_error"}
+        shapes.append(shape(data))
+        stream(engine, "/v1/completions", decode_body(answer))  # the segment's own decode
+    assert shapes[0] == shapes[1]
