@@ -26,6 +26,19 @@ log = logging.getLogger("syshax.router")
 EJECT_AFTER_ERRORS = 3
 EJECT_BASE_SECONDS = 1.0
 EJECT_MAX_SECONDS = 30.0
+# A stale sample is still used until it is older than this many scrape intervals (and at
+# least ``Timeouts.sample_max_age``); after that the decider sees only the in-flight count.
+SAMPLE_MAX_AGE_INTERVALS = 3
+
+# Why a scrape failed, the ``kind`` label of ``syshax_router_scrape_failures_total``.
+SCRAPE_TIMEOUT = "timeout"
+SCRAPE_CONNECT = "connect"
+SCRAPE_HTTP = "http"
+SCRAPE_PARSE = "parse"
+SCRAPE_FAILURE_KINDS = (SCRAPE_TIMEOUT, SCRAPE_CONNECT, SCRAPE_HTTP, SCRAPE_PARSE)
+# The engine answered, or is too busy to answer in time: it is alive, only its load is
+# unknown for now. The other kinds mean nothing (or the wrong thing) answers on that URL.
+_STALE_KINDS = frozenset({SCRAPE_TIMEOUT, SCRAPE_PARSE})
 
 
 @dataclass(frozen=True)
@@ -34,6 +47,40 @@ class Timeouts:
     first_byte: float = 120.0
     idle: float = 30.0
     eject_base: float = EJECT_BASE_SECONDS
+    # One engine /metrics scrape, connect included. Past it the backend is stale, not down.
+    scrape: float = 2.0
+    # The shortest age at which a stale sample stops being used (see SAMPLE_MAX_AGE_INTERVALS).
+    sample_max_age: float = 10.0
+
+
+@dataclass(frozen=True)
+class ScrapeView:
+    """What the last scrapes of one engine told the router; ``None`` means unknown."""
+
+    running: int | None
+    waiting: int | None
+    kv_usage_perc: float | None
+    throughput_tps: float | None
+    itl_ms: float | None
+    scrape_age_seconds: float | None  # since the last successful scrape
+    scrape_duration_ms: float | None  # of the last successful scrape
+    stale: bool
+    last_error: str | None  # of the latest scrape; None when it succeeded
+
+
+def scrape_failure_kind(exc: BaseException) -> str:
+    """Classify a failed scrape: only ``timeout`` and ``parse`` leave the backend up."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        # The kernel completes TCP handshakes however busy the engine is: a host that does
+        # not is unreachable, like a refused connection.
+        return SCRAPE_CONNECT
+    if isinstance(exc, TimeoutError):
+        return SCRAPE_TIMEOUT
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return SCRAPE_HTTP
+    if isinstance(exc, ValueError):  # UnicodeDecodeError: not a Prometheus text page
+        return SCRAPE_PARSE
+    return SCRAPE_CONNECT
 
 
 def ejection_seconds(ejection_count: int, base: float = EJECT_BASE_SECONDS) -> float:
@@ -54,6 +101,7 @@ class Backend:
         self.up = True  # optimistic until the first scrape says otherwise
         self.inflight = 0  # sequences this router currently has on the engine
         self.consecutive_errors = 0
+        self.kv_misses = 0  # consecutive PD decodes that recomputed the handed-over KV
         self.ejection_count = 0
         self.ejected_until = 0.0
         self.sample: EngineSample | None = None
@@ -61,6 +109,14 @@ class Backend:
         self.itl_ms: float | None = None
         self.itl_samples: deque[tuple[float, float]] = deque(maxlen=30)
         self.itl_slope_ms: float | None = None
+        # The scrape's own record, for /health and /metrics.
+        self.stale = False  # the latest scrape timed out or was unreadable; still routed to
+        self.scrape_interval = 1.0  # the scrape loop's current period, for the sample's age
+        self.last_scrape_ok_at: float | None = None  # monotonic
+        self.last_scrape_seconds: float | None = None  # how long that scrape took
+        self.last_scrape_error: str | None = None
+        self.scrape_failures_in_row = 0
+        self._untaken_scrape_failures: dict[str, int] = {}
 
     def open(self) -> None:
         if self.session is None:
@@ -85,10 +141,17 @@ class Backend:
     def available(self, now: float) -> bool:
         return self.up and now >= self.ejected_until
 
+    def sample_max_age(self) -> float:
+        return max(self.timeouts.sample_max_age, SAMPLE_MAX_AGE_INTERVALS * self.scrape_interval)
+
     def load(self, now: float) -> DeviceLoad:
         if not self.available(now):
             return UNAVAILABLE
         sample = self.sample
+        if sample is not None and now - sample.at > self.sample_max_age():
+            # Scrapes keep timing out: the last sample says too little about the engine now.
+            # The router's own in-flight count is all that is left, and it stays routable.
+            return DeviceLoad(True, self.inflight, 0, 0.0, 0.0, None)
         scraped_running = int(sample.running) if sample else 0
         return DeviceLoad(
             available=True,
@@ -99,6 +162,28 @@ class Backend:
             throughput_tps=self.throughput_tps,
             itl_ms=self.itl_ms,
         )
+
+    def scrape_view(self, now: float) -> ScrapeView:
+        sample = self.sample
+        ok_at = self.last_scrape_ok_at
+        duration = self.last_scrape_seconds
+        return ScrapeView(
+            running=int(sample.running) if sample else None,
+            waiting=int(sample.waiting) if sample else None,
+            kv_usage_perc=100.0 * sample.kv_usage if sample else None,
+            throughput_tps=self.throughput_tps if sample else None,
+            itl_ms=self.itl_ms if sample else None,
+            scrape_age_seconds=now - ok_at if ok_at is not None else None,
+            scrape_duration_ms=1000.0 * duration if duration is not None else None,
+            # A down backend is down, whatever its last scrape said.
+            stale=self.stale and self.up,
+            last_error=self.last_scrape_error,
+        )
+
+    def take_scrape_failures(self) -> dict[str, int]:
+        """Scrape failures by kind since the previous call (the Prometheus counter's feed)."""
+        taken, self._untaken_scrape_failures = self._untaken_scrape_failures, {}
+        return taken
 
     def record_success(self) -> None:
         self.consecutive_errors = 0
@@ -126,32 +211,74 @@ class Backend:
             return True
         return False
 
-    async def scrape(self) -> None:
+    async def scrape(self, interval: float | None = None) -> None:
         assert self.session is not None
+        if interval is not None:
+            self.scrape_interval = interval
+        started = time.monotonic()
         try:
             async with self.session.get(
-                self.url + "/metrics", timeout=aiohttp.ClientTimeout(total=2.0)
+                self.url + "/metrics", timeout=aiohttp.ClientTimeout(total=self.timeouts.scrape)
             ) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(
                         resp.request_info, (), status=resp.status, message="metrics"
                     )
-                text = await resp.text()
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            if self.up:
-                log.warning("%s backend %s is down (metrics scrape failed)", self.role, self.url)
-            self.up = False
-            self.sample = None
+                # Prometheus text is UTF-8 by definition; anything else is not a metrics page.
+                text = (await resp.read()).decode()
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            self._scrape_failed(scrape_failure_kind(exc), exc)
             return
-        sample = parse_metrics_text(text, time.monotonic())
+        now = time.monotonic()
+        sample = parse_metrics_text(text, now)
         self.throughput_tps, self.itl_ms = derive_load(self.sample, sample, self.itl_ms)
         if self.itl_ms is not None and sample.running > 0:
             self.itl_samples.append((sample.running, self.itl_ms))
             self.itl_slope_ms = fit_itl_slope(list(self.itl_samples))
         self.sample = sample
+        self.last_scrape_ok_at = now
+        self.last_scrape_seconds = now - started
+        self.last_scrape_error = None
+        self.scrape_failures_in_row = 0
         if not self.up:
             log.info("%s backend %s is up again", self.role, self.url)
+        elif self.stale:
+            log.info("%s backend %s answers its metrics scrape again", self.role, self.url)
         self.up = True
+        self.stale = False
+
+    def _scrape_failed(self, kind: str, exc: BaseException) -> None:
+        self.scrape_failures_in_row += 1
+        self._untaken_scrape_failures[kind] = self._untaken_scrape_failures.get(kind, 0) + 1
+        if kind == SCRAPE_TIMEOUT:
+            detail = f"no answer within {self.timeouts.scrape:g}s"
+        elif isinstance(exc, aiohttp.ClientResponseError):
+            detail = f"HTTP {exc.status}"
+        else:
+            detail = str(exc) or exc.__class__.__name__
+        self.last_scrape_error = f"{kind}: {detail}"
+        if kind in _STALE_KINDS:
+            # A busy engine is slow to answer /metrics, not gone: keep routing to it on its
+            # last sample and the router's own in-flight count. A down one stays down.
+            if self.up and not self.stale:
+                log.warning(
+                    "%s backend %s is stale (metrics scrape %s); using its last sample",
+                    self.role,
+                    self.url,
+                    self.last_scrape_error,
+                )
+            self.stale = self.up
+            return
+        if self.up:
+            log.warning(
+                "%s backend %s is down (metrics scrape %s)",
+                self.role,
+                self.url,
+                self.last_scrape_error,
+            )
+        self.up = False
+        self.stale = False
+        self.sample = None
 
 
 async def scrape_forever(
@@ -164,5 +291,6 @@ async def scrape_forever(
     """
     while True:
         started = time.monotonic()
-        await asyncio.gather(*(b.scrape() for b in backends()), return_exceptions=True)
-        await asyncio.sleep(max(0.05, interval() - (time.monotonic() - started)))
+        period = interval()
+        await asyncio.gather(*(b.scrape(period) for b in backends()), return_exceptions=True)
+        await asyncio.sleep(max(0.05, period - (time.monotonic() - started)))

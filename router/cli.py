@@ -84,7 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     alone.add_argument("--gpu-url", help="GPU/NPU engine, e.g. http://127.0.0.1:7001")
     alone.add_argument("--cpu-url", help="CPU engine, e.g. http://127.0.0.1:7002")
     alone.add_argument("--model", help="served model name (default: ask the GPU engine)")
-    alone.add_argument("--pd-protocol", choices=PD_PROTOCOLS, default="syshax")
+    alone.add_argument(
+        "--pd-protocol",
+        choices=PD_PROTOCOLS,
+        default="vllm",
+        help="vllm: upstream vLLM with the KV connector; syshax: sysHAX's patched V0 engines",
+    )
     alone.add_argument("--policy", help="policy file (JSON or YAML); reloaded on change or SIGHUP")
     knobs = parser.add_argument_group("policy knobs (override the policy file)")
     for knob in KNOBS:

@@ -86,6 +86,17 @@ class Loads:
     cpu: DeviceLoad
     gpu_itl_slope_ms: float | None = None
     cpu_itl_slope_ms: float | None = None
+    # The CPU engine's own --max-num-seqs (None: unknown); it admits no more than that.
+    cpu_max_num_seqs: int | None = None
+
+
+def cpu_batch_limit(knobs: PolicyKnobs, loads: Loads) -> tuple[int, str]:
+    """The most sequences the CPU may decode at once, and the name of the limit that binds:
+    the policy's ``cpu_max_batch_size``, capped by the engine's ``max_num_seqs``."""
+    engine = loads.cpu_max_num_seqs
+    if engine is not None and engine < knobs.cpu_max_batch_size:
+        return engine, "the CPU engine's max_num_seqs"
+    return knobs.cpu_max_batch_size, "cpu_max_batch_size"
 
 
 def gpu_room(knobs: PolicyKnobs, loads: Loads) -> tuple[bool, str]:
@@ -104,15 +115,17 @@ def cpu_room(knobs: PolicyKnobs, loads: Loads) -> tuple[bool, str]:
     cpu = loads.cpu
     if not cpu.available:
         return False, "CPU engine unavailable"
-    if cpu.running >= knobs.cpu_max_batch_size:
-        return False, f"CPU running {cpu.running} >= cpu_max_batch_size {knobs.cpu_max_batch_size}"
+    limit, name = cpu_batch_limit(knobs, loads)
+    if cpu.running >= limit:
+        return False, f"CPU running {cpu.running} >= {name} {limit}"
     itl = projected_itl_ms(cpu, loads.cpu_itl_slope_ms)
     if itl is not None and itl > knobs.cpu_decode_slo_ms:
         return False, f"CPU ITL would be {itl:.1f} ms > SLO {knobs.cpu_decode_slo_ms:g} ms"
     return True, "CPU within cpu_max_batch_size and its latency SLO"
 
 
-def _cpu_allowed(knobs: PolicyKnobs) -> bool:
+def cpu_allowed(knobs: PolicyKnobs) -> bool:
+    """Whether the policy lets the CPU engine serve or decode at all."""
     if knobs.mode == "gpu-only":
         return False
     if knobs.mode == "auto" and not knobs.enable_auto_pd_offload:
@@ -130,10 +143,10 @@ def decide(knobs: PolicyKnobs, loads: Loads) -> Decision:
             Route.REJECTED, reason="mode cpu-only and the CPU engine is down", status=503
         )
     if not gpu.available:
-        if _cpu_allowed(knobs) and cpu.available:
+        if cpu_allowed(knobs) and cpu.available:
             return Decision(Route.CPU_ONLY, reason="GPU engine down", fallback=True)
         return Decision(Route.REJECTED, reason="GPU engine down", status=503)
-    if not _cpu_allowed(knobs):
+    if not cpu_allowed(knobs):
         return Decision(Route.GPU_ONLY, reason=f"mode {knobs.mode}, CPU offload off")
     chunk = token_limit(knobs, cpu.throughput_tps)
     if knobs.mode == "forced-pd":
@@ -160,7 +173,7 @@ def syshax_threshold(knobs: PolicyKnobs, loads: Loads) -> Decision:
     if slow and cpu.running >= 1:
         return Decision(Route.REJECTED, reason=f"{why}; CPU busy and slow", status=429)
     # sysHAX caps the CPU at max_num_seqs; the documents' cpu_max_batch_size is the tighter cap.
-    if not slow and cpu.running >= min(knobs.max_num_seqs, knobs.cpu_max_batch_size):
+    if not slow and cpu.running >= min(knobs.max_num_seqs, cpu_batch_limit(knobs, loads)[0]):
         return Decision(Route.REJECTED, reason=f"{why}; CPU at its batch limit", status=429)
     return Decision(
         Route.PD, token_limit=token_limit(knobs, cpu.throughput_tps), reason=f"{why}; PD offload"
@@ -211,7 +224,7 @@ def decide_next_chunk(knobs: PolicyKnobs, loads: Loads) -> Decision:
     if pinned or not loads.gpu.available:
         # sysHAX sends continuations straight back to the CPU.
         return Decision(Route.PD, token_limit=chunk, reason="continue on CPU")
-    if not _cpu_allowed(knobs):
+    if not cpu_allowed(knobs):
         return Decision(Route.GPU_ONLY, reason=f"policy now {knobs.mode}, CPU offload off")
     gpu_ok, gpu_why = gpu_room(knobs, loads)
     if gpu_ok:

@@ -22,6 +22,7 @@ from router.backends import Backend
 from router.decide import Decision, Route, decide_next_chunk
 from router.errors import RouterError
 from router.metrics import RouterMetrics
+from router.pd_vllm import VllmPd, resume_stream
 from router.rawhttp import RawResponse
 from router.rawhttp import request as raw_request
 from router.sse import DONE, ChunkBuilder, chunk_parts, event_data, full_response, split_events
@@ -48,8 +49,11 @@ class CoalescedStreamResponse(web.StreamResponse):
 HIGH_WATER = 1 << 16
 
 
-def _direct_writer(transport: asyncio.BaseTransport) -> Callable[[bytes], bool]:
-    """Writes one payload as an HTTP chunk, from the engine connection's ``data_received``.
+def _direct_writer(
+    transport: asyncio.BaseTransport, relayed: list[bytes]
+) -> Callable[[bytes], bool]:
+    """Writes one payload as an HTTP chunk, from the engine connection's ``data_received``,
+    and keeps it in ``relayed`` (for a resume on the other engine if this one dies).
     Declines (the payload then queues for the coroutine) the stream's last event and
     whenever the client is gone or not keeping up."""
     out = cast(asyncio.WriteTransport, transport)
@@ -58,6 +62,7 @@ def _direct_writer(transport: asyncio.BaseTransport) -> Callable[[bytes], bool]:
         if payload.endswith(DONE) or out.is_closing() or out.get_write_buffer_size() > HIGH_WATER:
             return False
         out.write(b"%x\r\n" % len(payload) + payload + b"\r\n")
+        relayed.append(payload)
         return True
 
     return direct
@@ -116,8 +121,11 @@ class Exchange:
         self.prompt_tokens = 0
         self.finish_reason = "stop"
         self.last_token_at: float | None = None
-        # Upstream vLLM's kv_transfer_params from the prefill, handed to the decoder.
-        self._kv_params: dict[str, Any] = {}
+        # Token ids of the answer, kept when the client asked for return_token_ids.
+        self.token_ids: list[int] = []
+        # The SSE payloads a passthrough stream relayed so far.
+        self.relayed: list[bytes] = []
+        self.prompt_token_ids: list[int] | None = None
         self.created = int(time.time())
 
     # The id and the chunk builder are only needed when the router writes its own chunks
@@ -177,15 +185,25 @@ class Exchange:
             self.metrics.observe_itl(self.decision_label, now - self.last_token_at)
         self.last_token_at = now
 
-    async def emit(self, text: str, tokens: int = 1) -> None:
-        """One token (or a few) of generated text, in order, towards the client."""
+    async def emit(self, text: str, tokens: int = 1, token_ids: list[int] | None = None) -> None:
+        """One token (or a few) of generated text, in order, towards the client.
+        ``token_ids`` (PD on vLLM) are passed on when the client asked for them."""
         self._tick()
-        self.pieces.append(text)
         self.completion_tokens += tokens
+        want_ids = token_ids is not None and self.req.body.get("return_token_ids") is True
+        if want_ids:
+            assert token_ids is not None
+            self.token_ids.extend(token_ids)
+        if not text and not want_ids:
+            return  # e.g. a token that ends inside a multi-byte character
+        self.pieces.append(text)
         if not self.req.stream:
             return
         await self._ensure_stream()
-        await self._write(self.builder.text(text))
+        if want_ids:
+            await self._write(self.builder.text_with_ids(text, token_ids or []))
+        else:
+            await self._write(self.builder.text(text))
 
     async def finish(self) -> web.StreamResponse:
         """Close the spliced stream, or build the non-streaming answer."""
@@ -200,6 +218,10 @@ class Exchange:
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=self.completion_tokens,
             )
+            if self.req.body.get("return_token_ids") is True and self.prompt_token_ids:
+                body["choices"][0]["token_ids"] = self.token_ids
+                where = body if self.req.chat else body["choices"][0]
+                where["prompt_token_ids"] = self.prompt_token_ids
             return web.Response(
                 body=json.dumps(body).encode(),
                 content_type="application/json",
@@ -275,6 +297,10 @@ class Exchange:
         except UpstreamFailed as exc:
             self.record_failure(exc)
             if self.response is not None:
+                if self.deployment.spec.pd_protocol == "vllm" and await resume_stream(
+                    self, backend, str(exc)
+                ):
+                    return await self.finish()
                 # Bytes already went out; end the stream with an error event, never a hang.
                 return await self.abort_stream(str(exc))
             raise
@@ -308,15 +334,17 @@ class Exchange:
                 await self._open_stream()
             if held:
                 await self._write(held)
+                self.relayed.append(held)
                 held = b""
             if data.endswith(DONE):
                 held = data  # the last event leaves with the terminating chunk: one write
                 continue
             await self._write(data)
+            self.relayed.append(data)
             if transport is not None:
                 await _drained(transport)
                 if direct_ok and self.last_token_at is not None and resp.conn.direct is None:
-                    resp.set_direct(_direct_writer(transport))
+                    resp.set_direct(_direct_writer(transport, self.relayed))
         if self.response is None:
             await self._open_stream()
         assert self.response is not None
@@ -406,17 +434,20 @@ class Exchange:
         return request_id, finish
 
     async def run_pd(self, decision: Decision) -> None:
-        """GPU prefill, then decode in chunks on the CPU with a re-decision after each chunk.
-
-        A CPU failure (refused, erroring, dying mid-stream) moves the sequence to the GPU,
-        which recomputes from the prompt plus the text generated so far.
-        """
-        cpu = self.deployment.cpu
+        """GPU prefill, then decode on the CPU with a re-decision every ``token_limit``
+        tokens, in the deployment's wire protocol."""
         if self.deployment.spec.pd_protocol == "vllm":
-            request_id, finish = await self._prefill_vllm()
+            await VllmPd(self).run(decision)
         else:
-            request_id, finish = await self._prefill_syshax()
-        if finish != "scheduled" and self.deployment.spec.pd_protocol == "syshax":
+            await self._run_pd_syshax(decision)
+
+    async def _run_pd_syshax(self, decision: Decision) -> None:
+        """sysHAX's patched engines: chunks of ``num_decode_tokens`` with a re-decision after
+        each. A CPU failure (refused, erroring, dying mid-stream) moves the sequence to the
+        GPU, which recomputes from the prompt plus the text generated so far."""
+        cpu = self.deployment.cpu
+        request_id, finish = await self._prefill_syshax()
+        if finish != "scheduled":
             self.finish_reason = finish
             return
         on_cpu = cpu is not None
@@ -429,15 +460,11 @@ class Exchange:
                 break
             body = self._base_body()
             target = cpu if on_cpu and cpu is not None else self.deployment.gpu
-            if self.deployment.spec.pd_protocol == "vllm" and kv_id is not None:
-                # Upstream vLLM: the decoder regenerates the whole answer from the handed KV.
-                body["kv_transfer_params"] = self._kv_params
-            else:
-                budget = remaining if remaining is not None else UNBOUNDED_DECODE
-                body["num_decode_tokens"] = min(limit, budget) if on_cpu and limit else budget
-                body["generated_text"] = "".join(self.pieces)
-                if kv_id is not None:
-                    body["request_id_inference"] = kv_id
+            budget = remaining if remaining is not None else UNBOUNDED_DECODE
+            body["num_decode_tokens"] = min(limit, budget) if on_cpu and limit else budget
+            body["generated_text"] = "".join(self.pieces)
+            if kv_id is not None:
+                body["request_id_inference"] = kv_id
             if remaining is not None:
                 body["max_tokens"] = remaining
             try:
@@ -469,17 +496,3 @@ class Exchange:
         if finish == "scheduled":
             finish = "length"
         self.finish_reason = finish
-
-    async def _prefill_vllm(self) -> tuple[str, str]:
-        """Upstream vLLM disaggregated prefill: max_tokens 1, KV kept for a remote decoder."""
-        body = self._base_body()
-        body.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        gpu = self.deployment.gpu
-        data = await self._prefill_on_gpu(body)
-        params = data.get("kv_transfer_params") if isinstance(data, dict) else None
-        if not isinstance(params, dict):
-            raise UpstreamFailed(gpu, "prefill answer has no kv_transfer_params")
-        usage = data.get("usage") or {}
-        self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        self._kv_params = params
-        return str(data.get("id", "")), "scheduled"

@@ -78,6 +78,15 @@ class RouterMetrics:
             ["device"],
             registry=r,
         )
+        # The decode engine's own evidence that it used the handed-over KV (docs/router.md).
+        self.kv_transfers = Counter(
+            "syshax_router_kv_transfers",
+            "PD KV handoffs by outcome: hit (the decode engine reports the transferred "
+            "tokens as cached), kv_miss (it recomputed them), unverified (no usage report "
+            "came back), none (the prefill engine published no transfer)",
+            ["outcome"],
+            registry=r,
+        )
         self.policy_version = Gauge(
             "syshax_router_policy_version",
             "Version of the applied policy",
@@ -101,6 +110,62 @@ class RouterMetrics:
             ["backend", "role"],
             registry=r,
         )
+        # What the router last scraped from each engine, set at exposition time; a value
+        # the router does not know (never scraped, engine down, not exported) has no sample.
+        self.backend_running = Gauge(
+            "syshax_router_backend_running",
+            "Sequences running on the engine, as last scraped",
+            ["backend", "role"],
+            registry=r,
+        )
+        self.backend_waiting = Gauge(
+            "syshax_router_backend_waiting",
+            "Requests waiting in the engine, as last scraped",
+            ["backend", "role"],
+            registry=r,
+        )
+        self.backend_kv_usage = Gauge(
+            "syshax_router_backend_kv_usage_perc",
+            "Engine KV cache usage in percent (0-100), as last scraped",
+            ["backend", "role"],
+            registry=r,
+        )
+        self.backend_throughput = Gauge(
+            "syshax_router_backend_throughput_tokens_per_second",
+            "Engine generation throughput between its last two scrapes",
+            ["backend", "role"],
+            registry=r,
+        )
+        self.backend_itl = Gauge(
+            "syshax_router_backend_itl_seconds",
+            "Engine mean inter-token latency between its last scrapes that saw tokens",
+            ["backend", "role"],
+            registry=r,
+        )
+        self.backend_scrape_age = Gauge(
+            "syshax_router_backend_scrape_age_seconds",
+            "Seconds since the engine's last successful metrics scrape",
+            ["backend", "role"],
+            registry=r,
+        )
+        self.backend_scrape_duration = Gauge(
+            "syshax_router_backend_scrape_duration_seconds",
+            "How long the engine's last successful metrics scrape took",
+            ["backend", "role"],
+            registry=r,
+        )
+        self.backend_stale = Gauge(
+            "syshax_router_backend_stale",
+            "1 if the engine's latest scrape timed out or was unreadable (still routed to)",
+            ["backend", "role"],
+            registry=r,
+        )
+        self.scrape_failures = Counter(
+            "syshax_router_scrape_failures",
+            "Failed engine metrics scrapes by kind (timeout, connect, http, parse)",
+            ["backend", "role", "kind"],
+            registry=r,
+        )
         self.started = time.time()
         # Rolling figures for the stats report (the histograms cannot give exact quantiles).
         self.recent_ttft: deque[float] = deque(maxlen=2048)
@@ -108,6 +173,7 @@ class RouterMetrics:
         self.outcomes: dict[str, int] = {"ok": 0, "error": 0}
         self.backend_error_count = 0
         self.fallback_count = 0
+        self.kv_counts: dict[str, int] = {}
         self.request_times: deque[float] = deque(maxlen=4096)
         # labels() costs a lock and a dict lookup; the few label sets are resolved once.
         self._children: dict[tuple[str, ...], Any] = {}
@@ -142,6 +208,10 @@ class RouterMetrics:
     def chunk(self, device: str) -> None:
         self._child(self.chunks, device).inc()
 
+    def kv_transfer(self, outcome: str) -> None:
+        self._child(self.kv_transfers, outcome).inc()
+        self.kv_counts[outcome] = self.kv_counts.get(outcome, 0) + 1
+
     def fallback(self, kind: str) -> None:
         self._child(self.fallbacks, kind).inc()
         self.fallback_count += 1
@@ -167,4 +237,5 @@ class RouterMetrics:
             "ttft_p99_ms": round(pct(0.99), 3),
             "backend_errors": self.backend_error_count,
             "fallbacks": self.fallback_count,
+            "kv_transfers": dict(self.kv_counts),
         }

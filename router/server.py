@@ -13,11 +13,12 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.backends import Backend, Timeouts
+from router.backends import SCRAPE_FAILURE_KINDS, Backend, Timeouts
 from router.decide import Decision, Route, decide, retry_after_seconds
 from router.errors import RouterError, error_response, saturated, unavailable
 from router.flow import ClientGone, ClientRequest, Exchange
 from router.metrics import RouterMetrics
+from router.pd_vllm import spliceable
 from router.state import Deployment, RouterState
 from router.upstream import UpstreamFailed
 from router.validate import check_request, parse_body
@@ -232,6 +233,10 @@ async def completions(http: web.Request) -> web.StreamResponse:
         decision = Decision(Route.GPU_ONLY, reason="n > 1")
     if decision.route is Route.PD and deployment.cpu is None:
         decision = Decision(Route.GPU_ONLY, reason="deployment has no CPU engine")
+    if decision.route is Route.PD and deployment.spec.pd_protocol == "vllm":
+        why = spliceable(body)
+        if why is not None:
+            decision = Decision(Route.GPU_ONLY, reason=why)
     if decision.route is Route.REJECTED:
         raise router.record_rejection(decision)
     return await _serve(router, http, req, deployment, decision, knobs)
@@ -267,12 +272,28 @@ async def models(http: web.Request) -> web.Response:
 
 
 def _backend_view(backend: Backend, now: float) -> dict[str, object]:
+    scraped = backend.scrape_view(now)
+
+    def rounded(value: float | None) -> float | None:
+        return round(value, 3) if value is not None else None
+
     return {
         "url": backend.url,
         "role": backend.role,
         "up": backend.up,
         "ejected": now < backend.ejected_until,
         "inflight": backend.inflight,
+        "scrape": {
+            "running": scraped.running,
+            "waiting": scraped.waiting,
+            "kv_usage_perc": rounded(scraped.kv_usage_perc),
+            "throughput_tps": rounded(scraped.throughput_tps),
+            "itl_ms": rounded(scraped.itl_ms),
+            "age_seconds": rounded(scraped.scrape_age_seconds),
+            "duration_ms": rounded(scraped.scrape_duration_ms),
+            "stale": scraped.stale,
+            "error": scraped.last_error,
+        },
     }
 
 
@@ -302,8 +323,45 @@ async def metrics_endpoint(http: web.Request) -> web.Response:
         metrics.policy_version.labels(record.name).set(record.version)
         metrics.policy_age.labels(record.name).set(now_wall - record.applied_at)
     now = time.monotonic()
+    scraped_gauges = (
+        metrics.backend_running,
+        metrics.backend_waiting,
+        metrics.backend_kv_usage,
+        metrics.backend_throughput,
+        metrics.backend_itl,
+        metrics.backend_scrape_age,
+        metrics.backend_scrape_duration,
+        metrics.backend_stale,
+    )
+    # Rebuilt on every exposition: an unknown value or a backend no longer configured has
+    # no sample rather than a stale or made-up one.
+    for gauge in scraped_gauges:
+        gauge.clear()
     for backend in router.state.backends.values():
-        metrics.backend_up.labels(backend.url, backend.role).set(1 if backend.available(now) else 0)
+        labels = (backend.url, backend.role)
+        metrics.backend_up.labels(*labels).set(1 if backend.available(now) else 0)
+        view = backend.scrape_view(now)
+        itl_s = view.itl_ms / 1000.0 if view.itl_ms is not None else None
+        duration_s = (
+            view.scrape_duration_ms / 1000.0 if view.scrape_duration_ms is not None else None
+        )
+        values = (
+            view.running,
+            view.waiting,
+            view.kv_usage_perc,
+            view.throughput_tps,
+            itl_s,
+            view.scrape_age_seconds,
+            duration_s,
+            1 if view.stale else 0,
+        )
+        for gauge, value in zip(scraped_gauges, values, strict=True):
+            if value is not None:
+                gauge.labels(*labels).set(value)
+        failures = backend.take_scrape_failures()
+        for kind in SCRAPE_FAILURE_KINDS:
+            # inc(0) exports every kind from the start, so rate() has a zero to start from.
+            metrics.scrape_failures.labels(*labels, kind).inc(failures.get(kind, 0))
     return web.Response(
         body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
     )

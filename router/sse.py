@@ -102,6 +102,15 @@ class ChunkBuilder:
     def text(self, text: str) -> bytes:
         return self._prefix + json.dumps(text).encode() + self._suffix
 
+    def text_with_ids(self, text: str, token_ids: list[int]) -> bytes:
+        """A text chunk that also carries its token ids (vLLM's ``return_token_ids``)."""
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice.update(logprobs=None, finish_reason=None, token_ids=token_ids)
+        return self._encode([choice])
+
     def finish(self, reason: str) -> bytes:
         if self.chat:
             choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}

@@ -36,6 +36,8 @@ class DeploymentSpec:
     pd_protocol: str
     gpu_url: str
     cpu_url: str | None
+    # The CPU engine's --max-num-seqs; None when the control plane does not say (older ones).
+    cpu_max_num_seqs: int | None = None
 
     @classmethod
     def from_api(cls, data: dict[str, Any]) -> DeploymentSpec:
@@ -51,12 +53,17 @@ class DeploymentSpec:
                 raise ValueError(f"deployment field {key!r} must be a string")
             return value
 
-        protocol = text("pd_protocol", required=False) or "syshax"
+        protocol = text("pd_protocol", required=False) or "vllm"
         if protocol not in PD_PROTOCOLS:
             raise ValueError(f"deployment pd_protocol must be one of {PD_PROTOCOLS}")
         ident = data.get("id", 0)
         if not isinstance(ident, int):
             raise ValueError("deployment field 'id' must be an integer")
+        cpu_limit = data.get("cpu_max_num_seqs")
+        if cpu_limit is not None and (
+            not isinstance(cpu_limit, int) or isinstance(cpu_limit, bool) or cpu_limit < 1
+        ):
+            raise ValueError("deployment field 'cpu_max_num_seqs' must be a positive integer")
         return cls(
             id=ident,
             name=text("name") or "",
@@ -65,6 +72,7 @@ class DeploymentSpec:
             pd_protocol=protocol,
             gpu_url=text("gpu_url") or "",
             cpu_url=text("cpu_url", required=False),
+            cpu_max_num_seqs=cpu_limit,
         )
 
     def as_api(self) -> dict[str, Any]:
@@ -76,6 +84,7 @@ class DeploymentSpec:
             "pd_protocol": self.pd_protocol,
             "gpu_url": self.gpu_url,
             "cpu_url": self.cpu_url,
+            "cpu_max_num_seqs": self.cpu_max_num_seqs,
         }
 
 
@@ -93,6 +102,7 @@ class Deployment:
             cpu=self.cpu.load(now) if self.cpu is not None else UNAVAILABLE,
             gpu_itl_slope_ms=self.gpu.itl_slope_ms,
             cpu_itl_slope_ms=self.cpu.itl_slope_ms if self.cpu is not None else None,
+            cpu_max_num_seqs=self.spec.cpu_max_num_seqs,
         )
 
     def pressure(self, now: float) -> float:

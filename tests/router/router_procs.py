@@ -13,6 +13,7 @@ from syshax.supervisor import ReadyChild, free_port, python_argv, wait_until
 ROOT = Path(__file__).resolve().parents[2]
 SYSHAX = python_argv()  # the argv prefix, for tests that build their own command lines
 MODEL = "m"
+KV_TRANSFER_CONFIG = '{"kv_connector": "SyshaxShmConnector", "kv_role": "kv_both"}'
 
 
 class Proc(ReadyChild):
@@ -49,6 +50,12 @@ def start_sim(name: str, device: str, workdir: Path, shm: Path, speed: float, *e
             "7",
             "--log-level",
             "WARNING",
+            # Both PD protocols on the same engines: sysHAX's fields (--syshax-compat) and
+            # vLLM 0.32's SyshaxShmConnector contract (engine id and shm dir from the flags).
+            "--syshax-compat",
+            "--kv-transfer-config",
+            KV_TRANSFER_CONFIG,
+            "--enable-prompt-tokens-details",
             *extra,
         ],
         workdir,

@@ -1,0 +1,471 @@
+"""PD on upstream vLLM V1 engines with the SyshaxShmConnector (docs/kv-connector.md).
+
+1. Prefill: the client's request on the GPU engine with ``max_tokens: 1``,
+   ``return_token_ids`` and ``kv_transfer_params: {"do_remote_decode": true}``. Its answer
+   has the first token (text and id), the prompt's token ids (the chat template already
+   rendered by the engine) and the transfer's ``kv_transfer_params``.
+2. Decode: ``/v1/completions`` on the CPU engine with the prompt's token ids plus the
+   first token as the prompt, the transfer's params, and the client's sampling fields,
+   streamed with ``return_token_ids`` and ``include_usage``. Every ``token_limit`` tokens the
+   decider runs again; staying on the CPU costs nothing (the same stream goes on).
+3. Moving to the GPU (the decider, or the CPU engine failing mid-stream): the CPU stream is
+   closed (vLLM aborts the request) and ``/v1/completions`` continues on the GPU from the
+   exact token ids generated so far, so the client sees one answer with nothing repeated or
+   missing.
+
+Usage comes from the engines' token ids and usage chunks, never from counting text chunks.
+The decode engine's ``usage.prompt_tokens_details.cached_tokens`` (vLLM with
+``--enable-prompt-tokens-details``) proves it used the transferred KV: fewer cached tokens
+than transferred is a silent recompute, counted as ``kv_miss``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from router.backends import Backend
+from router.decide import Decision, Route, cpu_allowed, decide_next_chunk, token_limit
+from router.sse import event_data, split_events
+from router.upstream import UpstreamFailed, iter_body, post
+
+if TYPE_CHECKING:
+    from router.flow import Exchange
+
+log = logging.getLogger("syshax.router")
+
+COMPLETIONS = "/v1/completions"
+# Request fields that only shape the client's answer or its prompt: not sent to a decode
+# engine, which gets the prompt as token ids on the completions endpoint.
+PROMPT_FIELDS = frozenset(
+    {
+        "messages",
+        "prompt",
+        "model",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "n",
+        "echo",
+        "suffix",
+        "best_of",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "response_format",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "documents",
+        "add_special_tokens",
+        "kv_transfer_params",
+        "return_token_ids",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+        "request_id",
+        "priority",
+        "mm_processor_kwargs",
+    }
+)
+# Fields that make a PD splice impossible or wrong: such requests stay on one engine.
+UNSPLICEABLE = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "tools", "functions")
+# Consecutive silent recomputes after which the CPU path counts as failed (one backend
+# failure towards ejection per further miss).
+KV_MISS_FAILURE_AFTER = 3
+
+
+def spliceable(body: dict[str, Any]) -> str | None:
+    """Why a request cannot be split across engines, or None when it can."""
+    for key in UNSPLICEABLE:
+        value = body.get(key)
+        if value not in (None, False, 0, []):
+            return f"{key} cannot be spliced across engines"
+    if body.get("max_tokens") == 1 or body.get("max_completion_tokens") == 1:
+        return "max_tokens 1: the prefill is the whole answer"
+    return None
+
+
+@dataclass
+class Transfer:
+    params: dict[str, Any]
+    num_tokens: int
+    transfer_id: str
+    lease_expires_at: float
+
+
+class VllmPd:
+    """One PD sequence on vLLM engines; writes into the exchange's client stream."""
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.ex = exchange
+        self.prompt_ids: list[int] = []
+        self.generated: list[int] = []
+        self.transfer: Transfer | None = None
+        self.min_tokens = exchange.req.body.get("min_tokens")
+
+    # -- steps -------------------------------------------------------------------------
+
+    async def run(self, decision: Decision) -> None:
+        ex = self.ex
+        finish = await self.prefill()
+        if finish != "length" or self.remaining() == 0:
+            ex.finish_reason = finish
+            return
+        cpu = ex.deployment.cpu
+        target = cpu if cpu is not None else ex.deployment.gpu
+        # A re-decision point costs nothing here (the stream goes on), so even "to the end"
+        # decisions (forced-pd) get one every token_limit tokens: a live policy change lands.
+        limit = decision.token_limit or token_limit(
+            ex.state.knobs_for(ex.deployment, ex.req.knobs),
+            cpu.throughput_tps if cpu is not None else 0.0,
+        )
+        while True:
+            remaining = self.remaining()
+            if remaining == 0:
+                finish = "length"
+                break
+            try:
+                finish, moved = await self.decode(target, limit)
+            except UpstreamFailed as exc:
+                if exc.client_error and not ex.pieces:
+                    raise
+                ex.record_failure(exc)
+                if target is ex.deployment.gpu:
+                    raise
+                log.warning(
+                    "%s: CPU decode failed after %d tokens (%s); resuming on the GPU",
+                    ex.request_id,
+                    len(self.generated),
+                    exc,
+                )
+                ex.metrics.fallback("cpu-decode-to-gpu")
+                target = ex.deployment.gpu
+                continue
+            if not moved:
+                break
+            target = ex.deployment.gpu
+        ex.finish_reason = finish
+
+    def remaining(self) -> int | None:
+        limit = self.ex.req.max_tokens
+        return None if limit is None else max(0, limit - len(self.generated))
+
+    async def prefill(self) -> str:
+        """GPU prefill of the client's own request; emits the first token."""
+        ex = self.ex
+        gpu = ex.deployment.gpu
+        body = ex._base_body()
+        body.update(
+            stream=False,
+            max_tokens=1,
+            return_token_ids=True,
+            kv_transfer_params={"do_remote_decode": True},
+        )
+        data = await ex._prefill_on_gpu(body)
+        try:
+            choice = data["choices"][0]
+            text = (choice["message"]["content"] if ex.req.chat else choice["text"]) or ""
+            token_ids = [int(t) for t in choice["token_ids"]]
+            prompt_ids = choice.get("prompt_token_ids") or data.get("prompt_token_ids")
+            self.prompt_ids = [int(t) for t in prompt_ids]
+            finish = str(choice.get("finish_reason") or "stop")
+            usage = data.get("usage") or {}
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise UpstreamFailed(
+                gpu,
+                "prefill answer lacks token ids (an engine without return_token_ids: "
+                "vLLM >= 0.10.2 is required for the vllm PD protocol)",
+            ) from None
+        ex.prompt_tokens = int(usage.get("prompt_tokens") or len(self.prompt_ids))
+        params = data.get("kv_transfer_params")
+        if isinstance(params, dict) and params.get("transfer_id"):
+            clean = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
+            self.transfer = Transfer(
+                params=clean,
+                num_tokens=int(params.get("num_tokens") or len(self.prompt_ids)),
+                transfer_id=str(params["transfer_id"]),
+                lease_expires_at=float(params.get("lease_expires_at") or 0.0),
+            )
+        elif finish == "length":
+            # The GPU engine has no connector: the decode recomputes the prompt.
+            ex.metrics.kv_transfer("none")
+            log.warning(
+                "deployment %s: GPU engine %s published no kv_transfer_params (is "
+                "SyshaxShmConnector in its --kv-transfer-config?); the CPU recomputes the prompt",
+                ex.deployment.spec.name,
+                gpu.url,
+            )
+        self.generated.extend(token_ids)
+        ex.prompt_token_ids = self.prompt_ids
+        if text or token_ids:
+            await ex.emit(text, len(token_ids), token_ids)
+        return finish
+
+    def _decode_body(self, limit_tokens: int | None, transfer: Transfer | None) -> bytes:
+        ex = self.ex
+        body = {k: v for k, v in ex.req.body.items() if k not in PROMPT_FIELDS}
+        body.update(
+            model=ex.req.model,
+            prompt=self.prompt_ids + self.generated,
+            stream=True,
+            stream_options={"include_usage": True},
+            return_token_ids=True,
+        )
+        if limit_tokens is not None:
+            body["max_tokens"] = limit_tokens
+        if isinstance(self.min_tokens, int) and self.min_tokens > 0:
+            body["min_tokens"] = max(0, self.min_tokens - len(self.generated))
+        if transfer is not None:
+            body["kv_transfer_params"] = transfer.params
+        return json.dumps(body).encode()
+
+    async def decode(self, target: Backend, limit: int) -> tuple[str, bool]:
+        """Stream from ``target`` until the sequence ends or the decider moves it to the GPU.
+
+        Returns (finish reason, moved). ``limit`` is the CPU's chunk (0: to the end)."""
+        ex = self.ex
+        on_cpu = target is ex.deployment.cpu
+        transfer, self.transfer = (self.transfer, None) if on_cpu else (None, None)
+        body = self._decode_body(self.remaining(), transfer)
+        since_decision = 0
+        finish: str | None = None
+        usage: dict[str, Any] | None = None
+        received = 0
+        buffer = bytearray()
+        target.inflight += 1
+        try:
+            async with post(target, COMPLETIONS, body, first_byte=ex.first_byte) as resp:
+                async for data in iter_body(resp, target, ex.first_byte):
+                    buffer += data
+                    for chunk in _chunks(buffer, target):
+                        if "error" in chunk:
+                            raise UpstreamFailed(target, f"error event: {chunk['error']}")
+                        if isinstance(chunk.get("usage"), dict):
+                            usage = chunk["usage"]
+                        choices = chunk.get("choices") or []
+                        if not choices:
+                            continue
+                        choice = choices[0]
+                        ids = [int(t) for t in choice.get("token_ids") or ()]
+                        text = choice.get("text") or ""
+                        if ids or text:
+                            self.generated.extend(ids)
+                            received += len(ids)
+                            since_decision += len(ids)
+                            await ex.emit(text, len(ids), ids)
+                        if choice.get("finish_reason"):
+                            finish = str(choice["finish_reason"])
+                    if finish is not None or not on_cpu or not limit or since_decision < limit:
+                        continue
+                    # A chunk boundary: decide again (a live policy change lands here).
+                    ex.metrics.chunk(target.role)
+                    since_decision = 0
+                    knobs = ex.state.knobs_for(ex.deployment, ex.req.knobs)
+                    target.inflight -= 1  # the decider must not count this sequence
+                    try:
+                        nxt = decide_next_chunk(knobs, ex.deployment.loads(time.monotonic()))
+                    finally:
+                        target.inflight += 1
+                    if nxt.route is Route.PD:
+                        limit = nxt.token_limit
+                        continue
+                    log.info(
+                        "%s moves to the GPU after %d tokens: %s",
+                        ex.request_id,
+                        len(self.generated),
+                        nxt.reason,
+                    )
+                    if nxt.fallback:
+                        ex.metrics.fallback("cpu-decode-to-gpu")
+                    self._check_kv(target, transfer, usage)
+                    return "length", True
+        except ValueError:
+            raise UpstreamFailed(target, "malformed stream chunk") from None
+        finally:
+            target.inflight -= 1
+            if transfer is not None and usage is None:
+                ex.metrics.kv_transfer("unverified")
+        if finish is None:
+            raise UpstreamFailed(target, "stream ended without a finish reason")
+        target.record_success()
+        ex.metrics.chunk(target.role)
+        if usage is not None:
+            reported = int(usage.get("completion_tokens") or 0)
+            if reported != received:
+                log.warning(
+                    "%s: %s engine reported %d completion tokens, sent %d token ids",
+                    ex.request_id,
+                    target.role,
+                    reported,
+                    received,
+                )
+                ex.completion_tokens += reported - received
+        self._check_kv(target, transfer, usage)
+        return finish, False
+
+    def _check_kv(
+        self, target: Backend, transfer: Transfer | None, usage: dict[str, Any] | None
+    ) -> None:
+        """Compare the decode engine's cached prompt tokens with what was transferred."""
+        if transfer is None or usage is None:
+            return
+        ex = self.ex
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if cached is None:
+            ex.metrics.kv_transfer("unverified")
+            return
+        if int(cached) >= transfer.num_tokens:
+            target.kv_misses = 0
+            ex.metrics.kv_transfer("hit")
+            return
+        ex.metrics.kv_transfer("kv_miss")
+        target.kv_misses += 1
+        cause = (
+            "its lease had expired"
+            if transfer.lease_expires_at and time.time() > transfer.lease_expires_at
+            else "see the engine's log for the connector's reason"
+        )
+        log.warning(
+            "deployment %s: %s engine %s recomputed the prompt instead of loading transfer %s "
+            "(%d of %d tokens cached; %s)",
+            ex.deployment.spec.name,
+            target.role,
+            target.url,
+            transfer.transfer_id,
+            int(cached),
+            transfer.num_tokens,
+            cause,
+        )
+        if target.kv_misses >= KV_MISS_FAILURE_AFTER:
+            ex.record_failure(
+                UpstreamFailed(target, f"{target.kv_misses} consecutive KV handoff misses")
+            )
+
+
+def _chunks(buffer: bytearray, backend: Backend) -> Iterator[dict[str, Any]]:
+    for event in split_events(buffer):
+        payload = event_data(event)
+        if payload is None or payload == b"[DONE]":
+            continue
+        chunk = json.loads(payload)
+        if not isinstance(chunk, dict):
+            raise UpstreamFailed(backend, "stream chunk is not an object")
+        yield chunk
+
+
+async def _tokenize(backend: Backend, body: dict[str, Any]) -> list[int]:
+    """Token ids from the engine's own ``/tokenize`` (vLLM's tokenizer and chat template)."""
+    assert backend.session is not None
+    try:
+        async with backend.session.post(backend.url + "/tokenize", json=body) as resp:
+            if resp.status != 200:
+                raise UpstreamFailed(backend, f"/tokenize answered HTTP {resp.status}")
+            data = await resp.json()
+    except (OSError, ValueError) as exc:
+        raise UpstreamFailed(backend, f"/tokenize failed: {exc!r}") from None
+    except Exception as exc:  # aiohttp.ClientError and its kin
+        raise UpstreamFailed(backend, f"/tokenize failed: {exc!r}") from None
+    return [int(t) for t in data.get("tokens") or ()]
+
+
+async def resume_stream(ex: Exchange, failed: Backend, why: str) -> bool:
+    """A gpu-only or cpu-only stream whose engine died: continue it on the other engine.
+
+    The router does not know the token ids of a passthrough stream, so the text relayed so
+    far is tokenized again by the other engine (its ``/tokenize``: the same tokenizer and chat
+    template) and decoded on from there; the client's stream goes on with the same id.
+    Returns False (the caller then ends the stream with an error event) when the policy does
+    not allow the other engine, it is down, or the relayed bytes end inside an event."""
+    deployment = ex.deployment
+    other = deployment.cpu if failed is deployment.gpu else deployment.gpu
+    knobs = ex.state.knobs_for(deployment, ex.req.knobs)
+    refused = None
+    if other is None or not other.available(time.monotonic()):
+        refused = "no other engine is available"
+    elif other is deployment.cpu and not cpu_allowed(knobs):
+        refused = f"the policy ({knobs.mode}) keeps the CPU out"
+    elif other is deployment.gpu and knobs.mode == "cpu-only":
+        refused = "the policy is cpu-only"
+    if refused is not None or other is None:
+        log.info("%s: not resumed after %s: %s", ex.request_id, why, refused)
+        return False
+    relayed = b"".join(ex.relayed)
+    if relayed and not relayed.endswith(b"\n\n"):
+        return False  # the client holds half an event: nothing can follow it cleanly
+    text, finish = [], None
+    buffer = bytearray(relayed)
+    try:
+        for chunk in _chunks(buffer, failed):
+            if "id" in chunk and "request_id" not in ex.__dict__:
+                ex.__dict__["request_id"] = str(chunk["id"])  # the stream keeps its id
+                ex.created = int(chunk.get("created") or ex.created)
+            for choice in chunk.get("choices") or []:
+                if ex.req.chat:
+                    text.append((choice.get("delta") or {}).get("content") or "")
+                else:
+                    text.append(choice.get("text") or "")
+                finish = choice.get("finish_reason") or finish
+    except (UpstreamFailed, ValueError):
+        return False
+    if finish is not None:
+        ex.finish_reason = str(finish)  # only the tail was lost
+        return True
+    body = ex.req.body
+    try:
+        if ex.req.chat:
+            prompt_ids = await _tokenize(
+                other,
+                {
+                    "model": ex.req.model,
+                    "messages": body["messages"],
+                    "add_generation_prompt": True,
+                },
+            )
+        elif isinstance(body.get("prompt"), list) and all(
+            isinstance(t, int) for t in body["prompt"]
+        ):
+            prompt_ids = list(body["prompt"])
+        else:
+            prompt_ids = await _tokenize(other, {"model": ex.req.model, "prompt": body["prompt"]})
+        so_far = "".join(text)
+        generated = (
+            await _tokenize(
+                other, {"model": ex.req.model, "prompt": so_far, "add_special_tokens": False}
+            )
+            if so_far
+            else []
+        )
+    except UpstreamFailed as exc:
+        log.warning("%s: cannot resume on the %s engine: %s", ex.request_id, other.role, exc)
+        return False
+    log.warning(
+        "%s: %s engine failed after %d tokens (%d characters; %s); resuming on the %s engine",
+        ex.request_id,
+        failed.role,
+        len(generated),
+        len(so_far),
+        why,
+        other.role,
+    )
+    ex.metrics.fallback(f"{failed.role}-stream-to-{other.role}")
+    pd = VllmPd(ex)
+    pd.prompt_ids, pd.generated = prompt_ids, generated
+    ex.prompt_tokens = len(prompt_ids)
+    ex.completion_tokens = len(generated)
+    ex.pieces.append(so_far)
+    try:
+        ex.finish_reason, _ = await pd.decode(other, 0)
+    except UpstreamFailed as exc:
+        ex.record_failure(exc)
+        return False
+    return True
