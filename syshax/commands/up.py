@@ -51,6 +51,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve one completion through the router, then stop everything",
     )
     parser.add_argument("--startup-timeout", type=float, default=180.0)
+    engines = parser.add_argument_group("engines")
+    engines.add_argument(
+        "--engine",
+        choices=["sim", "vllm"],
+        default="sim",
+        help="sim: simulated engines (default); vllm: two real vLLM engines of --model",
+    )
+    engines.add_argument("--model", help="--engine vllm: the model directory (or hub id)")
+    engines.add_argument(
+        "--engine-python",
+        default=sys.executable,
+        help="--engine vllm: an interpreter that has vLLM (default: this one); it needs "
+        "nothing of syshax, the agent puts the KV connector on its PYTHONPATH",
+    )
 
 
 class Stack:
@@ -62,6 +76,7 @@ class Stack:
         self.router = f"http://{args.host}:{args.router_port}"
         self.deployment_id: int | None = None
         self.agent_state = var_dir / "agent"
+        self.model_name = served_model_name(args)
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -131,9 +146,25 @@ class Stack:
             alive=self.alive,
         )
         self.say(f"node       {node}: online (host CPUs, simulated A100 80GB)")
-        self.deployment_id = up_stack.ensure_deployment(
-            node, self.args.gpu_port, self.args.cpu_port
-        )
+        if self.args.engine == "vllm":
+            self.deployment_id = up_stack.ensure_vllm_deployment(
+                node,
+                self.args.gpu_port,
+                self.args.cpu_port,
+                model=self.args.model,
+                served=self.model_name,
+                python=self.args.engine_python,
+            )
+            self.say(f"engines    real vLLM ({self.args.engine_python}), model {self.args.model}")
+            if not Path("/dev/nvidia0").exists():
+                self.say(
+                    "           no NVIDIA GPU here: both engines run on the CPU (vLLM's CPU "
+                    "backend); the GPU role's card is simulated"
+                )
+        else:
+            self.deployment_id = up_stack.ensure_deployment(
+                node, self.args.gpu_port, self.args.cpu_port
+            )
         up_stack.deploy(self.deployment_id)
         self.say("deploying  GPU engine, then CPU engine in its IPC namespace:")
         timeline = up_stack.Timeline(self.deployment_id, self.say)
@@ -171,14 +202,12 @@ class Stack:
         self.wait_for_model()
 
     def wait_for_model(self) -> None:
-        from syshax.commands.up_stack import SIM_MODEL
-
         def listed() -> bool:
             try:
                 body = httpx.get(f"{self.router}/v1/models", timeout=2).json()
             except (httpx.HTTPError, ValueError):
                 return False
-            return any(m.get("id") == SIM_MODEL for m in body.get("data", []))
+            return any(m.get("id") == self.model_name for m in body.get("data", []))
 
         wait_until(
             listed,
@@ -189,18 +218,54 @@ class Stack:
         )
 
     def smoke(self) -> None:
-        from syshax.commands.up_stack import SIM_MODEL
-
         response = httpx.post(
             f"{self.router}/v1/completions",
             timeout=120,
-            json={"model": SIM_MODEL, "prompt": "Explain prefill and decode.", "max_tokens": 16},
+            json={
+                "model": self.model_name,
+                "prompt": "Explain prefill and decode.",
+                "max_tokens": 16,
+            },
         )
         response.raise_for_status()
         body = response.json()
         self.say(
             f"completion through the router: {body['choices'][0]['text'].strip()[:60]!r} "
             f"({body['usage']['completion_tokens']} tokens)"
+        )
+        if self.args.engine == "vllm":
+            self.smoke_pd()
+
+    def smoke_pd(self) -> None:
+        """One answer forced through PD (GPU prefill, KV through the connector, CPU decode)
+        beside the GPU-only answer: at temperature 0 they are the same tokens."""
+        texts = {}
+        for mode in ("forced-pd", "gpu-only"):
+            response = httpx.post(
+                f"{self.router}/v1/completions",
+                timeout=300,
+                headers={"X-Syshax-Mode": mode},
+                json={
+                    "model": self.model_name,
+                    "prompt": "Explain prefill and decode.",
+                    "max_tokens": 32,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
+            response.raise_for_status()
+            texts[mode] = (response.headers.get("X-Syshax-Route"), response.json())
+        (pd_route, pd), (_, gpu) = texts["forced-pd"], texts["gpu-only"]
+        same = pd["choices"][0].get("token_ids") == gpu["choices"][0].get("token_ids")
+        kv = [
+            line.split(" ")[0].split('"')[1] + "=" + line.rsplit(" ", 1)[1]
+            for line in httpx.get(f"{self.router}/metrics", timeout=10).text.splitlines()
+            if line.startswith("syshax_router_kv_transfers_total{")
+        ]
+        self.say(
+            f"PD through the router (route {pd_route}): the answer equals the GPU-only answer "
+            f"token for token: {'yes' if same else 'NO'}; KV handoffs: {', '.join(kv) or 'none'}"
         )
 
     def benchmark(self) -> int:
@@ -231,8 +296,7 @@ class Stack:
         return subprocess.run(argv, env=env).returncode
 
     def banner(self, password: str | None) -> None:
-        from syshax.commands.up_stack import SIM_MODEL
-
+        model = self.model_name
         self.say(f"dashboard  {self.base}/")
         self.say(f"admin      {self.base}/admin/")
         self.say(f"API        {self.base}/api/v1/  (OpenAPI UI: {self.base}/api/v1/docs/)")
@@ -240,7 +304,7 @@ class Stack:
             self.say(f"admin user admin / {password}   (shown once; change it in the admin)")
         if self.deployment_id is not None:
             self.say(f"router     {self.router}/v1  (OpenAI-compatible)")
-            body = json.dumps({"model": SIM_MODEL, "prompt": "Hello", "max_tokens": 32})
+            body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 32})
             self.say(
                 "\ntry it:\n  curl " + f"{self.router}/v1/completions -H 'Content-Type: "
                 f"application/json' -d {shlex.quote(body)}"
@@ -248,7 +312,7 @@ class Stack:
             self.say(
                 "  python -c \"from openai import OpenAI; c = OpenAI(base_url='"
                 f"{self.router}/v1', api_key='none'); print(c.completions.create(model='"
-                f"{SIM_MODEL}', prompt='Hello', max_tokens=32).choices[0].text)\""
+                f"{model}', prompt='Hello', max_tokens=32).choices[0].text)\""
             )
         self.say(f"logs       {self.sup.log_dir}/")
 
@@ -275,6 +339,14 @@ class Stack:
         self.say("stopped.")
 
 
+def served_model_name(args: argparse.Namespace) -> str:
+    from syshax.commands.up_stack import SIM_MODEL
+
+    if args.engine != "vllm":
+        return SIM_MODEL
+    return Path(str(args.model).rstrip("/")).name or "model"
+
+
 def kill_recorded_engines(state_dir: Path) -> None:
     """Kill engines the process runtime recorded that still run, so nothing is orphaned."""
     if not (state_dir / "engines").is_dir():
@@ -290,6 +362,12 @@ def kill_recorded_engines(state_dir: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     from syshax.commands._django import setup
 
+    if args.engine == "vllm":
+        if not args.model:
+            print("syshax up: --engine vllm needs --model PATH (a model directory)", flush=True)
+            return 2
+        # Two real engines start one after the other, about two minutes each on two cores.
+        args.startup_timeout = max(args.startup_timeout, 900.0)
     setup()
     from django.conf import settings
     from django.core.management import call_command

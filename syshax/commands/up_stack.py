@@ -11,8 +11,13 @@ import secrets
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from controlplane.deployments.models import DeploymentProfile
 
 LOCAL_PROFILE = "local-hetero-sim"
+LOCAL_VLLM_PROFILE = "local-hetero-vllm"
 LOCAL_DEPLOYMENT = "local-hetero"
 SIM_MODEL = "deepseek-r1-distill-qwen-32b"
 
@@ -81,9 +86,7 @@ def ensure_tokens(var_dir: Path, node_name: str) -> dict[str, str]:
 def ensure_deployment(node_name: str, gpu_port: int, cpu_port: int) -> int:
     """The default hetero profile (simulated A100 + simulated Kunpeng CPU engine, 32B q4_0)
     placed on the local node."""
-    from controlplane.deployments.models import Deployment, DeploymentProfile
-    from controlplane.inventory.models import Node
-    from controlplane.policy.services import ensure_default_policy
+    from controlplane.deployments.models import DeploymentProfile
 
     profile, _ = DeploymentProfile.objects.update_or_create(
         name=LOCAL_PROFILE,
@@ -94,6 +97,8 @@ def ensure_deployment(node_name: str, gpu_port: int, cpu_port: int) -> int:
             "served_model_name": SIM_MODEL,
             "quantization": "q4_0",
             "engine": "simulator",
+            # Upstream vLLM's PD wire (kv_transfer_params), as a real vLLM 0.32 pair would run.
+            "pd_protocol": "vllm",
             "sim_gpu_device": "a100-80gb",
             "sim_cpu_device": "kunpeng-920-7280z",
             "gpu_port": gpu_port,
@@ -102,12 +107,61 @@ def ensure_deployment(node_name: str, gpu_port: int, cpu_port: int) -> int:
             "health_timeout_seconds": 120.0,
         },
     )
+    return _place_default(profile, node_name)
+
+
+def _place_default(profile: DeploymentProfile, node_name: str) -> int:
+    """The local deployment on ``node_name``, running ``profile`` (switched if it ran
+    another one, e.g. the simulated pair before ``--engine vllm``)."""
+    from controlplane.deployments.models import Deployment
+    from controlplane.inventory.models import Node
+    from controlplane.policy.services import ensure_default_policy
+
     node = Node.objects.get(name=node_name)
-    deployment, _ = Deployment.objects.get_or_create(
+    deployment, created = Deployment.objects.get_or_create(
         name=LOCAL_DEPLOYMENT,
         defaults={"profile": profile, "node": node, "policy": ensure_default_policy()},
     )
-    return deployment.pk
+    if not created and deployment.profile_id != profile.pk:
+        deployment.profile = profile
+        deployment.save(update_fields=["profile", "updated_at"])
+    return int(deployment.pk)
+
+
+def ensure_vllm_deployment(
+    node_name: str, gpu_port: int, cpu_port: int, *, model: str, served: str, python: str
+) -> int:
+    """The hetero profile on two real vLLM engines of ``model`` run by ``python``, with the
+    KV connector (docs/kv-connector.md), placed on the local node as the default deployment."""
+    from controlplane.deployments.models import DeploymentProfile
+
+    command = [python, "-m", "vllm.entrypoints.openai.api_server"]
+    # A local model directory needs no hub (there may be none); a hub id keeps the default.
+    offline = {"HF_HUB_OFFLINE": "1"} if Path(model).is_dir() else {}
+    profile, _ = DeploymentProfile.objects.update_or_create(
+        name=LOCAL_VLLM_PROFILE,
+        defaults={
+            "description": "syshax up --engine vllm: a GPU-role and a CPU engine of real vLLM",
+            "model": str(Path(model).resolve()) if offline else model,
+            "served_model_name": served,
+            "quantization": "none",
+            "engine": "vllm",
+            "pd_protocol": "vllm",
+            "gpu_command": command,
+            "cpu_command": command,
+            # Without an NVIDIA card the GPU-role engine is vLLM's CPU backend too: it needs
+            # a KV space of its own.
+            "gpu_env": {**offline, "VLLM_CPU_KVCACHE_SPACE": "2"},
+            "cpu_env": offline,
+            "cpu_kv_cache_space_gb": 2,
+            "gpu_port": gpu_port,
+            "cpu_port": cpu_port,
+            "max_model_len": 2048,
+            "max_num_seqs": 64,
+            "health_timeout_seconds": 600.0,
+        },
+    )
+    return _place_default(profile, node_name)
 
 
 def node_ready(node_name: str) -> bool:

@@ -34,34 +34,30 @@ def listening(port: int) -> bool:
         return False
 
 
-@pytest.mark.slow
-def test_up_serves_a_completion_from_the_hetero_deployment_and_stops_cleanly(tmp_path) -> None:
-    var_dir = tmp_path / "var"
+def up_command(tmp_path: Path, *args: str) -> tuple[list[str], dict[str, str], list[str]]:
+    """``syshax up --exit`` on free ports and the embedded defaults under ``tmp_path``:
+    (argv, environment, the four ports)."""
     ports = [str(free_port()) for _ in range(4)]
     env = {
         **os.environ,
-        "SYSHAX_VAR_DIR": str(var_dir),
+        "SYSHAX_VAR_DIR": str(tmp_path / "var"),
         "SYSHAX_ENV_FILE": str(tmp_path / "none.env"),
         "DATABASE_URL": "",
         "REDIS_URL": "",
         "CELERY_BROKER_URL": "",
         "DJANGO_SETTINGS_MODULE": "controlplane.settings.local",
     }
-    argv = [
-        sys.executable,
-        "-m",
-        "syshax.cli",
-        "up",
-        "--exit",
-        "--port",
-        ports[0],
-        "--router-port",
-        ports[1],
-        "--gpu-port",
-        ports[2],
-        "--cpu-port",
-        ports[3],
-    ]
+    argv = [sys.executable, "-m", "syshax.cli", "up", *args, "--exit"]
+    flags = ("--port", "--router-port", "--gpu-port", "--cpu-port")
+    for flag, port in zip(flags, ports, strict=True):
+        argv += [flag, port]
+    return argv, env, ports
+
+
+@pytest.mark.slow
+def test_up_serves_a_completion_from_the_hetero_deployment_and_stops_cleanly(tmp_path) -> None:
+    var_dir = tmp_path / "var"
+    argv, env, ports = up_command(tmp_path)
     result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Write a tiny random-weight Llama model with its own tokenizer to a folder, for real vLLM.
+
+There is no model hub on the build machine, so the real-engine tests (tests/realengine) load
+this instead: a byte-level BPE tokenizer trained here on a small built-in text, a chat
+template, and a 2-layer Llama whose weights come from a fixed seed (so every run writes the
+same model). Run it with an interpreter that has torch, transformers and tokenizers (the
+vLLM virtualenv does):
+
+    python scripts/make_tiny_model.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+VOCAB_SIZE = 1024
+# Chat turns as plain text, so the template needs no special tokens beyond bos/eos.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def corpus() -> list[str]:
+    words = [
+        "the",
+        "a",
+        "prefill",
+        "decode",
+        "token",
+        "cache",
+        "engine",
+        "router",
+        "policy",
+        "node",
+        "card",
+        "memory",
+        "shared",
+        "segment",
+        "lease",
+        "transfer",
+        "prompt",
+        "answer",
+        "stream",
+        "chunk",
+        "batch",
+        "latency",
+        "throughput",
+        "cpu",
+        "gpu",
+        "numa",
+        "core",
+        "thread",
+        "queue",
+        "request",
+        "model",
+        "layer",
+        "head",
+        "block",
+        "page",
+        "offload",
+        "split",
+        "merge",
+        "fast",
+        "slow",
+        "hot",
+        "cold",
+        "one",
+        "two",
+        "three",
+        "four",
+        "five",
+        "six",
+        "seven",
+        "eight",
+        "nine",
+        "ten",
+        "and",
+        "or",
+        "not",
+        "is",
+        "are",
+        "was",
+        "were",
+        "be",
+        "been",
+        "have",
+        "has",
+        "had",
+        "do",
+        "does",
+        "did",
+        "will",
+        "would",
+        "can",
+        "could",
+        "should",
+        "may",
+        "might",
+    ]
+    lines = []
+    for i in range(400):
+        n = 6 + i % 11
+        lines.append(" ".join(words[(i * 7 + j * 13) % len(words)] for j in range(n)) + ".")
+    lines += ["user: hello\nassistant: hello there", "system: be brief\n"]
+    return lines
+
+
+def build(out: Path, *, seed: int = 0) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 0)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # head_dim 64, grouped-query attention as in real models
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "syshax-tiny-model.json").write_text(json.dumps({"seed": seed, "vocab": len(fast)}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    build(args.out, seed=args.seed)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""An engine is killed in the middle of a stream: the client gets one continuous answer.
+
+This module kills the package's shared CPU engine, so it is named to run last.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.realengine.conftest import FORCED_PD, Pair
+from tests.realengine.test_pd import MESSAGES, _body, _moved_after, ask, assert_spliced
+from tests.router.router_procs import Proc, metric, wait_for
+
+TOTAL = 1200
+
+
+def test_gpu_only_stream_resumes_on_the_cpu_when_its_engine_dies(
+    engines: Pair, router: Proc
+) -> None:
+    """A passthrough stream (offload on, but sysHAX's threshold decider keeps an idle GPU's
+    requests on the GPU) whose GPU engine dies: the router re-tokenizes the text relayed so
+    far on the CPU engine and decodes on from there, under the same id, nothing repeated."""
+    policy: Path = router.policy  # type: ignore[attr-defined]
+    policy.write_text(
+        json.dumps(
+            {"mode": "auto", "enable_auto_pd_offload": True, "algorithm": "syshax-threshold"}
+        )
+    )
+    time.sleep(1.0)  # the router reads its policy file every 250 ms
+    since = len(router.log_path.read_text(errors="replace"))
+    body = _body(chat=True, stream=True, max_tokens=TOTAL)
+    del body["return_token_ids"]  # a plain client: the router relays the engine's bytes
+    text, ids_seen, usage, errors = "", set(), None, []
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.headers["x-syshax-route"] == "gpu-only"
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                errors.append(chunk)
+                continue
+            ids_seen.add(chunk["id"])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                text += choice.get("delta", {}).get("content") or ""
+                if len(text) >= 40 and engines.gpu.alive():
+                    engines.gpu.kill()
+    try:
+        assert not errors
+        assert len(ids_seen) == 1, "the resumed stream keeps the engine's id"
+        log = router.log_path.read_text(errors="replace")[since:]
+        assert "gpu engine failed after" in log and "resuming on the cpu engine" in log, log
+        # The answer is one text: what the GPU sent, then the CPU's continuation of exactly
+        # that text (tokenized again by the CPU engine), nothing repeated or lost.
+        after = log.split("gpu engine failed after ")[1]
+        tokens_so_far = int(after.split()[0])
+        chars = int(after.split("(")[1].split()[0])
+        assert 0 < tokens_so_far < TOTAL and 40 <= chars < len(text)
+        prompt_ids = httpx.post(
+            engines.cpu.url + "/tokenize",
+            json={"model": "tiny", "messages": MESSAGES, "add_generation_prompt": True},
+            timeout=30,
+        ).json()["tokens"]
+        so_far_ids = httpx.post(
+            engines.cpu.url + "/tokenize",
+            json={"model": "tiny", "prompt": text[:chars], "add_special_tokens": False},
+            timeout=30,
+        ).json()["tokens"]
+        assert len(so_far_ids) == tokens_so_far
+        tail = ask(
+            engines.cpu.url,
+            {
+                "model": "tiny",
+                "prompt": prompt_ids + so_far_ids,
+                "max_tokens": TOTAL - tokens_so_far,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+        assert text[chars:] == tail["text"]
+        assert usage is not None and usage["completion_tokens"] == TOTAL
+        # What the GPU sent before it died is the start of the CPU's own answer.
+        reference = ask(engines.cpu.url, _body(chat=True, stream=False, max_tokens=TOTAL))
+        assert text[:chars] == reference["text"][:chars]
+        assert metric(router, "syshax_router_fallbacks_total", kind="gpu-stream-to-cpu") >= 1
+    finally:
+        policy.write_text(json.dumps(FORCED_PD))
+        engines.gpu.restart()
+    wait_for(lambda: metric(router, "syshax_router_backend_up", role="gpu") == 1, timeout=30)
+
+
+def test_cpu_engine_killed_mid_stream_resumes_on_the_gpu(engines: Pair, router: Proc) -> None:
+    since = len(router.log_path.read_text(errors="replace"))
+    text, ids, usage, errors = "", [], None, []
+    body = _body(chat=False, stream=True, max_tokens=TOTAL)
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=300) as r:
+        assert r.headers["x-syshax-route"] == "pd"
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                errors.append(chunk)
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                text += choice["text"]
+                ids += choice.get("token_ids") or []
+                if len(ids) >= 30 and engines.cpu.alive():
+                    engines.cpu.kill()
+    assert not errors
+    resumed_at = _moved_after(router, since)
+    assert 0 < resumed_at < TOTAL
+    assert usage is not None and usage["completion_tokens"] == len(ids) == TOTAL
+    assert_spliced(engines.gpu.url, text, ids, resumed_at, TOTAL)
+    assert metric(router, "syshax_router_fallbacks_total", kind="cpu-decode-to-gpu") >= 1
+    # With the CPU engine gone, the next PD request is served by the GPU alone.
+    after = ask(router.url, _body(chat=False, stream=False, max_tokens=8))
+    assert after["route"] == "gpu-only" and len(after["ids"]) == 8
