@@ -92,12 +92,25 @@ def _describe(value: Any) -> str:
     return str(value)
 
 
-def validation_error(kind: str, loc: str, msg: str, value: Any, **ctx: Any) -> ApiError:
-    """One pydantic validation error, worded as vLLM's server reports it."""
+class ValidationFailure(ApiError):
+    """pydantic's validation errors, as vLLM's server reports them: the first one's ``loc``
+    is the ``param``."""
+
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        label = "error" if len(errors) == 1 else "errors"
+        lines = "".join(f"\n  {e}" for e in errors)
+        super().__init__(
+            400, f"{len(errors)} validation {label}:{lines}", errors[0]["loc"], "Bad Request"
+        )
+        self.errors = errors
+
+
+def validation_error(kind: str, loc: str, msg: str, value: Any, **ctx: Any) -> ValidationFailure:
+    """One pydantic validation error."""
     error: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg, "input": _describe(value)}
     if ctx:
         error["ctx"] = ctx
-    return ApiError(400, f"1 validation error:\n  {error}", loc, "Bad Request")
+    return ValidationFailure([error])
 
 
 def request_error(message: str, param: str | None, value: Any = _MISSING) -> ApiError:
@@ -224,7 +237,13 @@ def _content_text(content: Any, index: int) -> str:
     raise validation_error("string_type", loc, "Input should be a valid string", content)
 
 
-def _chat_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+def _chat_prompt(
+    body: dict[str, Any],
+    tokenizer: Tokenizer,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
     messages = body.get("messages", _MISSING)
     if messages is _MISSING or messages is None:
         raise validation_error("missing", "body.messages", "Field required", body)
@@ -239,7 +258,11 @@ def _chat_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise validation_error("missing", f"body.messages.{i}.role", "Field required", msg)
         pairs.append((msg["role"], _content_text(msg.get("content"), i)))
-    return tokenizer.encode_chat(pairs)
+    return tokenizer.encode_chat(
+        pairs,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
 
 
 def _token_ids(prompt: list[Any], tokenizer: Tokenizer) -> list[int]:
@@ -403,3 +426,107 @@ def check_length(req: ParsedRequest, max_model_len: int) -> int:
             f"max_tokens must be at least 1, got {new_tokens}.", "max_tokens", new_tokens
         )
     return new_tokens
+
+
+# -- /tokenize and /detokenize ---------------------------------------------------------------
+
+
+@dataclass
+class TokenizeRequest:
+    model: str | None
+    token_ids: list[int]
+    return_token_strs: bool
+
+
+def _tokenize_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> TokenizeRequest:
+    """vLLM's ``TokenizeCompletionRequest``. ``add_special_tokens`` is type-checked only:
+    this tokenizer has no BOS token to add."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise validation_error("missing", "body.prompt", "Field required", body)
+    if not isinstance(prompt, str):
+        raise validation_error(
+            "string_type", "body.prompt", "Input should be a valid string", prompt
+        )
+    _bool(body, "add_special_tokens")
+    strs = _bool(body, "return_token_strs")
+    return TokenizeRequest(_str(body, "model"), tokenizer.encode(prompt), bool(strs))
+
+
+def _tokenize_messages(body: dict[str, Any], tokenizer: Tokenizer) -> TokenizeRequest:
+    """vLLM's ``TokenizeChatRequest``."""
+    messages = body.get("messages")
+    if messages is None:
+        raise validation_error("missing", "body.messages", "Field required", body)
+    if not isinstance(messages, list):
+        raise validation_error(
+            "list_type", "body.messages", "Input should be a valid list", messages
+        )
+    generation = _bool(body, "add_generation_prompt")
+    open_last = _bool(body, "continue_final_message")
+    _bool(body, "add_special_tokens")
+    strs = _bool(body, "return_token_strs")
+    if generation and open_last:
+        raise request_error(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", None
+        )
+    if not messages:
+        raise request_error(
+            "Cannot apply chat template to an empty conversation. Provide at least one message.",
+            None,
+        )
+    ids = _chat_prompt(
+        body,
+        tokenizer,
+        add_generation_prompt=generation is not False and not open_last,
+        continue_final_message=bool(open_last),
+    )
+    return TokenizeRequest(_str(body, "model"), ids, bool(strs))
+
+
+def parse_tokenize(body: dict[str, Any], tokenizer: Tokenizer) -> TokenizeRequest:
+    """A ``/tokenize`` body: vLLM's union of a completion form (``prompt``) and a chat form
+    (``messages``), tried in that order as pydantic tries them; when neither validates, the
+    errors of both, the completion form's first."""
+    try:
+        return _tokenize_prompt(body, tokenizer)
+    except ValidationFailure as completion:
+        try:
+            return _tokenize_messages(body, tokenizer)
+        except ValidationFailure as chat:
+            raise ValidationFailure(completion.errors + chat.errors) from None
+
+
+# The largest token id vLLM's DetokenizeRequest accepts (an int64).
+MAX_TOKEN_ID = 2**63 - 1
+
+
+def parse_detokenize(body: dict[str, Any]) -> tuple[str | None, list[int]]:
+    """vLLM's ``DetokenizeRequest``: (model, token ids). An id past the vocabulary is not an
+    error: it decodes to nothing, as vLLM's tokenizer decodes it."""
+    model = _str(body, "model")
+    tokens = body.get("tokens")
+    if tokens is None:
+        raise validation_error("missing", "body.tokens", "Field required", body)
+    if not isinstance(tokens, list):
+        raise validation_error("list_type", "body.tokens", "Input should be a valid list", tokens)
+    ids = []
+    for i, token in enumerate(tokens):
+        loc = f"body.tokens.{i}"
+        value = _int({f"tokens.{i}": token}, f"tokens.{i}")
+        if value is None:
+            raise validation_error("int_type", loc, "Input should be a valid integer", token)
+        if value < 0:
+            raise validation_error(
+                "greater_than_equal", loc, "Input should be greater than or equal to 0", token, ge=0
+            )
+        if value > MAX_TOKEN_ID:
+            raise validation_error(
+                "less_than_equal",
+                loc,
+                f"Input should be less than or equal to {MAX_TOKEN_ID}",
+                token,
+                le=MAX_TOKEN_ID,
+            )
+        ids.append(value)
+    return model, ids

@@ -24,7 +24,15 @@ from syshax.sim.engine import EngineConfig, SimEngine
 from syshax.sim.handoff import Handoff, HandoffPlan
 from syshax.sim.kvshm import HandoffError
 from syshax.sim.metrics import MetricsMode, build_registry, render
-from syshax.sim.protocol import ApiError, ParsedRequest, check_length, decode_json, parse_request
+from syshax.sim.protocol import (
+    ApiError,
+    ParsedRequest,
+    check_length,
+    decode_json,
+    parse_detokenize,
+    parse_request,
+    parse_tokenize,
+)
 from syshax.sim.scheduler import FinishReason, Sequence
 from syshax.sim.tokens import Tokenizer, context_tail
 
@@ -88,6 +96,8 @@ class SimServer:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/sim/requests", self.sim_requests)
         app.router.add_get("/sim/info", self.sim_info)
         app.on_startup.append(self._startup)
@@ -169,6 +179,34 @@ class SimServer:
             body=render(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist. Valid aliases: {self.model_name}.",
+                "model",
+            )
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: the ids a completion or chat request with this prompt or
+        these messages would run on (the same tokenizer and chat template)."""
+        req = parse_tokenize(decode_json(await request.read()), self.tokenizer)
+        self._check_model(req.model)
+        strs = [self.tokenizer.token_text(t) for t in req.token_ids]
+        return web.json_response(
+            {
+                "count": len(req.token_ids),
+                "max_model_len": self.max_model_len,
+                "tokens": req.token_ids,
+                "token_strs": strs if req.return_token_strs else None,
+            }
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        model, token_ids = parse_detokenize(decode_json(await request.read()))
+        self._check_model(model)
+        return web.json_response({"prompt": self.tokenizer.decode(token_ids)})
+
     async def sim_requests(self, request: web.Request) -> web.Response:
         items = self.engine.ring.snapshot()
         since = request.query.get("since")
@@ -248,12 +286,7 @@ class SimServer:
         compat = self.engine.config.syshax_compat
         body = decode_json(await request.read())
         req = parse_request(kind, body, self.tokenizer, syshax_compat=compat)
-        if req.model is not None and req.model != self.model_name:
-            raise ApiError(
-                404,
-                f"The model `{req.model}` does not exist. Valid aliases: {self.model_name}.",
-                "model",
-            )
+        self._check_model(req.model)
         max_new = check_length(req, self.max_model_len)
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         response_id = req.syshax.request_id_inference or f"{prefix}{uuid.uuid4().hex[:16]}"

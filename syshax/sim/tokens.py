@@ -10,6 +10,10 @@ chat template's markers.
 A chat prompt is, per message, ``<start> role content... <end>`` (content words + 3) and then
 ``<start> assistant <newline>`` for the reply header (3).
 
+Decoding (``/detokenize``) gives a vocabulary id its word; any other id (a prompt word, which
+a hash cannot give back, or a chat marker) becomes the placeholder word ``<|id|>``, which
+tokenises back to that id. So text and ids convert both ways without loss.
+
 Generation is greedy decoding of a function of the context: the next token id is a hash of
 the engine seed (the "weights"), the last ``CONTEXT_WINDOW`` token ids and the position. So a
 prompt given as token ids continues exactly where an uninterrupted request would have, on
@@ -21,6 +25,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import random
+import re
 from collections.abc import Iterable, Sequence
 
 VOCABULARY_SIZE = 4096
@@ -75,6 +80,7 @@ def build_vocabulary(size: int = VOCABULARY_SIZE) -> list[str]:
 VOCABULARY: list[str] = build_vocabulary()
 VOCABULARY_BYTES: list[bytes] = [w.encode() for w in VOCABULARY]
 _WORD_IDS: dict[str, int] = {w[1:]: i for i, w in enumerate(VOCABULARY)}
+_ID_WORD = re.compile(r"<\|(\d{1,9})\|>")  # the placeholder of an id without a word
 
 
 class Tokenizer:
@@ -94,6 +100,9 @@ class Tokenizer:
         known = _WORD_IDS.get(word)
         if known is not None:
             return known
+        placeholder = _ID_WORD.fullmatch(word)
+        if placeholder is not None and int(placeholder[1]) < self.vocab_size:
+            return int(placeholder[1])
         digest = hashlib.blake2b(word.encode(), digest_size=8).digest()
         return VOCABULARY_SIZE + int.from_bytes(digest, "big") % self._hash_span
 
@@ -101,16 +110,36 @@ class Tokenizer:
         word_id = self._word_id
         return [word_id(w) for w in text.split()]
 
-    def encode_chat(self, messages: Iterable[tuple[str, str]]) -> list[int]:
-        """(role, content) pairs through the chat template, reply header included."""
+    def encode_chat(
+        self,
+        messages: Sequence[tuple[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """(role, content) pairs through the chat template: with the reply header (as a
+        chat completion renders it), or with the last message left open to be continued."""
         ids: list[int] = []
-        for role, content in messages:
+        for i, (role, content) in enumerate(messages):
             ids.append(self.start_id)
             ids.append(self._word_id(role))
             ids.extend(self.encode(content))
-            ids.append(self.end_id)
-        ids += [self.start_id, self._word_id("assistant"), self.newline_id]
+            if not (continue_final_message and i == len(messages) - 1):
+                ids.append(self.end_id)
+        if add_generation_prompt:
+            ids += [self.start_id, self._word_id("assistant"), self.newline_id]
         return ids
+
+    def token_text(self, token_id: int) -> str:
+        """What one token id decodes to: its word, the placeholder of an id without one, or
+        nothing for an id past the vocabulary (as a real tokenizer decodes one)."""
+        if 0 <= token_id < VOCABULARY_SIZE:
+            return VOCABULARY[token_id]
+        return f" <|{token_id}|>" if 0 <= token_id < self.vocab_size else ""
+
+    def decode(self, token_ids: Iterable[int]) -> str:
+        """The text of token ids; the text of ids below vocab_size tokenises back to them."""
+        return "".join(self.token_text(t) for t in token_ids)
 
 
 def decode(token_ids: Iterable[int]) -> str:

@@ -1,9 +1,20 @@
-"""The real-engine tier: two real vLLM 0.32 engines on this machine's CPU (one in the GPU
-role, one in the CPU role), started once for the whole package, with the SyshaxShmConnector
-in both and one shared shm directory (the shared IPC namespace of a real deployment).
+"""The real-engine tier: a pair of engines on this machine, one in the GPU role and one in the
+CPU role, with the SyshaxShmConnector in both and one shared shm directory (the shared IPC
+namespace of a real deployment), started once for the whole package per engine kind:
 
-vLLM is installed into its own virtualenv on first use (tests/realengine/vllm_env.py). A
-machine where that fails fails these tests: they are never skipped.
+- ``vllm``: two real vLLM 0.32 engines on this machine's CPU (tests/realengine/vllm_env.py);
+- ``sim``: two ``syshax sim`` processes speaking the same wire contract (sim_env.py).
+
+The ``engines`` fixture is parametrized over both, so every test that uses it (or ``router``)
+runs once per kind, with the same assertions: the simulator is held to the behaviour real vLLM
+shows. None of these tests needs a per-kind expectation: the simulator's documented
+differences (docs/simulator.md, "Differences from vLLM 0.32": no local prefix cache, its own
+tokenizer without a BOS token) do not show in what they check, and it logs an unusable
+transfer in the connector's words. Should one ever need to, it belongs on ``Pair``, keyed by
+``Pair.kind``, not in a skip.
+
+vLLM is installed into its own virtualenv on first use. A machine where that fails fails the
+``vllm`` tests: they are never skipped.
 """
 
 from __future__ import annotations
@@ -11,65 +22,108 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from syshax.supervisor import free_port
-from tests.realengine.vllm_env import VllmEngine, connector_config, ensure_tiny_model, ensure_vllm
+from tests.realengine.sim_env import SimEngine
+from tests.realengine.vllm_env import (
+    EngineProcess,
+    VllmEngine,
+    connector_config,
+    ensure_tiny_model,
+    ensure_vllm,
+)
 from tests.router.router_procs import Proc
 
 # Each connector reaps expired segments; a short lease keeps the lease tests short.
 LEASE_SECONDS = 4
 # The router's policy file: PD for every request, a re-decision every 16 tokens.
 FORCED_PD = {"mode": "forced-pd", "token_limit_min": 16, "token_limit_max": 16}
+CONNECTOR_EXTRA = {"lease_seconds": LEASE_SECONDS, "reap_interval_seconds": 0.5}
 
 
 @dataclass
 class Pair:
-    gpu: VllmEngine
-    cpu: VllmEngine
+    kind: str  # "vllm" or "sim"
+    gpu: EngineProcess
+    cpu: EngineProcess
     shm: Path
     workdir: Path
 
 
-@pytest.fixture(scope="package")
-def engines() -> Iterator[Pair]:
+def _vllm_pair(workdir: Path, shm: Path) -> tuple[EngineProcess, EngineProcess]:
     ensure_vllm()
     ensure_tiny_model()
-    workdir = Path(tempfile.mkdtemp(prefix="syshax-vllm-"))
-    shm = workdir / "shm"
-    shm.mkdir()
-    extra = {"lease_seconds": LEASE_SECONDS, "reap_interval_seconds": 0.5}
     gpu = VllmEngine(
         "gpu",
         free_port(),
         workdir,
         cpus="0",
-        kv_transfer_config=connector_config("gpu", "cpu", shm, **extra),
+        kv_transfer_config=connector_config("gpu", "cpu", shm, **CONNECTOR_EXTRA),
     )
     cpu = VllmEngine(
         "cpu",
         free_port(),
         workdir,
         cpus="1",
-        kv_transfer_config=connector_config("cpu", "gpu", shm, **extra),
+        kv_transfer_config=connector_config("cpu", "gpu", shm, **CONNECTOR_EXTRA),
     )
+    return gpu, cpu
+
+
+def _sim_pair(workdir: Path, shm: Path) -> tuple[EngineProcess, EngineProcess]:
+    gpu = SimEngine(
+        "gpu",
+        free_port(),
+        workdir,
+        device="a100-80gb",
+        kv_transfer_config=connector_config("gpu", "cpu", shm, **CONNECTOR_EXTRA),
+    )
+    cpu = SimEngine(
+        "cpu",
+        free_port(),
+        workdir,
+        device="kunpeng-920-7280z",
+        kv_transfer_config=connector_config("cpu", "gpu", shm, **CONNECTOR_EXTRA),
+    )
+    return gpu, cpu
+
+
+START_PAIR: dict[str, Callable[[Path, Path], tuple[EngineProcess, EngineProcess]]] = {
+    "vllm": _vllm_pair,
+    "sim": _sim_pair,
+}
+
+
+@pytest.fixture(
+    scope="package",
+    params=[pytest.param("vllm", id="vllm"), pytest.param("sim", id="sim")],
+)
+def engines(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    kind: str = request.param
+    workdir = Path(tempfile.mkdtemp(prefix=f"syshax-{kind}-"))
+    shm = workdir / "shm"
+    shm.mkdir()
+    started: list[EngineProcess] = []
     try:
+        gpu, cpu = START_PAIR[kind](workdir, shm)
+        started += [gpu, cpu]
         gpu.wait_ready()
         cpu.wait_ready()
-        yield Pair(gpu, cpu, shm, workdir)
+        yield Pair(kind, gpu, cpu, shm, workdir)
     finally:
-        gpu.stop()
-        cpu.stop()
+        for engine in started:
+            engine.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="package")
 def router(engines: Pair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    workdir = tmp_path_factory.mktemp("router")
+    workdir = tmp_path_factory.mktemp(f"router-{engines.kind}")
     policy = workdir / "policy.json"
     policy.write_text(json.dumps(FORCED_PD))
     proc = Proc(
@@ -99,8 +153,8 @@ def router(engines: Pair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # The first test of the package waits for two engines to start (about a minute each on
-    # two busy cores), which the suite's 300 s per-test limit does not allow for.
+    # The first test of each kind waits for two engines to start (about a minute each on
+    # two busy cores for vLLM), which the suite's 300 s per-test limit does not allow for.
     here = Path(__file__).parent
     for item in items:
         if here in Path(str(item.fspath)).parents:

@@ -1,4 +1,5 @@
-"""`syshax benchmark` through the router on real vLLM: exact token counts in every mode."""
+"""`syshax benchmark` through the router on real vLLM and on the simulator: exact token counts
+in every mode."""
 
 from __future__ import annotations
 

@@ -190,6 +190,23 @@ ERROR_CASES = [
     ("max_tokens zero", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}),
     ("max_tokens negative, chat", "/v1/chat/completions",
      {"model": MODEL, "messages": MESSAGES, "max_tokens": -1}),
+    ("tokenize, neither prompt nor messages", "/tokenize", {"model": MODEL}),
+    ("tokenize, prompt not a string", "/tokenize", {"model": MODEL, "prompt": 5}),
+    ("tokenize, messages not a list", "/tokenize", {"model": MODEL, "messages": "hi"}),
+    ("tokenize, a message without a role", "/tokenize",
+     {"model": MODEL, "messages": [{"content": "hi"}]}),
+    ("tokenize, a flag not a boolean", "/tokenize",
+     {"model": MODEL, "prompt": "hi", "add_special_tokens": "maybe"}),
+    ("tokenize, both generation prompt and an open last message", "/tokenize",
+     {"model": MODEL, "messages": MESSAGES, "add_generation_prompt": True,
+      "continue_final_message": True}),
+    ("tokenize, no messages", "/tokenize", {"model": MODEL, "messages": []}),
+    ("tokenize, unknown model", "/tokenize", {"model": "nope", "prompt": "hi"}),
+    ("detokenize, no tokens", "/detokenize", {"model": MODEL}),
+    ("detokenize, negative id", "/detokenize", {"model": MODEL, "tokens": [1, -1]}),
+    ("detokenize, id not an integer", "/detokenize", {"model": MODEL, "tokens": [1, "a"]}),
+    ("detokenize, id past int64", "/detokenize", {"model": MODEL, "tokens": [2**64]}),
+    ("detokenize, unknown model", "/detokenize", {"model": "nope", "tokens": [1]}),
 ]  # fmt: skip
 
 
@@ -266,6 +283,56 @@ def test_models_list_shape(real: vllm_env.VllmEngine, sim: Sim) -> None:
     theirs = httpx.get(real.url + "/v1/models").json()
     ours = httpx.get(sim.url + "/v1/models").json()
     assert shape(ours) == shape(theirs)
+
+
+# -- /tokenize and /detokenize ---------------------------------------------------------------
+
+
+TOKENIZE_BODIES = {
+    "prompt": {"model": MODEL, "prompt": PROMPT},
+    "prompt, no special tokens": {"model": MODEL, "prompt": PROMPT, "add_special_tokens": False},
+    "messages": {"model": MODEL, "messages": MESSAGES, "add_generation_prompt": True},
+    "token strings": {"model": MODEL, "prompt": PROMPT, "return_token_strs": True},
+}
+
+
+@pytest.mark.parametrize("case", list(TOKENIZE_BODIES))
+def test_tokenize_answer_shape(real: vllm_env.VllmEngine, sim: Sim, case: str) -> None:
+    theirs, ours = both(real, sim, "/tokenize", TOKENIZE_BODIES[case])
+    assert (ours.status_code, theirs.status_code) == (200, 200), ours.text + theirs.text
+    assert (
+        set(ours.json()) == set(theirs.json()) == {"count", "max_model_len", "tokens", "token_strs"}
+    )
+    assert shape(ours.json()) == shape(theirs.json())
+    for answer in (theirs.json(), ours.json()):
+        assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_tokenized_messages_are_the_chat_prompt_ids(real: vllm_env.VllmEngine, sim: Sim) -> None:
+    """On each engine, /tokenize of a chat request's messages gives exactly the prompt ids
+    its chat completion runs on (what the router relies on to resume a stream)."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "return_token_ids": True}
+    for engine in (real, sim):
+        chat = post(engine, "/v1/chat/completions", body).json()
+        tokens = post(engine, "/tokenize", TOKENIZE_BODIES["messages"]).json()["tokens"]
+        assert tokens == chat["prompt_token_ids"], engine.name
+
+
+def test_detokenize_answer_shape(real: vllm_env.VllmEngine, sim: Sim) -> None:
+    shapes = []
+    for engine in (real, sim):
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True,
+                "return_token_ids": True}  # fmt: skip
+        answer = post(engine, "/v1/completions", body).json()
+        ids = answer["choices"][0]["token_ids"]
+        response = post(engine, "/detokenize", {"model": MODEL, "tokens": ids})
+        assert response.status_code == 200, response.text
+        assert set(response.json()) == {"prompt"}
+        shapes.append(shape(response.json()))
+        # An id past the vocabulary is no error: it decodes to nothing.
+        past = post(engine, "/detokenize", {"model": MODEL, "tokens": [10**9]})
+        assert (past.status_code, past.json()) == (200, {"prompt": ""}), engine.name
+    assert shapes[0] == shapes[1]
 
 
 # -- answers with token ids ------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""PD through the router on two real vLLM engines with the SyshaxShmConnector.
+"""PD through the router on a pair of engines with the SyshaxShmConnector: two real vLLM
+engines, then two simulators (the ``engines`` fixture's kinds), with the same assertions.
 
 At temperature 0 the same model gives the same tokens on both engines, and the KV the CPU
 engine loads is the GPU engine's own, so a PD answer must equal the gpu-only answer token

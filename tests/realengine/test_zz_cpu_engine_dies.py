@@ -1,6 +1,7 @@
 """An engine is killed in the middle of a stream: the client gets one continuous answer.
 
-This module kills the package's shared CPU engine, so it is named to run last.
+This module kills the package's shared CPU engine, so it is named to run last (of each engine
+kind: pytest runs every test of one kind of the ``engines`` fixture before the next kind).
 """
 
 from __future__ import annotations

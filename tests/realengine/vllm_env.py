@@ -8,7 +8,8 @@ engine processes.
 - ``ensure_tiny_model()``: a 2-layer random-weight Llama with its own tokenizer
   (scripts/make_tiny_model.py), as there is no model hub here.
 - ``VllmEngine``: one ``python -m vllm.entrypoints.openai.api_server`` process with its log
-  in a file, bound to given CPUs, waited for on ``/health``.
+  in a file, bound to given CPUs, waited for on ``/health``. Its interface
+  (``EngineProcess``) is what the tier's tests use, also for the simulator (sim_env.py).
 
 Run as a script it prepares both (``python tests/realengine/vllm_env.py``): `make test`
 does so before the tier, so the install shows as its own step.
@@ -95,8 +96,96 @@ def connector_config(engine_id: str, peer: str, shm_dir: Path, **extra: Any) -> 
     )
 
 
-class VllmEngine:
+class EngineProcess:
+    """One OpenAI-compatible engine server on a fixed port (so a restart keeps its URL), its
+    output in ``workdir/<name>.log``, in a session of its own (killed as a group), waited
+    for on ``/health``. The real-engine tier's tests drive vLLM and the simulator through
+    this interface."""
+
+    what = "engine"  # how errors name it
+    poll_interval = 1.0  # how often wait_ready() asks /health
+
+    def __init__(
+        self, name: str, port: int, workdir: Path, argv: list[str], env: dict[str, str]
+    ) -> None:
+        self.name = name
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = workdir / f"{name}.log"
+        self.argv = argv
+        self.env = env
+        self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.popen = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            self.argv,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+        )
+
+    def restart(self) -> None:
+        """Start the engine again (after kill()) with the same flags, and wait for it."""
+        assert not self.alive()
+        self.popen = self._spawn()
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(
+                    f"{self.what} {self.name} exited with {self.popen.returncode}:\n" + self.tail()
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(self.poll_interval)
+        raise RuntimeError(f"{self.what} {self.name} not ready in {timeout:.0f}s:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole engine (for vLLM: API server, engine core and worker)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+    def metric(self, name: str) -> float:
+        """The sum of a counter or gauge over its label sets in ``/metrics``."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+class VllmEngine(EngineProcess):
     """One real vLLM OpenAI server on the CPU."""
+
+    what = "vLLM engine"
 
     def __init__(
         self,
@@ -110,10 +199,6 @@ class VllmEngine:
         kv_cache_gib: int = 1,
         max_model_len: int = 2048,
     ) -> None:
-        self.name = name
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = workdir / f"{name}.log"
         args = [
             str(ensure_vllm()),
             "-m",
@@ -143,74 +228,7 @@ class VllmEngine:
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "PYTHONPATH": str(CONNECTOR_DIR),
         }
-        self.argv = args
-        self.env = env
-        self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.popen = self._spawn()
-
-    def _spawn(self) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            self.argv,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            start_new_session=True,
-        )
-
-    def restart(self) -> None:
-        """Start the engine again (after kill()) with the same flags, and wait for it."""
-        assert not self.alive()
-        self.popen = self._spawn()
-        self.wait_ready()
-
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM engine {self.name} exited with {self.popen.returncode}:\n" + self.tail()
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(1.0)
-        raise RuntimeError(f"vLLM engine {self.name} not ready in {timeout:.0f}s:\n{self.tail()}")
-
-    def tail(self, lines: int = 40) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL the whole engine (API server, engine core and worker)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        self.popen.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.log.close()
-
-    def metric(self, name: str) -> float:
-        """The sum of a counter or gauge over its label sets in ``/metrics``."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        super().__init__(name, port, workdir, args, env)
 
 
 if __name__ == "__main__":
