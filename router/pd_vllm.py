@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
+
 from router.backends import Backend
 from router.decide import Decision, Route, cpu_allowed, decide_next_chunk, token_limit
 from router.sse import event_data, split_events
@@ -234,7 +236,9 @@ class VllmPd:
         Returns (finish reason, moved). ``limit`` is the CPU's chunk (0: to the end)."""
         ex = self.ex
         on_cpu = target is ex.deployment.cpu
-        transfer, self.transfer = (self.transfer, None) if on_cpu else (None, None)
+        # The prefill's KV is for the first decode, and only a CPU engine loads it.
+        transfer = self.transfer if on_cpu else None
+        self.transfer = None
         body = self._decode_body(self.remaining(), transfer)
         since_decision = 0
         finish: str | None = None
@@ -366,14 +370,15 @@ def _chunks(buffer: bytearray, backend: Backend) -> Iterator[dict[str, Any]]:
 async def _tokenize(backend: Backend, body: dict[str, Any]) -> list[int]:
     """Token ids from the engine's own ``/tokenize`` (vLLM's tokenizer and chat template)."""
     assert backend.session is not None
+    limit = aiohttp.ClientTimeout(total=backend.timeouts.first_byte)
     try:
-        async with backend.session.post(backend.url + "/tokenize", json=body) as resp:
+        async with backend.session.post(
+            backend.url + "/tokenize", json=body, timeout=limit
+        ) as resp:
             if resp.status != 200:
                 raise UpstreamFailed(backend, f"/tokenize answered HTTP {resp.status}")
             data = await resp.json()
-    except (OSError, ValueError) as exc:
-        raise UpstreamFailed(backend, f"/tokenize failed: {exc!r}") from None
-    except Exception as exc:  # aiohttp.ClientError and its kin
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
         raise UpstreamFailed(backend, f"/tokenize failed: {exc!r}") from None
     return [int(t) for t in data.get("tokens") or ()]
 
