@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "init": ("syshax.commands.init", "write a local env file with the embedded defaults"),
-    "config": ("syshax.commands.config", "show or change a live scheduling-policy knob"),
+    "init": ("syshax.commands.init", "prepare this directory: syshax.env, database, policy"),
+    "config": ("syshax.commands.config", "show or change a policy knob or a `run` setting"),
+    "run": ("syshax.commands.run", "start the router on the engines syshax.env names"),
+    "profile": ("syshax.commands.profile", "render a profile's engine commands or docker run"),
     "manage": ("syshax.commands.manage", "run a Django management command of the control plane"),
     "web": ("syshax.commands.web", "serve the control plane (dashboard, admin, REST API)"),
     "worker": ("syshax.commands.worker", "run a Celery worker of the control plane"),
@@ -65,6 +68,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(module.run(parsed) or 0)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if os.environ.get("SYSHAX_DEBUG"):
+            raise
+        print(f"syshax {name}: {describe_failure(exc)}", file=sys.stderr)
+        return 1
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for an unexpected failure; a database that was never set up says what to run."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    kind = type(exc).__name__
+    missing_table = "no such table" in text or ("relation" in text and "does not exist" in text)
+    if kind in {"OperationalError", "ProgrammingError"} and missing_table:
+        return f"the control plane's database is not set up ({text}): run 'syshax init' first"
+    if kind == "OperationalError":
+        return f"cannot use the control plane's database: {text}"
+    return f"{kind}: {text} (set SYSHAX_DEBUG=1 to see the traceback)"
 
 
 if __name__ == "__main__":

@@ -233,3 +233,46 @@ class DockerRuntime:
         states = [self._state(c) for c in containers]
         # Filter again: some engines implement label filters loosely.
         return [s for s in states if all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+def _size(value: int) -> str:
+    """Bytes as docker's size syntax, in the largest whole unit (``16g``, ``512m``)."""
+    for unit, factor in (("g", 1024**3), ("m", 1024**2), ("k", 1024)):
+        if value % factor == 0:
+            return f"{value // factor}{unit}"
+    return f"{value}b"
+
+
+def docker_run_argv(kwargs: Mapping[str, Any], *, labels: bool = True) -> list[str]:
+    """``docker run`` arguments equivalent to ``containers.run(**kwargs)`` (``container_kwargs``'
+    output), so what an operator copies is what the agent would create."""
+    argv = ["docker", "run", "--detach", "--name", str(kwargs["name"])]
+    if kwargs.get("network_mode"):
+        argv += ["--network", str(kwargs["network_mode"])]
+    if kwargs.get("ipc_mode"):
+        argv += ["--ipc", str(kwargs["ipc_mode"])]
+    if kwargs.get("shm_size"):
+        argv += ["--shm-size", _size(int(kwargs["shm_size"]))]
+    if kwargs.get("cpuset_cpus"):
+        argv += ["--cpuset-cpus", str(kwargs["cpuset_cpus"])]
+    if kwargs.get("mem_limit"):
+        argv += ["--memory", _size(int(kwargs["mem_limit"]))]
+    restart = kwargs.get("restart_policy") or {}
+    if restart.get("Name") and restart["Name"] != "no":
+        retries = restart.get("MaximumRetryCount")
+        argv += ["--restart", f"{restart['Name']}:{retries}" if retries else restart["Name"]]
+    for request in kwargs.get("device_requests") or ():
+        argv += ["--gpus", f'"device={",".join(request["DeviceIDs"])}"']
+    for device in kwargs.get("devices") or ():
+        argv += ["--device", str(device)]
+    for mount in kwargs.get("mounts") or ():
+        spec = f"type={mount['Type']},source={mount['Source']},target={mount['Target']}"
+        argv += ["--mount", spec + (",readonly" if mount.get("ReadOnly") else "")]
+    if kwargs.get("working_dir"):
+        argv += ["--workdir", str(kwargs["working_dir"])]
+    for key, value in (kwargs.get("environment") or {}).items():
+        argv += ["--env", f"{key}={value}"]
+    if labels:
+        for key, value in (kwargs.get("labels") or {}).items():
+            argv += ["--label", f"{key}={value}"]
+    return [*argv, str(kwargs["image"]), *[str(a) for a in kwargs.get("command") or ()]]

@@ -2,7 +2,14 @@ from __future__ import annotations
 
 from django.urls import path
 
-from controlplane.dashboard.views import benchmarks, deployments, nodes, overview, policy
+from controlplane.dashboard.views import (
+    benchmarks,
+    deployments,
+    nodes,
+    overview,
+    policy,
+    profiles,
+)
 
 app_name = "dashboard"
 
@@ -24,6 +31,7 @@ urlpatterns = [
         deployments.deployment_action,
         name="deployment-action",
     ),
+    path("profiles/<str:name>/", profiles.profile_detail, name="profile"),
     path("policy/", policy.policy_index, name="policies"),
     path("policy/<slug:name>/", policy.policy_detail, name="policy"),
     path("policy/<slug:name>/rollback/", policy.policy_rollback, name="policy-rollback"),

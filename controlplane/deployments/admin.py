@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 from django.contrib import admin, messages
+from django.urls import reverse
+from django.utils.html import format_html
 
 from controlplane.deployments import services
 from controlplane.deployments.models import (
@@ -11,6 +13,8 @@ from controlplane.deployments.models import (
     DeploymentProfile,
 )
 from controlplane.deployments.placement import PlacementError
+from controlplane.deployments.render import render_profile
+from syshax.errors import FieldError
 
 
 @admin.register(DeploymentProfile)
@@ -82,7 +86,22 @@ class DeploymentProfileAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             },
         ),
         ("Health", {"fields": ["health_timeout_seconds"]}),
+        ("What the agent would start", {"fields": ["docker_run_lines"]}),
     ]
+    readonly_fields = ["docker_run_lines"]
+
+    @admin.display(description="docker run")
+    def docker_run_lines(self, obj: DeploymentProfile | None) -> str:
+        """The saved profile's two docker run lines (no node: no cpuset or devices); the
+        dashboard's profile page renders them for a chosen node."""
+        if obj is None or obj.pk is None:
+            return "-"
+        try:
+            text = render_profile(obj, None, docker=True, show_secrets=False).text
+        except FieldError as exc:
+            text = f"cannot render: {exc}"
+        page = reverse("dashboard:profile", args=[obj.name])
+        return format_html('<pre>{}</pre><a href="{}">render for a node</a>', text, page)
 
 
 class DeploymentEventInline(admin.TabularInline):  # type: ignore[type-arg]

@@ -20,6 +20,7 @@ from agents.affinity import thread_env
 from agents.specs import Accelerator, EngineSpec, engine_name, kv_transfer_config
 from controlplane.deployments.choices import EngineKind
 from controlplane.deployments.models import Deployment, DeploymentProfile
+from controlplane.inventory.models import Node
 
 GIB = 1024**3
 SIMULATOR_COMMAND = ["syshax", "sim"]
@@ -94,21 +95,32 @@ def _command(profile: DeploymentProfile, role: str) -> list[str]:
     return list(SIMULATOR_COMMAND) if profile.engine == EngineKind.SIMULATOR else []
 
 
-def engine_spec(deployment: Deployment, role: str) -> dict[str, Any]:
-    profile = deployment.profile
-    plan = deployment.affinity_plan or {}
-    host = deployment.node.address or "127.0.0.1"
-    name = engine_name(deployment.pk, deployment.generation, role)
-    peer = engine_name(deployment.pk, deployment.generation, "cpu" if role == "gpu" else "gpu")
+def profile_engine_spec(
+    profile: DeploymentProfile,
+    role: str,
+    *,
+    node: Node | None,
+    plan: dict[str, Any],
+    names: tuple[str, str],
+) -> EngineSpec:
+    """One engine of ``profile`` on ``node`` (None: no node's devices or address), named
+    ``names`` = (GPU engine, CPU engine). ``engine_spec`` and ``syshax profile render`` both
+    build from here, so a rendered command line is the one the agent runs."""
+    host = (node.address if node is not None else "") or "127.0.0.1"
+    gpu_name, cpu_name = names
+    name, peer = (gpu_name, cpu_name) if role == "gpu" else (cpu_name, gpu_name)
     args = tuple(engine_args(profile, role, engine_id=name, peer_engine_id=peer))
     if role == "gpu":
+        cards = (
+            list(node.accelerators.order_by("index")[: profile.tensor_parallel_size])
+            if node is not None
+            else []
+        )
         accelerators = tuple(
             Accelerator(uuid=acc.uuid, index=acc.index, simulated=acc.simulated, kind=acc.kind)
-            for acc in deployment.node.accelerators.order_by("index")[
-                : profile.tensor_parallel_size
-            ]
+            for acc in cards
         )
-        spec = EngineSpec(
+        return EngineSpec(
             command=tuple(_command(profile, "gpu")),
             args=args,
             image=profile.gpu_image,
@@ -123,24 +135,34 @@ def engine_spec(deployment: Deployment, role: str) -> dict[str, Any]:
             name=name,
             kv_connector=profile.uses_kv_connector,
         )
-    else:
-        spec = EngineSpec(
-            command=tuple(_command(profile, "cpu")),
-            args=args,
-            image=profile.cpu_image,
-            env=cpu_engine_env(profile, plan),
-            port=profile.cpu_port,
-            host=host,
-            cpuset=plan.get("cpuset") or None,
-            memory_limit_bytes=(
-                int(profile.cpu_memory_limit_gb * GIB) if profile.cpu_memory_limit_gb else None
-            ),
-            ipc="peer",
-            health_timeout_seconds=profile.health_timeout_seconds,
-            name=name,
-            ipc_peer=peer,
-            kv_connector=profile.uses_kv_connector,
-        )
+    return EngineSpec(
+        command=tuple(_command(profile, "cpu")),
+        args=args,
+        image=profile.cpu_image,
+        env=cpu_engine_env(profile, plan),
+        port=profile.cpu_port,
+        host=host,
+        cpuset=plan.get("cpuset") or None,
+        memory_limit_bytes=(
+            int(profile.cpu_memory_limit_gb * GIB) if profile.cpu_memory_limit_gb else None
+        ),
+        ipc="peer",
+        health_timeout_seconds=profile.health_timeout_seconds,
+        name=name,
+        ipc_peer=peer,
+        kv_connector=profile.uses_kv_connector,
+    )
+
+
+def engine_spec(deployment: Deployment, role: str) -> dict[str, Any]:
+    profile = deployment.profile
+    names = (
+        engine_name(deployment.pk, deployment.generation, "gpu"),
+        engine_name(deployment.pk, deployment.generation, "cpu"),
+    )
+    spec = profile_engine_spec(
+        profile, role, node=deployment.node, plan=deployment.affinity_plan or {}, names=names
+    )
     return {
         **spec.to_dict(),
         "deployment": deployment.name,

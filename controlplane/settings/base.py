@@ -11,12 +11,13 @@ from controlplane.settings.env import (
     env_int,
     env_list,
     env_str,
+    find_env_file,
     load_env_file,
     parse_database_url,
 )
 
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
-load_env_file(Path(env_str("SYSHAX_ENV_FILE", str(BASE_DIR / "syshax.env")) or ""))
+load_env_file(find_env_file(BASE_DIR))
 VAR_DIR = Path(env_str("SYSHAX_VAR_DIR", str(BASE_DIR / "var")) or BASE_DIR / "var")
 VAR_DIR.mkdir(parents=True, exist_ok=True)
 

@@ -119,6 +119,16 @@ def parse_database_url(url: str, *, base_dir: Path, name: str = "DATABASE_URL") 
     )
 
 
+def find_env_file(base_dir: Path) -> Path:
+    """The env file this process reads: ``SYSHAX_ENV_FILE``, else ``./syshax.env`` where one
+    exists (the directory ``syshax init`` ran in), else the project's own ``syshax.env``."""
+    named = env_str("SYSHAX_ENV_FILE")
+    if named:
+        return Path(named)
+    here = Path.cwd() / "syshax.env"
+    return here if here.is_file() else base_dir / "syshax.env"
+
+
 def load_env_file(path: Path) -> None:
     """Read KEY=VALUE lines (written by ``syshax init``) without overriding the environment."""
     if not path.is_file():

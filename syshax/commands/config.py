@@ -1,8 +1,10 @@
 """``syshax config [KEY VALUE]``: show the live policy, or change one knob as a new revision.
 
 Mirrors the source documents' ``cli.py config auto_pd_offload true``. With ``--url`` and
-``--token`` (or SYSHAX_URL/SYSHAX_TOKEN) it goes through the REST API; otherwise it uses the
-local control plane's database directly.
+``--token`` (or SYSHAX_API_URL/SYSHAX_TOKEN) it goes through the REST API; otherwise it uses
+the local control plane's database directly and exports the policy to the file a
+``syshax run`` router watches. The keys of ``syshax run`` itself (``gpu_url``, ``cpu_url``,
+``router_port``, ...) are set in the local ``syshax.env`` (syshax/commands/localconfig.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ import os
 import sys
 from typing import Any
 
+from syshax.commands.localconfig import (
+    LOCAL_KEYS,
+    LOCAL_KEYS_BY_NAME,
+    LocalConfigError,
+    env_file,
+    require_env_file,
+    resolve,
+    set_in_file,
+)
 from syshax.policy_schema import KNOBS, PolicyError, coerce_value
 
 # The documents' CLI names, mapped to the knobs they set.
@@ -58,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
             "syshax config: give both KEY and VALUE, or neither to show the policy", file=sys.stderr
         )
         return 2
+    if args.key in LOCAL_KEYS_BY_NAME:
+        return _set_local(args.key, args.value)
     key = ALIASES.get(args.key, args.key) if args.key else None
     try:
         value = coerce_value(key, args.value) if key else None
@@ -70,6 +83,43 @@ def run(args: argparse.Namespace) -> int:
     return _local(args, key, value, reason)
 
 
+def _set_local(name: str, value: str) -> int:
+    key = LOCAL_KEYS_BY_NAME[name]
+    try:
+        path = require_env_file(f"syshax config {name}")
+        checked = key.check(value)
+    except LocalConfigError as exc:
+        print(f"syshax config: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"syshax config: {name} {exc}", file=sys.stderr)
+        return 2
+    set_in_file(path, key.var, checked)
+    shown = "(hidden)" if key.secret and checked else repr(checked)
+    print(f"{name} = {shown} (written to {path}; takes effect on the next 'syshax run')")
+    if os.environ.get(key.var) and os.environ[key.var] != checked:
+        print(f"note: the environment variable {key.var} is set and wins over the file")
+    return 0
+
+
+def _print_local() -> None:
+    path = env_file()
+    if not path.is_file():
+        print(f"\nno local configuration at {path} (syshax init writes one)")
+        return
+    try:
+        values = resolve(path)
+    except LocalConfigError as exc:
+        print(f"\nsyshax run settings: {exc}")
+        return
+    print(f"\nsyshax run settings ({path})")
+    width = max(len(k.name) for k in LOCAL_KEYS)
+    for key in LOCAL_KEYS:
+        value = values[key.name]
+        shown = "(set)" if key.secret and value else (value or "-")
+        print(f"  {key.name.ljust(width)}  {shown:<24} {key.meaning}")
+
+
 def _local(args: argparse.Namespace, key: str | None, value: Any, reason: str) -> int:
     from syshax.commands._django import setup
 
@@ -77,6 +127,7 @@ def _local(args: argparse.Namespace, key: str | None, value: Any, reason: str) -
     from controlplane.policy import services
     from controlplane.policy.api.serializers import routing_payload
     from controlplane.policy.models import SchedulingPolicy
+    from syshax.commands.localconfig import export_policy
 
     if args.policy == "default":
         services.ensure_default_policy()
@@ -85,6 +136,10 @@ def _local(args: argparse.Namespace, key: str | None, value: Any, reason: str) -
     except SchedulingPolicy.DoesNotExist:
         print(f"syshax config: no policy named {args.policy!r}", file=sys.stderr)
         return 2
+    if key is not None and key in policy.knobs() and policy.knobs()[key] == value:
+        # sysHAX's documented sequence sets knobs to the values they already have: not an error.
+        print(f"{key} is already {value} (policy {policy.name} stays at version {policy.version})")
+        return 0
     if key is not None:
         try:
             revision = services.update_policy(
@@ -94,8 +149,12 @@ def _local(args: argparse.Namespace, key: str | None, value: Any, reason: str) -
             print(f"syshax config: {exc}", file=sys.stderr)
             return 2
         print(f"{key} = {value} (policy {policy.name} is now version {revision.version})")
+        if policy.name == "default":
+            export_policy()  # a running `syshax run` router picks it up within a second
         return 0
     _print_policy(routing_payload(policy), args.json)
+    if not args.json:
+        _print_local()
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 from dataclasses import replace
@@ -293,3 +294,85 @@ def test_simulator_kv_handoff_works_across_the_shared_ipc_namespace_only(
     refused = decode(lone_spec["port"], prefill())
     assert refused.status_code == 404  # another IPC namespace: the segment is not there
     assert "ipc" in refused.text.lower()
+
+
+def test_rendered_docker_run_lines_make_the_containers_the_agent_makes(
+    docker_runtime: DockerRuntime, podman_service: dict[str, str], web_root: Path
+) -> None:
+    """``syshax profile render --docker`` prints ``docker_run_argv(container_kwargs(...))``: the
+    real docker CLI running those lines against the same engine creates containers configured
+    as the agent's own, and the CPU engine shares the GPU engine's /dev/shm."""
+    import shutil
+    import subprocess
+
+    from agents.runtimes.dockerapi import docker_run_argv
+
+    docker = shutil.which("docker")
+    assert docker, "the docker CLI is needed to run the rendered lines"
+    env = {**os.environ, "DOCKER_HOST": podman_service["DOCKER_HOST"]}
+    tag = uuid.uuid4().hex[:6]
+
+    def engine_specs() -> dict[str, EngineSpec]:  # each its own port: host networking
+        return {
+            "gpu": EngineSpec.from_dict(container_spec(web_root, shm_size_bytes=64 << 20)),
+            "cpu": EngineSpec.from_dict(
+                container_spec(
+                    web_root,
+                    cpuset="0",
+                    memory_limit_bytes=256 << 20,
+                    env={"OMP_NUM_THREADS": "1"},
+                )
+            ),
+        }
+
+    made: dict[str, dict[str, Any]] = {}
+    for way in ("agent", "cli"):
+        specs = engine_specs()
+        gpu_name = f"render-{tag}-{way}-gpu"
+        for role in ("gpu", "cpu"):
+            name = f"render-{tag}-{way}-{role}"
+            labels = {"syshax.node": "node-a", "syshax.role": role}
+            if way == "agent":
+                peer = docker_runtime.inspect(made[f"{way}-gpu"]["Id"]) if role == "cpu" else None
+                state = docker_runtime.start(name, specs[role], labels, peer)
+                engine_id = state.engine_id
+            else:
+                # The runtime adds where the engine listens to the labels it is given.
+                spec = specs[role]
+                labels |= {"syshax.port": str(spec.port), "syshax.host": spec.host}
+                kwargs = container_kwargs(
+                    name, spec, labels, role, gpu_name if role == "cpu" else None
+                )
+                argv = docker_run_argv(kwargs)
+                argv[0] = docker
+                done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+                assert done.returncode == 0, done.stderr
+                engine_id = done.stdout.strip()
+            made[f"{way}-{role}"] = docker_runtime.client.containers.get(engine_id).attrs
+
+    def shape(attrs: dict[str, Any], gpu_id: str) -> dict[str, Any]:
+        host, config = attrs["HostConfig"], attrs["Config"]
+        return {
+            "ipc": host["IpcMode"].replace(gpu_id, "<gpu>"),
+            "cpuset": host["CpusetCpus"],
+            "memory": host["Memory"],
+            "shm": host["ShmSize"] if host["IpcMode"] == "shareable" else None,
+            "network": host["NetworkMode"],
+            "restart": host["RestartPolicy"]["Name"],
+            "mounts": sorted((m["Source"], m["Destination"], m["RW"]) for m in attrs["Mounts"]),
+            "cmd": [a for a in config["Cmd"] if not a.isdigit()],  # all but the port
+            "image": config["Image"],
+            "env": sorted(e for e in config["Env"] if e.startswith("OMP_NUM_THREADS=")),
+            "labels": sorted(k for k in config["Labels"] if k.startswith("syshax.")),
+        }
+
+    for role in ("gpu", "cpu"):
+        agent = shape(made[f"agent-{role}"], made["agent-gpu"]["Id"])
+        cli = shape(made[f"cli-{role}"], made["cli-gpu"]["Id"])
+        assert agent == cli, role
+    assert shape(made["cli-cpu"], made["cli-gpu"]["Id"])["ipc"] == "container:<gpu>"
+    cli_gpu, cli_cpu = made["cli-gpu"]["Id"], made["cli-cpu"]["Id"]
+    assert shm(docker_runtime, cli_gpu, "open('/dev/shm/render-probe','w').write('kv')")[0] == 0
+    assert shm(docker_runtime, cli_cpu, "print(open('/dev/shm/render-probe').read())") == (0, "kv")
+    for key in ("agent-cpu", "cli-cpu", "agent-gpu", "cli-gpu"):
+        docker_runtime.stop(made[key]["Id"], timeout=2)
