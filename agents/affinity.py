@@ -183,8 +183,14 @@ def thread_env(engine: str, omp_num_threads: int | str, cpu_list: str) -> dict[s
     return {key: value for key, value in env.items() if value}
 
 
+MAX_CPU_ID = 131071  # the largest CPU id accepted anywhere; checked before a range is expanded
+
+
 def parse_cpu_list(text: str, *, field_name: str = "cpu_affinity") -> tuple[int, ...]:
-    """Parse the kernel's list format (``"0-3,8,10-11"``) into sorted unique CPU ids."""
+    """Parse the kernel's list format (``"0-3,8,10-11"``) into sorted unique CPU ids.
+
+    Ids above ``MAX_CPU_ID`` are refused before anything is expanded, so no input can make the
+    parser build a huge set."""
     cpus: set[int] = set()
     for part in text.replace(" ", "").split(","):
         if not part:
@@ -193,13 +199,17 @@ def parse_cpu_list(text: str, *, field_name: str = "cpu_affinity") -> tuple[int,
             if "-" in part:
                 lo_s, hi_s = part.split("-", 1)
                 lo, hi = int(lo_s), int(hi_s)
-                if hi < lo:
+                if hi < lo or lo < 0:
                     raise ValueError
-                cpus.update(range(lo, hi + 1))
             else:
-                cpus.add(int(part))
+                lo = hi = int(part)
+                if lo < 0:
+                    raise ValueError
         except ValueError:
             raise AffinityError(field_name, f"{part!r} is not a CPU number or range") from None
+        if hi > MAX_CPU_ID:
+            raise AffinityError(field_name, f"CPU {hi} is above the largest id, {MAX_CPU_ID}")
+        cpus.update(range(lo, hi + 1))
     if not cpus:
         raise AffinityError(field_name, "is empty")
     return tuple(sorted(cpus))

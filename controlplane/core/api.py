@@ -6,6 +6,7 @@ from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import connection
+from django.db.models import ProtectedError, RestrictedError
 from django.http import HttpRequest
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import exceptions, serializers, status
@@ -25,10 +26,31 @@ def _first_message(detail: Any) -> str:
     if isinstance(detail, dict):
         for key, value in detail.items():
             inner = _first_message(value)
-            return inner if key == "non_field_errors" else f"{key}: {inner}"
+            return inner if key in ("non_field_errors", "detail") else f"{key}: {inner}"
     if isinstance(detail, list) and detail:
         return _first_message(detail[0])
     return str(detail)
+
+
+class Conflict(exceptions.APIException):
+    """409: the object's state or the objects that refer to it forbid this now."""
+
+    status_code = status.HTTP_409_CONFLICT
+    default_code = "conflict"
+    default_detail = "the object's state or its references forbid this now"
+
+
+def _in_use(exc: ProtectedError | RestrictedError) -> Conflict:
+    """Name what still refers to the object, e.g. ``still used by deployments: a, b``."""
+    by_kind: dict[str, list[str]] = {}
+    objects = exc.protected_objects if isinstance(exc, ProtectedError) else exc.restricted_objects
+    for obj in objects:
+        by_kind.setdefault(str(obj._meta.verbose_name_plural), []).append(str(obj))
+    uses = "; ".join(
+        f"{kind}: {', '.join(sorted(names)[:5])}{' ...' if len(names) > 5 else ''}"
+        for kind, names in sorted(by_kind.items())
+    )
+    return Conflict(f"cannot delete it while it is still used by {uses}")
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
@@ -39,6 +61,8 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         )
     elif isinstance(exc, FieldError):
         exc = exceptions.ValidationError({exc.field: [exc.message]})
+    elif isinstance(exc, ProtectedError | RestrictedError):
+        exc = _in_use(exc)
     response = drf_exception_handler(exc, context)
     if response is None:
         return None

@@ -7,6 +7,8 @@ from rest_framework import serializers
 
 from controlplane.benchmarks.models import MAX_CONCURRENCY, BenchmarkRun, BenchmarkSample, Scenario
 
+MAX_REQUESTS_PER_RUN = 1_000_000  # every request is stored as a sample row
+
 
 class ScenarioSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
     class Meta:
@@ -53,6 +55,10 @@ class ConcurrencyField(serializers.Field):  # type: ignore[type-arg]
             if isinstance(data, int):
                 levels = [data]
             elif isinstance(data, list):
+                if len(data) > MAX_CONCURRENCY:
+                    raise serializers.ValidationError(
+                        f"give at most {MAX_CONCURRENCY} concurrency levels"
+                    )
                 if not all(isinstance(x, int) and not isinstance(x, bool) for x in data):
                     raise ValueError
                 levels = list(data)
@@ -61,8 +67,16 @@ class ConcurrencyField(serializers.Field):  # type: ignore[type-arg]
                 lo, hi = int(lo_s), int(hi_s)
                 if lo > hi:
                     raise ValueError
+                if lo < 1 or hi > MAX_CONCURRENCY:  # checked before the range is expanded
+                    raise serializers.ValidationError(
+                        f"each level must be between 1 and {MAX_CONCURRENCY}; got {lo}-{hi}"
+                    )
                 levels = list(range(lo, hi + 1))
             elif isinstance(data, str):
+                if data.count(",") >= MAX_CONCURRENCY:
+                    raise serializers.ValidationError(
+                        f"give at most {MAX_CONCURRENCY} concurrency levels"
+                    )
                 levels = [int(x) for x in data.split(",") if x.strip()]
             else:
                 raise ValueError
@@ -135,6 +149,18 @@ class BenchmarkRunSerializer(serializers.ModelSerializer):  # type: ignore[type-
         if not attrs.get("deployment") and not attrs.get("target_url"):
             raise serializers.ValidationError(
                 {"target_url": "give a deployment or a target URL to benchmark"}
+            )
+        levels = attrs.get("concurrency") or []
+        iterations = attrs.get("iterations", 0) + attrs.get("warmup", 0)
+        modes = 3 if attrs.get("mode") == "all" else 1
+        total = iterations * len(levels) * modes
+        if total > MAX_REQUESTS_PER_RUN:
+            raise serializers.ValidationError(
+                {
+                    "iterations": f"the run would send {total:,} requests "
+                    f"((iterations + warmup) x {len(levels)} levels x {modes} modes); "
+                    f"the limit is {MAX_REQUESTS_PER_RUN:,}"
+                }
             )
         return attrs
 

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
@@ -53,16 +55,25 @@ class BenchmarkRunViewSet(ScopedModelViewSet):
     def partial_update(self, request: Request, *args: object, **kwargs: object) -> Response:
         # Only naming and the baseline flag change after creation; the run itself is history.
         allowed = {"name", "is_baseline"}
+        if not isinstance(request.data, Mapping):
+            raise ValidationError({"non_field_errors": "give a JSON object of fields to change"})
         unknown = sorted(set(request.data) - allowed)
         if unknown:
             raise ValidationError({unknown[0]: "cannot be changed after the run is created"})
         return super().partial_update(request, *args, **kwargs)
 
+    @extend_schema(request=None, responses={202: BenchmarkRunSerializer})
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str | None = None) -> Response:
         run = services.request_cancel(self.get_object(), acting_user=request.user)
         return Response(self.get_serializer(run).data, status=status.HTTP_202_ACCEPTED)
 
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("ids", str, required=True, description="1 to 10 run ids: 3,5,8")
+        ],
+        responses=OpenApiTypes.OBJECT,
+    )
     @action(detail=False, methods=["get"])
     def compare(self, request: Request) -> Response:
         """Runs side by side: ``?ids=3,5,8`` gives each run's figures per mode and level."""
@@ -99,7 +110,10 @@ class BenchmarkRunViewSet(ScopedModelViewSet):
             }
         )
 
-    @action(detail=True, methods=["get"])
+    @extend_schema(responses=BenchmarkSampleSerializer(many=True))
+    @action(
+        detail=True, methods=["get"], serializer_class=BenchmarkSampleSerializer, filter_backends=[]
+    )
     def samples(self, request: Request, pk: str | None = None) -> Response:
         run = self.get_object()
         page = self.paginate_queryset(run.samples.all())

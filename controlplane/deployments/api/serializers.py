@@ -79,6 +79,9 @@ class ContainerSerializer(serializers.ModelSerializer):  # type: ignore[type-arg
 
 class DeploymentSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
     containers = serializers.SerializerMethodField()
+    # Empty until the engine runs: documented as text, not as a URI that "" would violate.
+    gpu_endpoint = serializers.CharField(read_only=True)
+    cpu_endpoint = serializers.CharField(read_only=True)
     start = serializers.BooleanField(write_only=True, required=False, default=False)
 
     class Meta:
@@ -117,6 +120,17 @@ class DeploymentSerializer(serializers.ModelSerializer):  # type: ignore[type-ar
             "updated_at",
         ]
 
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        # Moving a deployment that has engines would strand them on the old node.
+        instance = self.instance
+        if instance is not None and instance.state not in ("stopped", "pending", "failed"):
+            for field in ("node", "profile"):
+                if field in attrs and attrs[field] != getattr(instance, field):
+                    raise serializers.ValidationError(
+                        {field: f"stop the deployment first (it is {instance.state})"}
+                    )
+        return attrs
+
     def get_containers(self, obj: Deployment) -> list[dict[str, Any]]:
         current = [c for c in obj.containers.all() if c.generation == obj.generation]
         return list(ContainerSerializer(current, many=True).data)
@@ -124,7 +138,7 @@ class DeploymentSerializer(serializers.ModelSerializer):  # type: ignore[type-ar
 
 class ContainerStateSerializer(serializers.Serializer):  # type: ignore[type-arg]
     deployment_id = serializers.IntegerField(min_value=1)
-    generation = serializers.IntegerField(min_value=0)
+    generation = serializers.IntegerField(min_value=0, max_value=2**31 - 1)
     role = serializers.ChoiceField(choices=EngineRole.choices)
     engine_id = serializers.CharField(max_length=128, allow_blank=True, required=False, default="")
     name = serializers.CharField(max_length=128, allow_blank=True, required=False, default="")
@@ -145,7 +159,7 @@ class CommandResultSerializer(serializers.Serializer):  # type: ignore[type-arg]
     status = serializers.ChoiceField(choices=CommandOutcome.choices)
     detail = serializers.CharField(allow_blank=True, required=False, default="", max_length=20000)
     containers = ContainerStateSerializer(many=True, required=False, default=list)
-    output = serializers.JSONField(required=False, default=dict)
+    output = serializers.DictField(required=False, default=dict)
 
 
 class AgentCommandSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]

@@ -3,9 +3,10 @@ from __future__ import annotations
 from django.db.models import QuerySet
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
 from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
@@ -13,6 +14,7 @@ from rest_framework.views import APIView
 
 from controlplane.access.permissions import ScopedPermission
 from controlplane.access.principal import MachinePrincipal
+from controlplane.core.api import Conflict
 from controlplane.core.viewsets import ScopedModelViewSet, ScopedReadOnlyViewSet
 from controlplane.deployments import services, workflow
 from controlplane.deployments.api.serializers import (
@@ -58,22 +60,31 @@ class DeploymentViewSet(ScopedModelViewSet):
             **data, acting_user=self.request.user, start=start
         )
 
+    @extend_schema(request=None, responses={202: DeploymentSerializer})
     @action(detail=True, methods=["post"])
     def deploy(self, request: Request, pk: str | None = None) -> Response:
         deployment = services.request_deploy(self.get_object(), acting_user=request.user)
         return Response(self.get_serializer(deployment).data, status=status.HTTP_202_ACCEPTED)
 
+    @extend_schema(request=None, responses={202: DeploymentSerializer})
     @action(detail=True, methods=["post"])
     def stop(self, request: Request, pk: str | None = None) -> Response:
         deployment = services.request_stop(self.get_object(), acting_user=request.user)
         return Response(self.get_serializer(deployment).data, status=status.HTTP_202_ACCEPTED)
 
+    @extend_schema(request=None, responses={202: DeploymentSerializer})
     @action(detail=True, methods=["post"])
     def restart(self, request: Request, pk: str | None = None) -> Response:
         deployment = services.request_restart(self.get_object(), acting_user=request.user)
         return Response(self.get_serializer(deployment).data, status=status.HTTP_202_ACCEPTED)
 
-    @action(detail=True, methods=["get"])
+    @extend_schema(
+        responses=DeploymentEventSerializer(many=True),
+        parameters=[OpenApiParameter("after", int, description="only events after this id")],
+    )
+    @action(
+        detail=True, methods=["get"], serializer_class=DeploymentEventSerializer, filter_backends=[]
+    )
     def events(self, request: Request, pk: str | None = None) -> Response:
         deployment = self.get_object()
         events = deployment.events.all()
@@ -85,9 +96,14 @@ class DeploymentViewSet(ScopedModelViewSet):
 
     def perform_destroy(self, instance: Deployment) -> None:
         if instance.state not in ("stopped", "pending", "failed"):
-            from rest_framework.exceptions import ValidationError
-
             raise ValidationError({"state": f"stop the deployment first (it is {instance.state})"})
+        # A run measured only through this deployment would lose what it measured.
+        runs = instance.benchmark_runs.filter(target_url="").count()
+        if runs:
+            raise Conflict(
+                f"deployment {instance.name!r} is the only target of {runs} benchmark "
+                f"run{'s' if runs > 1 else ''}: delete those first to keep no orphaned results"
+            )
         instance.delete()
 
 

@@ -8,6 +8,9 @@ from controlplane.inventory.choices import AcceleratorKind
 from controlplane.inventory.cpulist import CpuListError, parse_cpu_list
 from controlplane.inventory.models import Accelerator, CpuTopology, Heartbeat, Node, NumaNode
 
+# The largest byte count a database column holds (a signed 64-bit integer).
+MAX_BYTES = 2**63 - 1
+
 
 class CpuTopologySerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
     class Meta:
@@ -54,7 +57,7 @@ class AcceleratorSerializer(serializers.ModelSerializer):  # type: ignore[type-a
 
 
 class NodeSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
-    cpu = CpuTopologySerializer(read_only=True)
+    cpu = CpuTopologySerializer(read_only=True, allow_null=True)  # null until the agent reports
     numa_nodes = NumaNodeSerializer(many=True, read_only=True)
     accelerators = AcceleratorSerializer(many=True, read_only=True)
 
@@ -97,7 +100,7 @@ class NodeSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
     def validate_status(self, value: str) -> str:
         # People may drain a node or bring it back; online/offline come from heartbeats.
         current = self.instance.status if self.instance else None
-        if value != current and value not in ("draining", "online", "pending"):
+        if value != current and value not in ("draining", "online"):
             raise serializers.ValidationError(
                 f"only 'draining' (or 'online' to undo it) can be set; got {value!r}"
             )
@@ -130,7 +133,9 @@ class ReportedCpuSerializer(serializers.Serializer):  # type: ignore[type-arg]
     isa_flags = serializers.ListField(
         child=serializers.CharField(max_length=32), max_length=512, required=False, default=list
     )
-    memory_total_bytes = serializers.IntegerField(min_value=0, required=False, default=0)
+    memory_total_bytes = serializers.IntegerField(
+        min_value=0, max_value=MAX_BYTES, required=False, default=0
+    )
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         if attrs["threads"] < attrs["physical_cores"]:
@@ -143,7 +148,9 @@ class ReportedCpuSerializer(serializers.Serializer):  # type: ignore[type-arg]
 class ReportedNumaSerializer(serializers.Serializer):  # type: ignore[type-arg]
     index = serializers.IntegerField(min_value=0, max_value=1024)
     cpus = serializers.CharField(max_length=4096)
-    memory_total_bytes = serializers.IntegerField(min_value=0, required=False, default=0)
+    memory_total_bytes = serializers.IntegerField(
+        min_value=0, max_value=MAX_BYTES, required=False, default=0
+    )
 
     def validate_cpus(self, value: str) -> str:
         try:
@@ -159,7 +166,9 @@ class ReportedAcceleratorSerializer(serializers.Serializer):  # type: ignore[typ
     model = serializers.CharField(max_length=128, allow_blank=True, required=False, default="")
     index = serializers.IntegerField(min_value=0, max_value=1024)
     uuid = serializers.CharField(max_length=128)
-    memory_total_bytes = serializers.IntegerField(min_value=0, required=False, default=0)
+    memory_total_bytes = serializers.IntegerField(
+        min_value=0, max_value=MAX_BYTES, required=False, default=0
+    )
     simulated = serializers.BooleanField(required=False, default=False)
 
 
@@ -171,7 +180,9 @@ class InventorySerializer(serializers.Serializer):  # type: ignore[type-arg]
     address = serializers.CharField(max_length=255, allow_blank=True, required=False, default="")
     cpu = ReportedCpuSerializer()
     numa_nodes = ReportedNumaSerializer(many=True, required=False, default=list)
-    accelerators = ReportedAcceleratorSerializer(many=True, required=False, default=list)
+    accelerators = ReportedAcceleratorSerializer(
+        many=True, required=False, default=list, max_length=1024
+    )
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         indexes = [n["index"] for n in attrs["numa_nodes"]]
@@ -180,6 +191,11 @@ class InventorySerializer(serializers.Serializer):  # type: ignore[type-arg]
         uuids = [a["uuid"] for a in attrs["accelerators"]]
         if len(uuids) != len(set(uuids)):
             raise serializers.ValidationError({"accelerators": "accelerator uuids must be unique"})
+        cards = [a["index"] for a in attrs["accelerators"]]
+        if len(cards) != len(set(cards)):
+            raise serializers.ValidationError(
+                {"accelerators": "accelerator indexes must be unique on a node"}
+            )
         return attrs
 
 
@@ -188,7 +204,9 @@ class AcceleratorReadingSerializer(serializers.Serializer):  # type: ignore[type
     utilization_percent = serializers.FloatField(
         min_value=0, max_value=100, required=False, default=0.0
     )
-    memory_used_bytes = serializers.IntegerField(min_value=0, required=False, default=0)
+    memory_used_bytes = serializers.IntegerField(
+        min_value=0, max_value=MAX_BYTES, required=False, default=0
+    )
     temperature_c = serializers.FloatField(
         min_value=-50, max_value=200, required=False, allow_null=True, default=None
     )
@@ -196,9 +214,15 @@ class AcceleratorReadingSerializer(serializers.Serializer):  # type: ignore[type
 
 class HeartbeatInSerializer(serializers.Serializer):  # type: ignore[type-arg]
     cpu_percent = serializers.FloatField(min_value=0, max_value=100, required=False, default=0.0)
-    memory_used_bytes = serializers.IntegerField(min_value=0, required=False, default=0)
-    memory_total_bytes = serializers.IntegerField(min_value=0, required=False, default=0)
+    memory_used_bytes = serializers.IntegerField(
+        min_value=0, max_value=MAX_BYTES, required=False, default=0
+    )
+    memory_total_bytes = serializers.IntegerField(
+        min_value=0, max_value=MAX_BYTES, required=False, default=0
+    )
     inventory_hash = serializers.CharField(
         max_length=64, allow_blank=True, required=False, default=""
     )
-    accelerators = AcceleratorReadingSerializer(many=True, required=False, default=list)
+    accelerators = AcceleratorReadingSerializer(
+        many=True, required=False, default=list, max_length=1024
+    )

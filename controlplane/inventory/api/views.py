@@ -5,8 +5,8 @@ from typing import Any
 from django.conf import settings
 from django_filters import rest_framework as filters
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema
-from rest_framework import status
+from drf_spectacular.utils import extend_schema, inline_serializer
+from rest_framework import serializers, status
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -50,6 +50,13 @@ class NodeViewSet(ScopedModelViewSet):
         if isinstance(user, MachinePrincipal) and self.action not in agent_actions:
             self.permission_denied(request, message="agents may only report for their own node")
 
+    @extend_schema(
+        request=InventorySerializer,
+        responses=inline_serializer(
+            "InventoryResult",
+            {"changed": serializers.BooleanField(), "inventory_hash": serializers.CharField()},
+        ),
+    )
     @action(detail=True, methods=["put"])
     def inventory(self, request: Request, pk: str | None = None) -> Response:
         node = self.get_object()
@@ -61,6 +68,17 @@ class NodeViewSet(ScopedModelViewSet):
         node.refresh_from_db()
         return Response({"changed": changed, "inventory_hash": node.inventory_hash})
 
+    @extend_schema(
+        request=HeartbeatInSerializer,
+        responses=inline_serializer(
+            "HeartbeatAnswer",
+            {
+                "status": serializers.CharField(),
+                "inventory_hash": serializers.CharField(),
+                "heartbeat_interval_seconds": serializers.FloatField(),
+            },
+        ),
+    )
     @action(detail=True, methods=["post"])
     def heartbeat(self, request: Request, pk: str | None = None) -> Response:
         node = self.get_object()
@@ -75,12 +93,26 @@ class NodeViewSet(ScopedModelViewSet):
             }
         )
 
-    @action(detail=True, methods=["get"])
+    @extend_schema(responses=HeartbeatSerializer(many=True))
+    @action(detail=True, methods=["get"], serializer_class=HeartbeatSerializer, filter_backends=[])
     def heartbeats(self, request: Request, pk: str | None = None) -> Response:
         node = self.get_object()
         page = self.paginate_queryset(node.heartbeats.all())
         return self.get_paginated_response(HeartbeatSerializer(page, many=True).data)
 
+    @extend_schema(
+        request=None,
+        responses={
+            201: inline_serializer(
+                "AgentTokenIssued",
+                {
+                    "token": serializers.CharField(),
+                    "credential_id": serializers.IntegerField(),
+                    "node": serializers.CharField(),
+                },
+            )
+        },
+    )
     @action(detail=True, methods=["post"], url_path="agent-token")
     def agent_token(self, request: Request, pk: str | None = None) -> Response:
         """Issue a new agent token for this node. The token is shown only in this answer."""

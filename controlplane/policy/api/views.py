@@ -38,6 +38,8 @@ class PolicyViewSet(ScopedModelViewSet):
 
     def perform_create(self, serializer: BaseSerializer[SchedulingPolicy]) -> None:
         data = dict(serializer.validated_data)
+        if "name" not in data:
+            raise ValidationError({"name": "This field is required."})
         reason = data.pop("reason")
         name = data.pop("name")
         description = data.pop("description", "")
@@ -79,7 +81,10 @@ class PolicyViewSet(ScopedModelViewSet):
             raise ValidationError({"name": "the policy is used by deployments"})
         instance.delete()
 
-    @action(detail=True, methods=["get"])
+    @extend_schema(responses=PolicyRevisionSerializer(many=True))
+    @action(
+        detail=True, methods=["get"], serializer_class=PolicyRevisionSerializer, filter_backends=[]
+    )
     def revisions(self, request: Request, name: str | None = None) -> Response:
         policy = self.get_object()
         page = self.paginate_queryset(policy.revisions.select_related("created_by"))

@@ -28,7 +28,10 @@ class RouterInstanceViewSet(ScopedReadOnlyViewSet):
     serializer_class = RouterInstanceSerializer
     search_fields = ["name"]
 
-    @action(detail=True, methods=["get"])
+    @extend_schema(responses=RouterSampleSerializer(many=True))
+    @action(
+        detail=True, methods=["get"], serializer_class=RouterSampleSerializer, filter_backends=[]
+    )
     def samples(self, request: Request, pk: str | None = None) -> Response:
         router = self.get_object()
         page = self.paginate_queryset(router.samples.all())
