@@ -13,6 +13,8 @@ from typing import Any
 
 from celery import Celery
 
+import syshax.broker  # noqa: F401 - the embedded broker's syshaxfs:// scheme
+
 TASK_NAME = "syshax.agent.command"
 log = logging.getLogger("syshax.agent")
 

@@ -6,6 +6,8 @@ import os
 
 from celery import Celery
 
+import syshax.broker  # noqa: F401 - registers the embedded broker's syshaxfs:// scheme
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings.local")
 
 app = Celery("controlplane")

@@ -67,6 +67,7 @@ def main() -> None:
             "syshax/policy_schema.py",
             "syshax/cli.py",
             "syshax/supervisor.py",
+            "syshax/broker.py",
         ],
         base_env,
     )

@@ -175,7 +175,7 @@ if _broker:
 else:
     for sub in ("queue", "processed", "results", "control"):
         (CELERY_DATA_DIR / sub).mkdir(parents=True, exist_ok=True)
-    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_URL = "syshaxfs://"  # syshax/broker.py: kombu's folder layout, atomic writes
     CELERY_RESULT_BACKEND = f"file://{CELERY_DATA_DIR / 'results'}"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(CELERY_DATA_DIR / "queue"),

@@ -38,7 +38,7 @@ def _test_broker() -> tuple[str, dict[str, Any]]:
     folder = Path(tempfile.mkdtemp(prefix="syshax-agent-broker-"))
     for sub in ("queue", "processed", "control"):
         (folder / sub).mkdir()
-    return "filesystem://", {
+    return "syshaxfs://", {
         "data_folder_in": str(folder / "queue"),
         "data_folder_out": str(folder / "queue"),
         "processed_folder": str(folder / "processed"),
