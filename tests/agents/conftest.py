@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +12,7 @@ from agent_helpers import PROJECT
 from agents.commands import CommandExecutor
 from agents.runtimes.dockerapi import DockerRuntime
 from agents.runtimes.process import ProcessRuntime
+from tests.support.podman import podman_service as run_podman_service
 
 
 @pytest.fixture
@@ -52,29 +51,8 @@ def podman_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     assert setup.returncode == 0, f"podman setup failed:\n{setup.stdout}\n{setup.stderr}"
     env_vars = dict(line.split("=", 1) for line in setup.stdout.splitlines() if "=" in line)
     sock_dir = tmp_path_factory.mktemp("podman")
-    sock = sock_dir / "podman.sock"
-    env = {**os.environ, **env_vars}
-    with open(sock_dir / "service.log", "wb") as log:
-        service = subprocess.Popen(
-            ["podman", "system", "service", "--time=0", f"unix://{sock}"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 30
-        while not sock.exists():
-            assert service.poll() is None, (sock_dir / "service.log").read_text()
-            assert time.monotonic() < deadline, "podman service did not create its socket"
-            time.sleep(0.1)
+    with run_podman_service(env_vars, sock_dir) as sock:
         yield {**env_vars, "DOCKER_HOST": f"unix://{sock}", "SERVICE_LOG": str(sock_dir)}
-    finally:
-        service.terminate()
-        try:
-            service.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            service.kill()
-            service.wait()
 
 
 @pytest.fixture

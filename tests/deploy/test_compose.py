@@ -1,7 +1,11 @@
-"""docker-compose.yml cannot run here (no Docker engine), so check it is consistent."""
+"""docker-compose.yml is consistent with itself, the env example and the Dockerfile.
+
+tests/deploy/test_compose_up.py brings it up for real on Podman; these checks are quick.
+"""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -38,20 +42,76 @@ def test_redis_persists_with_append_only_and_postgres_has_a_volume() -> None:
 
 
 def test_the_app_services_get_the_settings_they_need() -> None:
-    for name in ("web", "worker", "beat", "router"):
+    for name in ("web", "worker", "beat", "router", "agent"):
         env = SERVICES[name]["environment"]
         assert env["DJANGO_SETTINGS_MODULE"] == "controlplane.settings.production"
-        assert env["DATABASE_URL"].startswith("postgres://")
-        assert env["REDIS_URL"].startswith("redis://redis:")
-        assert SERVICES[name]["env_file"] == ".env"
+        assert SERVICES[name]["env_file"] == "${APP_ENV_FILE:-.env}"
         assert SERVICES[name]["depends_on"]
+    for name in ("web", "worker", "beat"):  # on the compose network, by service name
+        env = SERVICES[name]["environment"]
+        assert (
+            env["DATABASE_URL"].startswith("postgres://")
+            and "@postgres:5432/" in env["DATABASE_URL"]
+        )
+        assert env["REDIS_URL"].startswith("redis://redis:")
 
 
 def test_the_agent_drives_the_host_docker_engine() -> None:
     agent = SERVICES["agent"]
-    assert "/var/run/docker.sock:/var/run/docker.sock" in agent["volumes"]
+    assert "${DOCKER_SOCKET:-/var/run/docker.sock}:/var/run/docker.sock" in agent["volumes"]
+    assert agent["environment"]["DOCKER_HOST"] == "unix:///var/run/docker.sock"
     assert agent["network_mode"] == "host"
     assert "--runtime" in agent["command"] and "docker" in agent["command"]
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_router_and_agent_on_the_host_network_reach_web_and_redis_by_published_ports() -> None:
+    # Service names do not resolve on the host network, and the engines listen on the host.
+    web = "http://${CONTROL_PLANE_HOST:-127.0.0.1}:${WEB_PORT:-8000}"
+    for name in ("router", "agent"):
+        service = SERVICES[name]
+        assert service["network_mode"] == "host", name
+        assert "ports" not in service, name
+        assert flag(service["command"], "--control-plane") == web, name
+    broker = flag(SERVICES["agent"]["command"], "--broker")
+    assert broker == "redis://${CONTROL_PLANE_HOST:-127.0.0.1}:${REDIS_PORT:-6379}/0"
+    assert SERVICES["redis"]["ports"] == ["${REDIS_BIND:-127.0.0.1}:${REDIS_PORT:-6379}:6379"]
+    assert SERVICES["web"]["ports"] == ["${WEB_PORT:-8000}:8000"]
+    assert flag(SERVICES["router"]["command"], "--port") == "${ROUTER_PORT:-7010}"
+    assert "${ROUTER_PORT:-7010}" in SERVICES["router"]["healthcheck"]["test"][1]
+
+
+def test_images_and_the_base_are_overridable_with_the_official_defaults() -> None:
+    assert SERVICES["postgres"]["image"] == "${POSTGRES_IMAGE:-postgres:16}"
+    assert SERVICES["redis"]["image"] == "${REDIS_IMAGE:-redis:7}"
+    for name in ("web", "worker", "beat", "router", "agent"):
+        build = SERVICES[name]["build"]
+        assert build["args"]["BASE"] == "${SYSHAX_BASE_IMAGE:-python:3.11-slim}", name
+        assert build["network"] == "host", name  # pip reaches PyPI on any engine
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "ARG BASE=python:3.11-slim" in dockerfile and "FROM ${BASE}" in dockerfile
+
+
+def test_health_checks_are_single_shell_strings() -> None:
+    # Podman's Docker API splits the arguments of a ["CMD", ...] test at spaces, which breaks
+    # `python -c "..."`; one CMD-SHELL string means the same on every engine.
+    for name, service in SERVICES.items():
+        test = service["healthcheck"]["test"]
+        if test[0] == "CMD":
+            assert all(" " not in arg for arg in test[1:]), name
+        else:
+            assert test[0] == "CMD-SHELL" and len(test) == 2, name
+
+
+def test_the_tokens_may_be_empty_until_issued() -> None:
+    # Compose interpolates every service, even those not started: a required ROUTER_TOKEN would
+    # stop the documented first start (`up -d postgres redis web worker beat`).
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert "${ROUTER_TOKEN:-}" in text and "${AGENT_TOKEN:-}" in text
+    assert "${ROUTER_TOKEN:?" not in text and "${AGENT_TOKEN:?" not in text
 
 
 def test_every_variable_the_file_uses_is_documented_in_the_env_example() -> None:
@@ -69,6 +129,17 @@ def test_the_env_example_names_only_variables_the_settings_or_compose_read() -> 
         "POSTGRES_PASSWORD",
         "WEB_PORT",
         "ROUTER_PORT",
+        "REDIS_PORT",
+        "REDIS_BIND",
+        "CONTROL_PLANE_HOST",
+        "NODE_ADDRESS",
+        "DOCKER_SOCKET",
+        "WEB_WORKERS",
+        "WORKER_CONCURRENCY",
+        "SYSHAX_BASE_IMAGE",
+        "POSTGRES_IMAGE",
+        "REDIS_IMAGE",
+        "APP_ENV_FILE",
         "ROUTER_TOKEN",
         "ROUTER_NAME",
         "AGENT_TOKEN",
@@ -85,28 +156,44 @@ def test_the_dockerfile_installs_the_project_and_its_console_script() -> None:
         assert SERVICES[name]["command"][0] == "syshax"
 
 
-def test_docker_compose_config_accepts_the_file_when_the_plugin_exists(tmp_path) -> None:
+def compose_client() -> list[str] | None:
+    """`docker compose` (the plugin) or `docker-compose` (scripts/compose_setup.sh installs
+    Debian's), whichever this machine has."""
     docker = shutil.which("docker")
     if (
-        docker is None
-        or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0
+        docker
+        and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0
     ):
-        # No compose plugin on this machine: the structural checks above are the test.
+        return [docker, "compose"]
+    standalone = shutil.which("docker-compose")
+    return [standalone] if standalone else None
+
+
+def test_the_compose_client_accepts_the_file_with_the_env_example(tmp_path) -> None:
+    client = compose_client()
+    if client is None:
+        # No compose client on this machine: the structural checks above are the test.
         return
+    values = {
+        line.split("=", 1)[0]: line.split("=", 1)[1]
+        for line in (ROOT / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
     env = tmp_path / ".env"
-    env.write_text("\n".join(f"{k}=x" for k in sorted(ENV_EXAMPLE)))
+    values["APP_ENV_FILE"] = str(env)  # not the checkout's .env, which may not exist
+    env.write_text("\n".join(f"{k}={v or 'x'}" for k, v in sorted(values.items())))
     result = subprocess.run(
-        [
-            docker,
-            "compose",
-            "-f",
-            str(ROOT / "docker-compose.yml"),
-            "--env-file",
-            str(env),
-            "config",
-            "--quiet",
-        ],
+        [*client, "-f", str(ROOT / "docker-compose.yml"), "--env-file", str(env), "config", "-q"],
         capture_output=True,
         text=True,
+        # Compose lets the caller's environment override the env file: give it none.
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path)},
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_machine_tokens_travel_in_the_environment_not_on_a_command_line() -> None:
+    for name, variable in (("router", "SYSHAX_ROUTER_TOKEN"), ("agent", "SYSHAX_AGENT_TOKEN")):
+        service = SERVICES[name]
+        assert "--token" not in service["command"], name
+        assert variable in service["environment"], name
