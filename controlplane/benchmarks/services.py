@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
+from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from controlplane.benchmarks.choices import ACTIVE_STATUSES, RunStatus
@@ -11,8 +14,66 @@ from controlplane.core import audit
 ADVISOR_RUNS = 20  # the mode advisor's window: the newest successful runs
 
 
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def _endpoint(url: str) -> tuple[str, int] | None:
+    try:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    host = (parts.hostname or "").lower()
+    return ("127.0.0.1" if host in LOOPBACK else host, port) if host else None
+
+
+def known_targets() -> set[tuple[str, int]]:
+    """Where a benchmark may send its load: the registered routers, the engines of the
+    deployments, and what the operator lists in BENCHMARK_ALLOWED_TARGETS (``host`` for any port
+    of it, ``host:port`` for one); port 0 stands for any port."""
+    from controlplane.deployments.models import Deployment
+    from controlplane.routers.models import RouterInstance
+
+    known: set[tuple[str, int]] = set()
+    for raw in settings.BENCHMARK_ALLOWED_TARGETS:
+        entry = raw.strip().lower()
+        host, sep, port = entry.rpartition(":")
+        if not sep or not port.isdigit():
+            host, port = entry, "0"
+        known.add(("127.0.0.1" if host in LOOPBACK else host, int(port)))
+    for url in RouterInstance.objects.exclude(listen_url="").values_list("listen_url", flat=True):
+        if endpoint := _endpoint(url):
+            known.add(endpoint)
+    for address, gpu, cpu in Deployment.objects.values_list(
+        "node__address", "profile__gpu_port", "profile__cpu_port"
+    ):
+        host = (address or "127.0.0.1").lower()
+        host = "127.0.0.1" if host in LOOPBACK else host
+        known |= {(host, gpu), (host, cpu)}
+    return known
+
+
+def check_target(url: str) -> None:
+    """Refuse a target that is not one of this fleet's routers or engines, so a benchmark can
+    never be aimed at another service the worker can reach."""
+    endpoint = _endpoint(url)
+    if endpoint is None:
+        raise ValidationError({"target_url": f"{url!r} is not an http(s)://HOST:PORT URL"})
+    known = known_targets()
+    if endpoint in known or (endpoint[0], 0) in known:
+        return
+    raise ValidationError(
+        {
+            "target_url": f"{endpoint[0]}:{endpoint[1]} is neither a registered router nor a "
+            "deployment's engine; an operator can allow it in BENCHMARK_ALLOWED_TARGETS"
+        }
+    )
+
+
 def create_run(*, acting_user: Any, **fields: Any) -> BenchmarkRun:
     """Create a run and queue it once the row is committed."""
+    if fields.get("target_url"):
+        check_target(str(fields["target_url"]))
     with transaction.atomic():
         run = BenchmarkRun(**fields)
         user, _ = audit.split_actor(acting_user)

@@ -7,6 +7,7 @@ is capped, so no request can make the API build an unbounded page.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from django.db.models import QuerySet
@@ -60,9 +61,9 @@ class ModelFieldOrderingFilter(OrderingFilter):
     an annotation of another view), and ordering by one of those is a database error (a 500)."""
 
     def get_valid_fields(
-        self, queryset: QuerySet[Any], view: Any, context: dict[str, Any] | None = None
+        self, queryset: QuerySet[Any], view: Any, context: Mapping[str, Any] | None = None
     ) -> list[tuple[str, str]]:
-        fields = super().get_valid_fields(queryset, view, context or {})
+        fields = super().get_valid_fields(queryset, view, dict(context or {}))
         if getattr(view, "ordering_fields", None) not in (None, "__all__"):
             return list(fields)  # the view chose them
         columns = {f.name for f in queryset.model._meta.get_fields()} | {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -19,7 +20,11 @@ from controlplane.settings.env import (
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 load_env_file(find_env_file(BASE_DIR))
 VAR_DIR = Path(env_str("SYSHAX_VAR_DIR", str(BASE_DIR / "var")) or BASE_DIR / "var")
-VAR_DIR.mkdir(parents=True, exist_ok=True)
+VAR_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+# It holds the database, the secret key and the broker's messages. A directory someone else
+# owns (a mounted volume) keeps the mode its owner gave it.
+with contextlib.suppress(PermissionError):
+    VAR_DIR.chmod(0o700)
 
 DEBUG = env_bool("DEBUG", False)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
@@ -49,6 +54,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "controlplane.core.middleware.ContentSecurityPolicyMiddleware",
+    "controlplane.core.middleware.ApiErrorMiddleware",
     "controlplane.core.middleware.BodySizeLimitMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -58,6 +65,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+
+DEFAULT_EXCEPTION_REPORTER_FILTER = "controlplane.core.middleware.SecretSettingsFilter"
 
 ROOT_URLCONF = "controlplane.urls"
 WSGI_APPLICATION = "controlplane.wsgi.application"
@@ -130,6 +139,8 @@ REST_FRAMEWORK = {
         "rest_framework.filters.SearchFilter",
         "controlplane.core.pagination.ModelFieldOrderingFilter",
     ],
+    "DEFAULT_THROTTLE_CLASSES": ["controlplane.access.throttling.MachineRateThrottle"],
+    "DEFAULT_THROTTLE_RATES": {"machine": env_str("MACHINE_RATE_LIMIT", "20/s")},
     "DEFAULT_PAGINATION_CLASS": "controlplane.core.pagination.StrictLimitOffsetPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
@@ -158,6 +169,16 @@ SPECTACULAR_SETTINGS = {
         "DesiredStateEnum": "controlplane.deployments.choices.DesiredState",
     },
 }
+
+# Hosts (or host:port) a benchmark may target besides the fleet's routers and engines.
+BENCHMARK_ALLOWED_TARGETS = env_list("BENCHMARK_ALLOWED_TARGETS", [])
+
+# Throttle counts (access/throttling.py): shared through Redis when there is one.
+CACHES = (
+    {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_CACHE}}
+    if (REDIS_CACHE := env_str("REDIS_URL"))
+    else {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+)
 
 # --- Celery -------------------------------------------------------------------------------
 # With REDIS_URL (or CELERY_BROKER_URL) set, Redis carries tasks and results. Without it the

@@ -13,7 +13,11 @@ if not _secret or len(_secret) < 50:
 SECRET_KEY = _secret
 DEBUG = False
 
-SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# X-Forwarded-Proto is believed only behind a proxy that sets it (and strips a client's own);
+# a server reached directly would otherwise take any client's word that it came over HTTPS.
+SECURE_PROXY_SSL_HEADER = (
+    ("HTTP_X_FORWARDED_PROTO", "https") if env_bool("TRUST_X_FORWARDED_PROTO", False) else None
+)
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", True)
 SECURE_REDIRECT_EXEMPT = [r"^api/v1/health$"]
 SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31536000, minimum=0)

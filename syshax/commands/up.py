@@ -123,8 +123,6 @@ class Stack:
                 "agent",
                 "--control-plane",
                 self.base,
-                "--token",
-                tokens["agent"],
                 "--name",
                 node,
                 "--runtime",
@@ -136,7 +134,8 @@ class Stack:
                 "--address",
                 "127.0.0.1",
             ),
-            env,
+            # Tokens travel in the environment: a command line is readable by every local user.
+            {**env, "SYSHAX_AGENT_TOKEN": tokens["agent"]},
         )
         wait_until(
             lambda: up_stack.node_ready(node),
@@ -186,8 +185,6 @@ class Stack:
                 "router",
                 "--control-plane",
                 self.base,
-                "--token",
-                tokens["router"],
                 "--name",
                 "local-router",
                 "--host",
@@ -197,7 +194,7 @@ class Stack:
                 "--state-dir",
                 str(self.var_dir / "router"),
             ),
-            env,
+            {**env, "SYSHAX_ROUTER_TOKEN": tokens["router"]},
         )
         self.wait_for_model()
 

@@ -120,3 +120,18 @@ def router_token(db: Any) -> str:
 @pytest.fixture
 def router_client(router_token: str) -> APIClient:
     return _client_with_bearer(router_token)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_throttle_counts() -> None:
+    """Each test starts with no request counted against any machine credential (a pk can come
+    back in the next test on SQLite)."""
+    from django.core.cache import cache
+
+    cache.clear()
+
+
+@pytest.fixture(autouse=True)
+def _loopback_benchmark_targets(settings) -> None:
+    """The tests benchmark engines they start on this host's loopback, on any port."""
+    settings.BENCHMARK_ALLOWED_TARGETS = ["127.0.0.1", "localhost"]

@@ -168,3 +168,14 @@ def test_benchmark_work_is_bounded_before_it_is_queued(admin_client, fields, mes
     assert response.status_code == 400
     assert error(response).startswith(message)
     assert not BenchmarkRun.objects.exists()
+
+
+def test_an_inventory_of_more_than_1024_cards_is_refused(agent_client, node) -> None:
+    cards = [
+        {"kind": "gpu", "index": i % 1024, "uuid": f"GPU-{i}", "memory_total_bytes": 1}
+        for i in range(1025)
+    ]
+    inventory = {**INVENTORY, "accelerators": cards}
+    response = agent_client.put(f"/api/v1/nodes/{node.pk}/inventory/", inventory, format="json")
+    assert response.status_code == 400
+    assert error(response).startswith("accelerators: Ensure this field has no more than 1024")

@@ -185,3 +185,9 @@ def operator_client(operator: User) -> Client:
 def viewer_client(db: Any) -> Client:
     """Signed in, but without any model permission: may look, may not act."""
     return _login(User.objects.create_user("viewer", password=PASSWORD))
+
+
+@pytest.fixture(autouse=True)
+def _loopback_benchmark_targets(settings) -> None:
+    """The tests benchmark engines they start on this host's loopback, on any port."""
+    settings.BENCHMARK_ALLOWED_TARGETS = ["127.0.0.1", "localhost"]

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import psutil
@@ -58,7 +59,24 @@ def up_command(tmp_path: Path, *args: str) -> tuple[list[str], dict[str, str], l
 def test_up_serves_a_completion_from_the_hetero_deployment_and_stops_cleanly(tmp_path) -> None:
     var_dir = tmp_path / "var"
     argv, env, ports = up_command(tmp_path)
-    result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    # While it runs, no process may carry a machine token on its command line.
+    exposed: list[str] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.5):
+            exposed.extend(processes_mentioning("sxa_") + processes_mentioning("sxr_"))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        result = subprocess.run(
+            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400
+        )
+    finally:
+        done.set()
+        watcher.join()
+    assert exposed == []
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "start-gpu: GPU engine" in output and "start-cpu: CPU engine" in output

@@ -18,6 +18,7 @@ from controlplane.deployments.models import (
     DeploymentEvent,
     DeploymentProfile,
 )
+from controlplane.deployments.render import HIDDEN
 
 
 class ProfileSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
@@ -32,6 +33,17 @@ class ProfileSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
                 }
             }
         }
+
+    def to_representation(self, instance: DeploymentProfile) -> dict[str, Any]:
+        """The values of ``gpu_env``/``cpu_env`` (where a Hugging Face token sits) only for
+        people who may change profiles; others see the names with ``<hidden>`` values."""
+        data = super().to_representation(instance)
+        request = self.context.get("request")
+        user = getattr(request, "user", None)
+        if user is None or not user.has_perm("deployments.change_deploymentprofile"):
+            for field in ("gpu_env", "cpu_env"):
+                data[field] = {key: HIDDEN for key in data.get(field) or {}}
+        return data
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         # Model.clean() holds the single-row rules; run it on the merged state.

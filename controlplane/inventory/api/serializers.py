@@ -180,8 +180,11 @@ class InventorySerializer(serializers.Serializer):  # type: ignore[type-arg]
     address = serializers.CharField(max_length=255, allow_blank=True, required=False, default="")
     cpu = ReportedCpuSerializer()
     numa_nodes = ReportedNumaSerializer(many=True, required=False, default=list)
-    accelerators = ReportedAcceleratorSerializer(
-        many=True, required=False, default=list, max_length=1024
+    accelerators = ReportedAcceleratorSerializer(  # type: ignore[call-arg]
+        many=True,
+        required=False,
+        default=list,
+        max_length=1024,  # ListSerializer's own limit
     )
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -223,6 +226,9 @@ class HeartbeatInSerializer(serializers.Serializer):  # type: ignore[type-arg]
     inventory_hash = serializers.CharField(
         max_length=64, allow_blank=True, required=False, default=""
     )
-    accelerators = AcceleratorReadingSerializer(
-        many=True, required=False, default=list, max_length=1024
+    accelerators = AcceleratorReadingSerializer(  # type: ignore[call-arg]
+        many=True,
+        required=False,
+        default=list,
+        max_length=1024,  # ListSerializer's own limit
     )
