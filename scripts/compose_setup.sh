@@ -2,7 +2,7 @@
 # Prepare this machine to run docker-compose.yml on a Docker-API engine without an image
 # registry: Podman's API service and a compose client from Debian packages, a private
 # containers.conf/storage.conf, and locally built images where the official ones cannot be
-# pulled (a debootstrapped Debian base, stand-ins for postgres and redis; see docker/).
+# pulled (a debootstrapped Debian base, stand-ins for postgres and redis; see images/).
 # Idempotent and flock-protected: when everything is in place it only checks and prints.
 #
 #   scripts/compose_setup.sh [ROOT]      ROOT defaults to $SYSHAX_COMPOSE_ROOT, else
@@ -137,19 +137,19 @@ image_hash() {
   podman image inspect --format '{{index .Labels "syshax.inputs"}}' "$1" 2>/dev/null || true
 }
 
-# The base also carries this host's local CAs (see docker/build_base.sh).
-base_hash="$(inputs_hash "$HERE/docker/build_base.sh" \
+# The base also carries this host's local CAs (see images/build_base.sh).
+base_hash="$(inputs_hash "$HERE/images/build_base.sh" \
   $(find /usr/local/share/ca-certificates -type f 2>/dev/null | sort))"
 if [[ "$(image_hash "$BASE_IMAGE")" != "$base_hash" ]]; then
-  "$HERE/docker/build_base.sh" "$BASE_IMAGE" "$ROOT/work" "$MIRROR" "syshax.inputs=$base_hash"
+  "$HERE/images/build_base.sh" "$BASE_IMAGE" "$ROOT/work" "$MIRROR" "syshax.inputs=$base_hash"
 fi
 
 build_standin() {  # IMAGE DIR
   local hash
-  hash="$(inputs_hash "$HERE/docker/$2"/* <(echo "$base_hash"))"
+  hash="$(inputs_hash "$HERE/images/$2"/* <(echo "$base_hash"))"
   if [[ "$(image_hash "$1")" != "$hash" ]]; then
     podman build --quiet --network host --build-arg "BASE=$BASE_IMAGE" \
-      --label "syshax.inputs=$hash" -t "$1" "$HERE/docker/$2" >"$ROOT/build-$2.log" 2>&1 || {
+      --label "syshax.inputs=$hash" -t "$1" "$HERE/images/$2" >"$ROOT/build-$2.log" 2>&1 || {
         tail -30 "$ROOT/build-$2.log" >&2
         exit 1
       }

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Build a Debian bookworm base image from Debian's packages and import it into Podman, for
 # machines that reach a Debian mirror but no image registry. The project image (`Dockerfile`,
-# build argument BASE) and the stand-in postgres/redis images (docker/postgres, docker/redis)
+# build argument BASE) and the stand-in postgres/redis images (images/postgres, images/redis)
 # are built FROM it there; where a registry is reachable, use the official images instead.
 #
-#   docker/build_base.sh IMAGE WORKDIR [MIRROR [LABEL=VALUE]]
+#   images/build_base.sh IMAGE WORKDIR [MIRROR [LABEL=VALUE]]
 #
 # IMAGE   the tag to import as, e.g. localhost/syshax-debian:bookworm
 # WORKDIR a scratch folder for the root filesystem (removed again afterwards)
