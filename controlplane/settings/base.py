@@ -167,6 +167,8 @@ SPECTACULAR_SETTINGS = {
         "RunStatusEnum": "controlplane.benchmarks.choices.RunStatus",
         "DeploymentStateEnum": "controlplane.deployments.choices.DeploymentState",
         "DesiredStateEnum": "controlplane.deployments.choices.DesiredState",
+        "AcceleratorKindEnum": "controlplane.inventory.choices.AcceleratorKind",
+        "BenchmarkModeEnum": "controlplane.benchmarks.choices.BenchmarkMode",
     },
 }
 
