@@ -18,6 +18,7 @@ from router.backends import Timeouts, scrape_forever
 from router.server import Router, ServerConfig, build_app
 from router.state import PD_PROTOCOLS, DeploymentSpec, PolicyRecord
 from syshax.policy_schema import KNOBS, PolicyError, validate_knobs
+from syshax.supervisor import write_text_atomic
 
 log = logging.getLogger("syshax.router")
 
@@ -230,11 +231,7 @@ def bound_port(site: web.TCPSite, requested: int) -> int:
 
 
 def write_ready_file(path: str, port: int) -> None:
-    # Written then renamed, so a reader never sees an empty file.
-    tmp = path + ".tmp"
-    with open(tmp, "w") as handle:
-        handle.write(str(port))
-    os.replace(tmp, path)
+    write_text_atomic(Path(path), str(port))  # a reader never sees an empty file
 
 
 async def serve(args: argparse.Namespace) -> int:

@@ -59,13 +59,16 @@ class Channel(kombu_fs.Channel):
             staging.unlink(missing_ok=True)
             raise ChannelError(f"Cannot add message {name!r} to {folder}") from exc
 
+    def _listing(self, queue: Any) -> list[str]:
+        """The names of ``queue``'s whole messages (staged and claimed ones are dot-names)."""
+        suffix = f".{queue}.msg"
+        with os.scandir(self.data_folder_in) as entries:
+            return [e.name for e in entries if e.name.endswith(suffix) and e.name[0] != "."]
+
     def _names(self, queue: str) -> deque[str]:
         backlog = self._backlog.get(queue)
         if not backlog:
-            suffix = f".{queue}.msg"
-            with os.scandir(self.data_folder_in) as entries:
-                names = sorted(e.name for e in entries if e.name.endswith(suffix))
-            backlog = self._backlog[queue] = deque(n for n in names if not n.startswith("."))
+            backlog = self._backlog[queue] = deque(sorted(self._listing(queue)))
         return backlog
 
     def _get(self, queue: Any, timeout: Any = None) -> Any:
@@ -90,9 +93,7 @@ class Channel(kombu_fs.Channel):
         return int(super()._purge(queue))
 
     def _size(self, queue: Any) -> int:
-        suffix = f".{queue}.msg"
-        with os.scandir(self.data_folder_in) as entries:
-            return sum(1 for e in entries if e.name.endswith(suffix) and not e.name.startswith("."))
+        return len(self._listing(queue))
 
 
 class Transport(kombu_fs.Transport):

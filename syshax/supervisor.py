@@ -4,8 +4,9 @@ Each child runs in its own process group so Ctrl-C, SIGTERM or a crash of one ch
 every process it started too (gunicorn workers, celery pool processes, engines).
 
 Also the one place that starts a syshax child with ``--ready-file`` and waits for its port
-(:class:`ReadyChild`), polls for a condition (:func:`wait_until`) and picks a free port, for
-the commands, tests and scripts alike. Django-free.
+(:class:`ReadyChild`), polls for a condition (:func:`wait_until`), picks a free port and
+writes a file atomically (:func:`write_text_atomic`), for the commands, agents, router, tests
+and scripts alike. Django-free.
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ from types import TracebackType
 from typing import IO, TypeVar
 
 T = TypeVar("T")
+
+
+def write_text_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write ``text`` so a reader sees the old file or the whole new one, never half of it:
+    written beside ``path`` under a dot-name, then renamed over it. ``mode`` is the new
+    file's (0o600 for one that holds secrets)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.chmod(tmp, mode)  # O_CREAT's mode is cut by the umask; an existing tmp keeps its own
+    os.replace(tmp, path)
 
 
 @dataclass

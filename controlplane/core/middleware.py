@@ -8,6 +8,14 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.debug import SafeExceptionReporterFilter
 
+API_PREFIX = "/api/"
+log = logging.getLogger("controlplane.api")
+
+
+def _api_error(status: int, code: str, message: str) -> JsonResponse:
+    """The API's one error shape (core/api.py), for answers given before DRF runs."""
+    return JsonResponse({"error": {"code": code, "message": message}}, status=status)
+
 
 class BodySizeLimitMiddleware:
     """Refuse a body over MAX_REQUEST_BODY_BYTES with a JSON 413 before anything reads it."""
@@ -21,29 +29,14 @@ class BodySizeLimitMiddleware:
         try:
             length = int(raw)
         except ValueError:
-            return JsonResponse(
-                {"error": {"code": "bad_request", "message": "Content-Length is not a number"}},
-                status=400,
-            )
+            return _api_error(400, "bad_request", "Content-Length is not a number")
         if length > limit:
-            return JsonResponse(
-                {
-                    "error": {
-                        "code": "payload_too_large",
-                        "message": f"request body is {length} bytes; the limit is {limit} bytes",
-                    }
-                },
-                status=413,
+            return _api_error(
+                413,
+                "payload_too_large",
+                f"request body is {length} bytes; the limit is {limit} bytes",
             )
         return self.get_response(request)
-
-
-API_PREFIX = "/api/"
-log = logging.getLogger("controlplane.api")
-
-
-def _api_error(status: int, code: str, message: str) -> JsonResponse:
-    return JsonResponse({"error": {"code": code, "message": message}}, status=status)
 
 
 class ApiErrorMiddleware:

@@ -19,7 +19,7 @@ from rest_framework.request import Request
 MAX_PAGE_SIZE = 1000
 
 
-def _non_negative(request: Request, name: str, *, low: int, high: int | None) -> int | None:
+def _bounded_int(request: Request, name: str, *, low: int, high: int | None) -> int | None:
     raw = request.query_params.getlist(name)
     if not raw:
         return None
@@ -37,11 +37,11 @@ class StrictLimitOffsetPagination(LimitOffsetPagination):
     max_limit = MAX_PAGE_SIZE
 
     def get_limit(self, request: Request) -> int | None:
-        value = _non_negative(request, self.limit_query_param, low=1, high=self.max_limit)
+        value = _bounded_int(request, self.limit_query_param, low=1, high=self.max_limit)
         return self.default_limit if value is None else value
 
     def get_offset(self, request: Request) -> int:
-        value = _non_negative(request, self.offset_query_param, low=0, high=None)
+        value = _bounded_int(request, self.offset_query_param, low=0, high=None)
         return 0 if value is None else value
 
     def get_schema_operation_parameters(self, view: Any) -> list[dict[str, Any]]:

@@ -33,9 +33,6 @@ class RenderError(FieldError):
 
 @dataclass(frozen=True)
 class Rendered:
-    profile: str
-    node: str | None
-    docker: bool
     lines: tuple[str, ...]  # one shell command per engine, GPU first
     notes: tuple[str, ...]  # comments: where the values came from, what was left out
 
@@ -137,7 +134,7 @@ def render_profile(
         notes.append(f"KV connector from this installation: {kv_connector_dir()}")
     if not show_secrets and (profile.gpu_env or profile.cpu_env):
         notes.append(f"values of the profile's own env are {HIDDEN}: you may not change profiles")
-    return Rendered(profile.name, node.name if node else None, docker, tuple(lines), tuple(notes))
+    return Rendered(tuple(lines), tuple(notes))
 
 
 __all__ = ["PlacementError", "RenderError", "Rendered", "render_profile"]

@@ -129,10 +129,10 @@ def find_env_file(base_dir: Path) -> Path:
     return here if here.is_file() else base_dir / "syshax.env"
 
 
-def load_env_file(path: Path) -> None:
-    """Read KEY=VALUE lines (written by ``syshax init``) without overriding the environment."""
-    if not path.is_file():
-        return
+def parse_env_file(path: Path) -> dict[str, str]:
+    """The KEY=VALUE lines of an env file (written by ``syshax init``); comments and blank
+    lines skipped, one layer of quotes taken off a value."""
+    values: dict[str, str] = {}
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         line = line.strip()
         if not line or line.startswith("#"):
@@ -140,4 +140,13 @@ def load_env_file(path: Path) -> None:
         key, sep, value = line.partition("=")
         if not sep or not key.strip().isidentifier():
             raise ImproperlyConfiguredEnv(f"{path}:{number}: expected KEY=VALUE, got {line!r}")
-        os.environ.setdefault(key.strip(), value.strip().strip('"').strip("'"))
+        values[key.strip()] = value.strip().strip('"').strip("'")
+    return values
+
+
+def load_env_file(path: Path) -> None:
+    """Put an env file's variables in the environment, without overriding what is there."""
+    if not path.is_file():
+        return
+    for key, value in parse_env_file(path).items():
+        os.environ.setdefault(key, value)

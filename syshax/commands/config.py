@@ -136,7 +136,7 @@ def _local(args: argparse.Namespace, key: str | None, value: Any, reason: str) -
     except SchedulingPolicy.DoesNotExist:
         print(f"syshax config: no policy named {args.policy!r}", file=sys.stderr)
         return 2
-    if key is not None and key in policy.knobs() and policy.knobs()[key] == value:
+    if key is not None and policy.knobs().get(key, object()) == value:
         # sysHAX's documented sequence sets knobs to the values they already have: not an error.
         print(f"{key} is already {value} (policy {policy.name} stays at version {policy.version})")
         return 0

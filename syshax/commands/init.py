@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from syshax.commands.localconfig import LOCAL_KEYS, LocalConfigError, resolve
+from syshax.supervisor import write_text_atomic
 
 TEMPLATE = """\
 # syshax local configuration, written by `syshax init`. The control plane, `syshax config` and
@@ -82,10 +83,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{path} exists; keeping it (use --force to overwrite)")
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(render(args, path.parent / "var"))
-        os.chmod(path, 0o600)  # also when --force rewrote an older, wider file
+        write_text_atomic(path, render(args, path.parent / "var"), 0o600)  # it holds a secret
         print(f"wrote {path}")
     try:
         resolve(path)

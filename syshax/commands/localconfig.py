@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from controlplane.settings.env import find_env_file
+from controlplane.deployments.choices import PdProtocol
+from controlplane.settings.env import find_env_file, parse_env_file
+from syshax.supervisor import write_text_atomic
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 POLICY_FILE_NAME = "policy.json"
-PD_PROTOCOLS = ("vllm", "syshax")  # router.state.PD_PROTOCOLS, without importing the router
 
 
 class LocalConfigError(ValueError):
@@ -100,7 +101,7 @@ LOCAL_KEYS: tuple[LocalKey, ...] = (
         "SYSHAX_PD_PROTOCOL",
         "vllm",
         "vllm: upstream vLLM + KV connector; syshax: sysHAX's patched engines",
-        _choice(*PD_PROTOCOLS),
+        _choice(*PdProtocol.values),
     ),
     LocalKey(
         "control_plane_url",
@@ -127,28 +128,6 @@ def env_file() -> Path:
     return find_env_file(PROJECT_DIR).resolve()
 
 
-def read_file(path: Path) -> dict[str, str]:
-    """The KEY=VALUE pairs of ``path`` (comments and blank lines skipped)."""
-    values: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, sep, value = line.partition("=")
-        if sep:
-            values[key.strip()] = value.strip().strip('"').strip("'")
-    return values
-
-
-def write_text_atomic(path: Path, text: str, mode: int = 0o600) -> None:
-    """Write ``text`` so a reader sees the old file or the whole new one, never half of it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
-
-
 def set_in_file(path: Path, var: str, value: str) -> None:
     """Set ``var`` in the env file, replacing its line (or its commented example) in place."""
     lines = path.read_text().splitlines()
@@ -160,7 +139,7 @@ def set_in_file(path: Path, var: str, value: str) -> None:
             break
     else:
         lines.append(wanted)
-    write_text_atomic(path, "\n".join(lines) + "\n")
+    write_text_atomic(path, "\n".join(lines) + "\n", 0o600)
 
 
 def require_env_file(command: str) -> Path:
@@ -173,7 +152,7 @@ def require_env_file(command: str) -> Path:
 def resolve(path: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Every local key's checked value: the environment, else the file, else the default."""
     environ = os.environ if environ is None else environ
-    in_file = read_file(path) if path.is_file() else {}
+    in_file = parse_env_file(path) if path.is_file() else {}
     values: dict[str, str] = {}
     for key in LOCAL_KEYS:
         if environ.get(key.var):
@@ -210,5 +189,5 @@ def export_policy(name: str = "default") -> Path:
     )
     target = var_dir() / POLICY_FILE_NAME
     payload: dict[str, Any] = routing_payload(policy)
-    write_text_atomic(target, json.dumps(payload, indent=2, sort_keys=True) + "\n", 0o644)
+    write_text_atomic(target, json.dumps(payload, indent=2, sort_keys=True) + "\n")
     return target

@@ -211,6 +211,9 @@ class Connector:
         return num_tokens
 
     def _check(self, params: dict[str, Any], prompt_tokens: int) -> tuple[str, int, int, float]:
+        # The same checks, in the same words, as SyshaxShmConnector._check_transfer: that file is
+        # loaded into vLLM on its own (torch and vllm at its top), so the simulator cannot share
+        # it and mirrors the contract; tests/realengine/test_contract.py runs both on one transfer.
         tid = str(params.get("transfer_id", ""))
         if not re.fullmatch(r"[0-9a-f]{32}", tid):
             raise SegmentError(f"transfer_id {tid!r} is not a syshax transfer id")
