@@ -37,7 +37,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where engine records, command results and logs live "
         "(default var/agent/<name or hostname>)",
     )
-    parser.add_argument("--broker", help="Celery broker URL (default: from agent/self)")
+    parser.add_argument(
+        "--allow-image",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="run only engine images matching this shell pattern (repeatable; docker runtime), "
+        "e.g. 'registry.local/vllm/*'; default: any image a profile names",
+    )
+    parser.add_argument(
+        "--allow-command",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="run only engine commands whose program matches this shell pattern (repeatable; "
+        "process runtime), e.g. '/opt/vllm/bin/python'; default: any",
+    )
     parser.add_argument(
         "--simulate-accelerator",
         action="append",
@@ -94,12 +109,19 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         name=str(name) if name else None,
         runtime=str(pick("runtime", "process")),
         heartbeat_interval=float(str(interval)) if interval else None,
-        broker=str(pick("broker")) if pick("broker") else None,
+        allow_images=[str(p) for p in _as_list(pick("allow_image", []))],
+        allow_commands=[str(p) for p in _as_list(pick("allow_command", []))],
         simulate=presets,
         docker_url=str(pick("docker_url")) if pick("docker_url") else None,
         address=str(pick("address")) if pick("address") else None,
         mounts=[str(m) for m in mounts],
     )
+
+
+def _as_list(value: object) -> list[object]:
+    if not isinstance(value, list):
+        raise SystemExit(f"syshax agent: expected a list, got {value!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

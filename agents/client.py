@@ -54,9 +54,18 @@ class ControlPlaneClient:
     def close(self) -> None:
         self.http.close()
 
-    def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        params: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         try:
-            response = self.http.request(method, path, json=body)
+            response = self.http.request(method, path, json=body, params=params, **extra)
         except httpx.HTTPError as exc:
             raise Unreachable(f"{method} {path}: {type(exc).__name__}: {exc}") from None
         if response.status_code >= 500:
@@ -82,6 +91,18 @@ class ControlPlaneClient:
     def heartbeat(self, node_id: int, payload: Mapping[str, Any]) -> dict[str, Any]:
         data: dict[str, Any] = self._call("POST", f"nodes/{node_id}/heartbeat", payload)
         return data
+
+    def fetch_commands(self, session: str, wait: float) -> list[dict[str, Any]]:
+        """This node's commands not yet handed to ``session``; the control plane holds the
+        request up to ``wait`` seconds when there is none."""
+        data = self._call(
+            "GET",
+            "agent/commands",
+            params={"session": session, "wait": f"{wait:g}"},
+            timeout=wait + 10.0,
+        )
+        commands: list[dict[str, Any]] = data.get("commands", [])
+        return commands
 
     def command_result(self, dispatch_id: str, result: Mapping[str, Any]) -> dict[str, Any]:
         data: dict[str, Any] = self._call("POST", f"commands/{dispatch_id}/result", result)

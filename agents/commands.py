@@ -21,7 +21,14 @@ import httpx
 
 from agents.runtimes import EngineRuntimeError, EngineState, Runtime
 from agents.runtimes.launcher import write_json_atomic
-from agents.specs import ROLES, EngineSpec, SpecError, engine_labels, engine_name
+from agents.specs import (
+    ROLES,
+    EngineSpec,
+    SpecError,
+    SpecPolicy,
+    engine_labels,
+    engine_name,
+)
 
 ACTIONS = ("start", "stop", "restart", "inspect", "logs")
 LOG_TAIL_LINES = 20
@@ -80,10 +87,17 @@ def probe(endpoint: str | None, path: str, timeout: float = 1.0) -> tuple[bool, 
 
 class CommandExecutor:
     def __init__(
-        self, runtime: Runtime, *, node: str, state_dir: str | Path, poll_interval: float = 0.1
+        self,
+        runtime: Runtime,
+        *,
+        node: str,
+        state_dir: str | Path,
+        poll_interval: float = 0.1,
+        policy: SpecPolicy | None = None,
     ) -> None:
         self.runtime = runtime
         self.node = node
+        self.policy = policy or SpecPolicy()
         self.dispatch_dir = Path(state_dir) / "dispatches"
         self.dispatch_dir.mkdir(parents=True, exist_ok=True)
         self.poll_interval = poll_interval
@@ -150,6 +164,7 @@ class CommandExecutor:
             if generation is None or role is None:
                 raise CommandFailed(f"{action} needs a generation and a role")
             engine_spec = EngineSpec.from_dict(spec)
+            self.policy.check(engine_spec)
             if action == "restart":
                 self._stop(deployment_id, generation, role)
             result = self._start(dispatch_id, deployment_id, generation, role, engine_spec)

@@ -1,18 +1,22 @@
-"""The agent's life: connect, report inventory, beat, take commands, and survive outages.
+"""The agent's life: connect, report inventory, beat, fetch commands, and survive outages.
 
-Threads: the Celery consumer runs in the main thread (it owns the signal handlers); heartbeats
-run in a daemon thread. Engines never depend on either: when the control plane is unreachable
-the engines keep running, heartbeats back off with jitter, command results wait in an outbox
-on disk, and when the control plane answers again the agent reconciles (inventory, the full
-container set, the outbox).
+Threads: heartbeats and command fetches each run in a daemon thread; the main thread owns the
+signal handlers and waits for SIGTERM/SIGINT. Commands come only from the control plane's
+``GET agent/commands`` with the agent's own token (a long poll): the agent holds no broker
+credential, and a revoked token stops it at its next request. Engines never depend on the
+agent: when the control plane is unreachable the engines keep running, heartbeats and fetches
+back off with jitter, command results wait in an outbox on disk, and when the control plane
+answers again the agent reconciles (inventory, the full container set, the outbox).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import signal
 import socket
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,12 +33,13 @@ from agents.discovery import (
 )
 from agents.runtimes import Runtime
 from agents.runtimes.launcher import write_json_atomic
-from agents.specs import Mount
+from agents.specs import Mount, SpecPolicy
 
 log = logging.getLogger("syshax.agent")
 T = TypeVar("T")
 
 INVENTORY_RESCAN_BEATS = 12  # re-discover hardware every N beats; resend only on change
+SHUTDOWN_GRACE_SECONDS = 10.0  # a command in progress gets this long to finish on SIGTERM
 
 
 @dataclass
@@ -45,7 +50,8 @@ class AgentConfig:
     name: str | None = None
     runtime: str = "process"
     heartbeat_interval: float | None = None
-    broker: str | None = None
+    allow_images: list[str] = field(default_factory=list)  # --allow-image patterns
+    allow_commands: list[str] = field(default_factory=list)  # --allow-command patterns
     simulate: list[str] = field(default_factory=list)
     docker_url: str | None = None
     address: str | None = None
@@ -93,6 +99,11 @@ class Agent:
         self.inventory: dict[str, Any] = {}
         self.reported_hash = ""
         self.executor: CommandExecutor | None = None
+        self.command_wait = 20.0
+        # This process's name at the control plane: a command is handed to a session once, so
+        # a restarted agent (a new session) is handed again what it had not answered.
+        self.session = uuid.uuid4().hex
+        self.busy = threading.Event()  # set while a command executes
         self.online = False
         self._report_lock = threading.Lock()
         self.sim_loads = SimulatedLoadReader()
@@ -133,14 +144,29 @@ class Agent:
         self.interval = self.config.heartbeat_interval or float(
             self.info.get("heartbeat_interval_seconds", 5.0)
         )
+        self.command_wait = float(self.info.get("command_wait_seconds", 20.0))
         self.executor = CommandExecutor(
-            self.runtime, node=self.node_name, state_dir=self.config.state_dir
+            self.runtime,
+            node=self.node_name,
+            state_dir=self.config.state_dir,
+            policy=self.spec_policy(),
         )
         self.inventory = self.discover()
         self.retry(self.sync_inventory, "inventory")
         self.retry(self.reconcile, "reconcile")
         self.online = True
         log.info("agent connected as node %s (#%d)", self.node_name, self.node_id)
+
+    def spec_policy(self) -> SpecPolicy:
+        try:
+            sources = tuple(m.source for m in parse_mounts(self.config.mounts))
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        return SpecPolicy(
+            mount_sources=sources,
+            allow_images=tuple(self.config.allow_images),
+            allow_commands=tuple(self.config.allow_commands),
+        )
 
     def discover(self) -> dict[str, Any]:
         return collect_inventory(
@@ -231,6 +257,38 @@ class Agent:
 
     # ------------------------------------------------------------ commands
 
+    def command_loop(self) -> None:
+        """Fetch this node's commands and execute them one at a time, until stopped."""
+        failures = 0
+        while not self.stop_event.is_set():
+            try:
+                commands = self.client.fetch_commands(self.session, self.command_wait)
+                failures = 0
+            except Unreachable as exc:
+                failures += 1
+                delay = backoff_delay(failures, cap=self.config.backoff_cap)
+                log.warning("command fetch failed (%s); retry in %.1fs", exc, delay)
+                self.stop_event.wait(delay)
+                continue
+            except ApiError as exc:
+                # 401/403: a revoked token. Nothing runs until an operator issues a new one;
+                # the engines keep running.
+                log.error("command fetch refused: %s", exc)
+                self.stop_event.wait(self.config.backoff_cap if exc.status in (401, 403) else 5)
+                continue
+            for message in commands:
+                if self.stop_event.is_set():
+                    break  # still queued at the control plane: the next session gets it
+                self.busy.set()
+                try:
+                    self.handle_command(**message)
+                except Exception:
+                    log.exception("command %s crashed", message.get("dispatch_id"))
+                finally:
+                    self.busy.clear()
+            if not commands and self.command_wait <= 0:
+                self.stop_event.wait(self.interval)
+
     def handle_command(self, **kwargs: Any) -> dict[str, Any]:
         assert self.executor is not None
         dispatch_id = str(kwargs["dispatch_id"])
@@ -242,6 +300,13 @@ class Agent:
             kwargs.get("generation"),
             kwargs.get("role"),
         )
+        node = kwargs.get("node")
+        if node is not None and node != self.node_name:
+            # Cannot come from agent/commands, which answers for the token's node only.
+            log.error(
+                "command %s is for node %s, not %s: refused", dispatch_id, node, self.node_name
+            )
+            return {"status": "failed", "detail": f"issued to node {node}", "containers": []}
         result = self.executor.execute(
             dispatch_id=dispatch_id,
             action=str(kwargs["action"]),
@@ -286,29 +351,30 @@ class Agent:
     # ------------------------------------------------------------ run
 
     def run(self) -> int:
-        from agents.consumer import make_app, run_worker
-
         self.connect()
-        beats = threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True)
-        beats.start()
-        broker = self.config.broker or self.info.get("broker_url")
-        if not broker:
-            raise SystemExit("no broker URL: the control plane sent none and --broker is unset")
-        queue = str(self.info.get("command_queue") or f"node.{self.node_name}")
-        app = make_app(
-            broker_url=broker,
-            queue=queue,
-            handler=self.handle_command,
-            transport_options=self.info.get("broker_transport_options"),
-        )
+        threads = [
+            threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True),
+            threading.Thread(target=self.command_loop, name="commands", daemon=True),
+        ]
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, lambda *_: self.stop_event.set())
+        for thread in threads:
+            thread.start()
         try:
-            run_worker(app, queue=queue, hostname=f"agent@{self.node_name}")
+            self.stop_event.wait()
         finally:
             self.stop_event.set()
-            beats.join(timeout=5)
+            if self.busy.is_set():
+                log.info("waiting up to %.0fs for the command in progress", SHUTDOWN_GRACE_SECONDS)
+            threads[1].join(timeout=SHUTDOWN_GRACE_SECONDS if self.busy.is_set() else 0.1)
+            threads[0].join(timeout=5)
             self.client.close()
             self.sim_loads.close()
         return 0
+
+    def stop(self) -> None:
+        self.stop_event.set()
 
 
 def _address_towards(url: str) -> str | None:

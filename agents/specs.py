@@ -179,6 +179,49 @@ class EngineSpec:
         )
 
 
+@dataclass(frozen=True)
+class SpecPolicy:
+    """What this agent agrees to run, whatever a command asks for (docs/agent.md).
+
+    A spec may mount only host paths the agent was started with (``--mount``); with
+    ``--allow-image`` / ``--allow-command`` patterns the image (docker runtime) or the
+    program (process runtime) must match one of them.
+    """
+
+    mount_sources: tuple[str, ...] = ()
+    allow_images: tuple[str, ...] = ()
+    allow_commands: tuple[str, ...] = ()
+
+    def check(self, spec: EngineSpec) -> None:
+        for mount in spec.mounts:
+            if mount.source not in self.mount_sources:
+                allowed = ", ".join(self.mount_sources) or "none"
+                raise SpecError(
+                    "mounts",
+                    f"host path {mount.source!r} is not one of this agent's --mount paths "
+                    f"({allowed})",
+                )
+        if self.allow_images and spec.image and not _matches(spec.image, self.allow_images):
+            raise SpecError(
+                "image",
+                f"{spec.image!r} matches none of this agent's --allow-image patterns "
+                f"({', '.join(self.allow_images)})",
+            )
+        program = spec.argv[0] if spec.argv else ""
+        if self.allow_commands and not spec.image and not _matches(program, self.allow_commands):
+            raise SpecError(
+                "command",
+                f"{program!r} matches none of this agent's --allow-command patterns "
+                f"({', '.join(self.allow_commands)})",
+            )
+
+
+def _matches(value: str, patterns: Sequence[str]) -> bool:
+    from fnmatch import fnmatchcase
+
+    return any(fnmatchcase(value, pattern) for pattern in patterns)
+
+
 def _accelerator(value: object, index: int) -> Accelerator:
     """A card as ``{"uuid", "index", "simulated"}`` or as a bare UUID string."""
     if isinstance(value, str):

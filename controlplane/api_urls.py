@@ -11,6 +11,7 @@ from controlplane.benchmarks.api.views import AdvisorView, BenchmarkRunViewSet, 
 from controlplane.core.api import health
 from controlplane.core.metrics import MetricsView
 from controlplane.deployments.api.views import (
+    AgentCommandsView,
     CommandResultView,
     CommandViewSet,
     ContainerViewSet,
@@ -44,6 +45,7 @@ router.register("benchmark-runs", BenchmarkRunViewSet)
 urlpatterns = [
     path("health", health, name="api-health"),
     path("agent/self", AgentSelfView.as_view(), name="agent-self"),
+    path("agent/commands", AgentCommandsView.as_view(), name="agent-commands"),
     path("nodes/<int:pk>/containers", NodeContainersView.as_view(), name="node-containers"),
     path("commands/<uuid:dispatch_id>/result", CommandResultView.as_view(), name="command-result"),
     path("routers/register", RouterRegisterView.as_view(), name="router-register"),

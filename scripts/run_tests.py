@@ -68,6 +68,7 @@ def main() -> None:
             "syshax/cli.py",
             "syshax/supervisor.py",
             "syshax/broker.py",
+            "syshax/webworker.py",
         ],
         base_env,
     )

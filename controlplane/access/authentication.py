@@ -1,16 +1,33 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
+from django.db import models
 from django.utils import timezone
 from rest_framework import authentication, exceptions
 from rest_framework.request import Request
 
-from controlplane.access.models import MachineCredential, hash_token
+from controlplane.access.models import (
+    PERSONAL_TOKEN_PREFIX,
+    MachineCredential,
+    PersonalToken,
+    hash_token,
+)
 from controlplane.access.principal import MachinePrincipal
 
 # last_used_at is informative; writing it on every request would double the write load.
 _LAST_USED_RESOLUTION = timedelta(seconds=60)
+
+
+def _note_use(model: type[models.Model], pk: Any, last_used_at: Any) -> None:
+    now = timezone.now()
+    if last_used_at is None or now - last_used_at > _LAST_USED_RESOLUTION:
+        model._default_manager.filter(pk=pk).update(last_used_at=now)
+
+
+def _authorization(request: Request) -> list[str]:
+    return authentication.get_authorization_header(request).decode("latin-1").split()
 
 
 class MachineTokenAuthentication(authentication.BaseAuthentication):
@@ -19,12 +36,14 @@ class MachineTokenAuthentication(authentication.BaseAuthentication):
     keyword = "Bearer"
 
     def authenticate(self, request: Request) -> tuple[MachinePrincipal, MachineCredential] | None:
-        header = authentication.get_authorization_header(request).decode("latin-1").split()
+        header = _authorization(request)
         if not header or header[0] != self.keyword:
             return None
         if len(header) != 2:
             raise exceptions.AuthenticationFailed("Bearer header must be 'Bearer <token>'")
         token = header[1]
+        if token.startswith(PERSONAL_TOKEN_PREFIX):
+            return None  # a person's token: PersonalTokenAuthentication
         if not token.startswith(("sxa_", "sxr_")):
             raise exceptions.AuthenticationFailed("not a machine token")
         try:
@@ -33,10 +52,43 @@ class MachineTokenAuthentication(authentication.BaseAuthentication):
             raise exceptions.AuthenticationFailed("unknown machine token") from None
         if not credential.active:
             raise exceptions.AuthenticationFailed("machine token revoked")
-        now = timezone.now()
-        if credential.last_used_at is None or now - credential.last_used_at > _LAST_USED_RESOLUTION:
-            MachineCredential.objects.filter(pk=credential.pk).update(last_used_at=now)
+        _note_use(MachineCredential, credential.pk, credential.last_used_at)
         return MachinePrincipal(credential), credential
+
+    def authenticate_header(self, request: Request) -> str:
+        return self.keyword
+
+
+class PersonalTokenAuthentication(authentication.BaseAuthentication):
+    """A person's API token: ``Authorization: Token <key>`` (DRF's keyword, so clients of its
+    authtoken keep working, old keys included) or ``Authorization: Bearer sxp_…``."""
+
+    keyword = "Token"
+
+    def authenticate(self, request: Request) -> tuple[Any, PersonalToken] | None:
+        header = _authorization(request)
+        if not header:
+            return None
+        scheme = header[0]
+        bearer = scheme == "Bearer" and len(header) == 2
+        if bearer and not header[1].startswith(PERSONAL_TOKEN_PREFIX):
+            return None
+        if not bearer and scheme.lower() != self.keyword.lower():
+            return None
+        if len(header) != 2:
+            raise exceptions.AuthenticationFailed("Token header must be 'Token <key>'")
+        try:
+            token = PersonalToken.objects.select_related("user").get(key_hash=hash_token(header[1]))
+        except PersonalToken.DoesNotExist:
+            raise exceptions.AuthenticationFailed("unknown token") from None
+        if token.revoked_at is not None:
+            raise exceptions.AuthenticationFailed("token revoked")
+        if token.expired:
+            raise exceptions.AuthenticationFailed("token expired")
+        if not token.user.is_active:
+            raise exceptions.AuthenticationFailed("user inactive")
+        _note_use(PersonalToken, token.pk, token.last_used_at)
+        return token.user, token
 
     def authenticate_header(self, request: Request) -> str:
         return self.keyword

@@ -2,16 +2,21 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from datetime import datetime
+from typing import Any
 
 from django.conf import settings
-from django.db import models
+from django.db import models, transaction
 from django.utils import timezone
 
 from controlplane.access.choices import CredentialKind
-from controlplane.core.audit import split_actor
+from controlplane.core import audit
 from controlplane.inventory.models import Node
 
 TOKEN_PREFIX = {CredentialKind.AGENT: "sxa_", CredentialKind.ROUTER: "sxr_"}
+PERSONAL_TOKEN_PREFIX = "sxp_"
+# Shown in lists so a person can tell their tokens apart: the prefix and four random characters.
+KEY_HINT_LENGTH = 8
 
 
 def hash_token(token: str) -> str:
@@ -61,13 +66,13 @@ class MachineCredential(models.Model):
     ) -> tuple[MachineCredential, str]:
         """Create a credential and return it with its plaintext token (shown only now)."""
         token = TOKEN_PREFIX[CredentialKind(kind)] + secrets.token_urlsafe(32)
-        user, _ = split_actor(created_by)
+        user, _ = audit.split_actor(created_by)
         credential = cls.objects.create(
             kind=kind,
             name=name,
             node=node,
             key_hash=hash_token(token),
-            key_hint=token[:8],
+            key_hint=token[:KEY_HINT_LENGTH],
             created_by=user,
         )
         return credential, token
@@ -75,3 +80,72 @@ class MachineCredential(models.Model):
     def revoke(self) -> None:
         self.revoked_at = timezone.now()
         self.save(update_fields=["revoked_at"])
+
+
+class PersonalToken(models.Model):
+    """A person's API token (``sxp_…``), sent as ``Authorization: Token <key>`` or ``Bearer``.
+
+    Only the SHA-256 of the token is stored; the token itself is shown once when issued.
+    Tokens carried over from DRF's authtoken keep their old 40-hex-digit key.
+    """
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens"
+    )
+    name = models.CharField(max_length=100)
+    key_hash = models.CharField(max_length=64, unique=True, editable=False)
+    key_hint = models.CharField(max_length=12, editable=False, help_text="first characters")
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="empty: never")
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["user", "name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.key_hint}…)"
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None and not self.expired
+
+    @property
+    def expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= timezone.now()
+
+    @classmethod
+    def issue(
+        cls,
+        user: Any,
+        name: str,
+        *,
+        expires_at: datetime | None = None,
+        acting_user: object = None,
+    ) -> tuple[PersonalToken, str]:
+        """Create a token for ``user`` and return it with its plaintext (shown only now)."""
+        key = PERSONAL_TOKEN_PREFIX + secrets.token_urlsafe(32)
+        with transaction.atomic():
+            token = cls.objects.create(
+                user=user,
+                name=name,
+                key_hash=hash_token(key),
+                key_hint=key[:KEY_HINT_LENGTH],
+                expires_at=expires_at,
+            )
+            audit.record(
+                "token.issued", token, acting_user=acting_user, detail={"user": user.get_username()}
+            )
+        return token, key
+
+    def revoke(self, *, acting_user: object = None) -> bool:
+        """Revoke the token; False if it already was (nothing recorded then)."""
+        now = timezone.now()
+        with transaction.atomic():
+            changed = PersonalToken.objects.filter(pk=self.pk, revoked_at__isnull=True).update(
+                revoked_at=now
+            )
+            if changed:
+                self.revoked_at = now
+                audit.record("token.revoked", self, acting_user=acting_user)
+        return bool(changed)

@@ -1,4 +1,4 @@
-"""Describe machine tokens in the OpenAPI schema (imported by AccessConfig.ready)."""
+"""Describe machine and personal tokens in the OpenAPI schema (imported by AccessConfig.ready)."""
 
 from __future__ import annotations
 
@@ -16,4 +16,17 @@ class MachineTokenScheme(OpenApiAuthenticationExtension):
             "type": "http",
             "scheme": "bearer",
             "description": "agent (sxa_…) or router (sxr_…) token",
+        }
+
+
+class PersonalTokenScheme(OpenApiAuthenticationExtension):
+    target_class = "controlplane.access.authentication.PersonalTokenAuthentication"
+    name = "personalToken"
+
+    def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
+        return {
+            "type": "apiKey",
+            "in": "header",
+            "name": "Authorization",
+            "description": "a person's API token: 'Token <key>' or 'Bearer sxp_…'",
         }

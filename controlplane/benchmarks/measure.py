@@ -38,6 +38,7 @@ class Plan:
     input_tokens: int
     output_tokens: int
     timeout_s: float = 600.0
+    api_key: str = ""  # sent as 'Authorization: Bearer' (a router's key; empty: none)
 
     def targets(self) -> list[Target]:
         return plan_targets(self.mode, self.url, {})
@@ -72,7 +73,8 @@ async def measure(plan: Plan, report: Report, interval_s: float = 1.0) -> list[R
         pool = ConnectionPool()
         try:
             async with make_session() as session:
-                model = await discover_model(session, plan.url)
+                auth = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
+                model = await discover_model(session, plan.url, auth)
                 for level in plan.levels:
                     seed = plan.seed * 1_000_003 + level
                     specs = build_requests(
@@ -90,7 +92,7 @@ async def measure(plan: Plan, report: Report, interval_s: float = 1.0) -> list[R
                             pool,
                             target.url,
                             model,
-                            headers=target.headers,
+                            headers={**target.headers, **auth},
                             timeout_s=plan.timeout_s,
                         )
                         began = time.time()

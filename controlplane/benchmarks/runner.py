@@ -12,11 +12,13 @@ import logging
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import connections, transaction
 from django.utils import timezone
 
 from controlplane.benchmarks.choices import RunStatus
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample
+from controlplane.benchmarks.services import _endpoint
 from controlplane.routers.models import RouterInstance
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,17 @@ def target_url(run: BenchmarkRun) -> str:
     raise RunError(
         f"no live router to reach deployment {run.deployment}; start one or give target_url"
     )
+
+
+def router_api_key(url: str) -> str:
+    """``ROUTER_API_KEY`` when ``url`` is a registered router's, else nothing: the key is
+    never sent to an engine or an allowed outside target."""
+    key = str(settings.ROUTER_API_KEY)
+    listening = RouterInstance.objects.exclude(listen_url="").values_list("listen_url", flat=True)
+    endpoint = _endpoint(url)
+    if key and endpoint is not None and endpoint in {_endpoint(u) for u in listening}:
+        return key
+    return ""
 
 
 def attach_resources(rows: list[Any], node_id: int) -> None:
@@ -80,8 +93,9 @@ def execute(run_id: int) -> str:
         return BenchmarkRun.objects.get(pk=run_id).status
     run = BenchmarkRun.objects.select_related("scenario", "deployment").get(pk=run_id)
     try:
+        url = target_url(run)
         plan = Plan(
-            url=target_url(run),
+            url=url,
             mode=run.mode,
             levels=list(run.concurrency),
             iterations=run.iterations,
@@ -89,6 +103,7 @@ def execute(run_id: int) -> str:
             seed=run.seed,
             input_tokens=run.scenario.input_tokens,
             output_tokens=run.scenario.output_tokens,
+            api_key=router_api_key(url),
         )
     except (RunError, ValueError) as exc:
         _finish(run_id, RunStatus.FAILED, error=str(exc))

@@ -299,18 +299,22 @@ class AgentCommand(models.Model):
     role = models.CharField(max_length=4, choices=EngineRole.choices, blank=True)
     generation = models.PositiveIntegerField(default=0)
     step = models.CharField(max_length=32, blank=True, help_text="workflow step it serves")
-    attempts = models.PositiveIntegerField(default=1)
+    attempts = models.PositiveIntegerField(default=0, help_text="times handed to an agent")
     spec = models.JSONField(default=dict, blank=True)
     status = models.CharField(
         max_length=10, choices=CommandStatus.choices, default=CommandStatus.QUEUED, db_index=True
     )
     detail = models.TextField(blank=True)
     output = models.JSONField(default=dict, blank=True)
+    # The agent session (one per agent process) it was last handed to, and when.
+    delivered_to = models.CharField(max_length=64, blank=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     completed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]
+        indexes = [models.Index(fields=["node", "status", "created_at"], name="command_node_queue")]
         constraints = [
             models.UniqueConstraint(
                 fields=["deployment", "generation", "step"],

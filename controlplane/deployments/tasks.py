@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from controlplane.deployments import workflow
+from controlplane.deployments import delivery, workflow
 from controlplane.deployments.choices import DeploymentState
 from controlplane.deployments.models import Deployment
 
@@ -12,9 +12,9 @@ def advance_deployment(deployment_id: int) -> str:
     return workflow.advance(deployment_id)
 
 
-@shared_task(name="deployments.resend_stale_commands", ignore_result=True)
-def resend_stale_commands() -> int:
-    return workflow.resend_stale_commands(older_than_seconds=60.0)
+@shared_task(name="deployments.expire_stale_commands", ignore_result=True)
+def expire_stale_commands() -> int:
+    return delivery.expire_stale_commands(older_than_seconds=60.0)
 
 
 @shared_task(name="deployments.reconcile_node", ignore_result=True)

@@ -1,7 +1,8 @@
 """The deploy/stop workflow. The Deployment row holds its state; ``advance`` moves it one step.
 
-Every step sends one command to the node's agent and waits for the agent's result (see
-docs/deployment-lifecycle.md). ``advance`` is idempotent: it re-reads the row under a lock and
+Every step issues one command to the node's agent (an :class:`AgentCommand` row the agent
+fetches, see :mod:`controlplane.deployments.delivery`) and waits for the agent's result (see
+docs/lifecycles.md). ``advance`` is idempotent: it re-reads the row under a lock and
 finds each step's command by (deployment, generation, step), so running it twice — or after a
 redelivery — never sends a command twice.
 """
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
+from controlplane.deployments import delivery
 from controlplane.deployments.choices import (
     CommandAction,
     CommandStatus,
@@ -28,8 +29,6 @@ from controlplane.deployments.services import add_event, set_state
 from controlplane.deployments.specs import engine_spec
 
 log = logging.getLogger(__name__)
-
-AGENT_TASK = "syshax.agent.command"
 
 
 @dataclass(frozen=True)
@@ -86,21 +85,8 @@ def command_spec(deployment: Deployment, step: Step) -> dict[str, Any]:
 
 
 def send_command(command: AgentCommand) -> None:
-    from controlplane.celery import app
-
-    app.send_task(
-        AGENT_TASK,
-        kwargs={
-            "dispatch_id": str(command.dispatch_id),
-            "action": command.action,
-            "deployment_id": command.deployment_id,
-            "generation": command.generation,
-            "role": command.role,
-            "spec": command.spec,
-        },
-        queue=command.node.command_queue,
-        task_id=str(command.dispatch_id),
-    )
+    """The row is the command: wake the node's agent if it is waiting for one."""
+    delivery.wake(command.node_id)
 
 
 def advance(deployment_id: int) -> str:
@@ -225,31 +211,3 @@ def record_command_result(
             deployment_id = command.deployment_id
             transaction.on_commit(lambda: tasks.advance_deployment.delay(deployment_id))
     return True
-
-
-def resend_stale_commands(older_than_seconds: float, max_attempts: int = 3) -> int:
-    """Re-send commands that got no result (lost message, agent down). Same dispatch_id, so an
-    agent that did run the first copy only reports again."""
-    cutoff = timezone.now() - timedelta(seconds=older_than_seconds)
-    count = 0
-    for command in AgentCommand.objects.filter(
-        status=CommandStatus.QUEUED, created_at__lt=cutoff
-    ).select_related("node"):
-        timeout = float(command.spec.get("health_timeout_seconds", 0) or 0)
-        if timezone.now() - command.created_at < timedelta(
-            seconds=older_than_seconds * command.attempts + timeout
-        ):
-            continue
-        if command.attempts >= max_attempts:
-            record_command_result(
-                command,
-                status=CommandStatus.EXPIRED,
-                detail=f"no result from the agent of node {command.node.name} after "
-                f"{command.attempts} attempts",
-                output={},
-            )
-        else:
-            AgentCommand.objects.filter(pk=command.pk).update(attempts=command.attempts + 1)
-            send_command(command)
-        count += 1
-    return count

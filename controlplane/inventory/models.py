@@ -40,10 +40,6 @@ class Node(TimeStampedModel):
     def __str__(self) -> str:
         return self.name
 
-    @property
-    def command_queue(self) -> str:
-        return f"node.{self.name}"
-
     @staticmethod
     def heartbeat_grace() -> timedelta:
         return timedelta(seconds=settings.HEARTBEAT_INTERVAL_SECONDS * settings.HEARTBEAT_TOLERANCE)

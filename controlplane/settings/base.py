@@ -38,7 +38,6 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
     "django_filters",
     "drf_spectacular",
     "django_celery_beat",
@@ -130,7 +129,7 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "controlplane.access.authentication.MachineTokenAuthentication",
-        "rest_framework.authentication.TokenAuthentication",
+        "controlplane.access.authentication.PersonalTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["controlplane.access.permissions.ScopedPermission"],
@@ -174,6 +173,9 @@ SPECTACULAR_SETTINGS = {
 
 # Hosts (or host:port) a benchmark may target besides the fleet's routers and engines.
 BENCHMARK_ALLOWED_TARGETS = env_list("BENCHMARK_ALLOWED_TARGETS", [])
+# The routers' API key (their SYSHAX_ROUTER_API_KEY): a benchmark run sends it to a registered
+# router, and to no other target.
+ROUTER_API_KEY = env_str("ROUTER_API_KEY", "") or ""
 
 # Throttle counts (access/throttling.py): shared through Redis when there is one.
 CACHES = (
@@ -228,13 +230,16 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": env_float("HEARTBEAT_INTERVAL_SECONDS", 5.0, minimum=0.1),
     },
     "prune-heartbeats": {"task": "inventory.prune_heartbeats", "schedule": 3600.0},
-    "resend-stale-commands": {"task": "deployments.resend_stale_commands", "schedule": 30.0},
+    "expire-stale-commands": {"task": "deployments.expire_stale_commands", "schedule": 30.0},
     "resume-in-flight-deployments": {"task": "deployments.resume_in_flight", "schedule": 60.0},
 }
 
 # --- Fleet behaviour ----------------------------------------------------------------------
 # A node is offline after HEARTBEAT_INTERVAL * HEARTBEAT_TOLERANCE seconds without a heartbeat.
 HEARTBEAT_INTERVAL_SECONDS = env_float("HEARTBEAT_INTERVAL_SECONDS", 5.0, minimum=0.1)
+# How long an agent's command fetch waits for a command before it answers empty (a long
+# poll). 0: answer at once, and agents ask again every heartbeat interval.
+AGENT_COMMAND_WAIT_SECONDS = env_float("AGENT_COMMAND_WAIT_SECONDS", 20.0, minimum=0.0)
 HEARTBEAT_TOLERANCE = env_float("HEARTBEAT_TOLERANCE", 3.0, minimum=1.0)
 HEARTBEAT_RETENTION_HOURS = env_int("HEARTBEAT_RETENTION_HOURS", 24, minimum=1)
 ROUTER_GRACE_SECONDS = env_float("ROUTER_GRACE_SECONDS", 30.0, minimum=1.0)

@@ -77,6 +77,12 @@ class Stack:
         self.deployment_id: int | None = None
         self.agent_state = var_dir / "agent"
         self.model_name = served_model_name(args)
+        # The router's API key (var/up/tokens.json); new: made by this run, so shown once.
+        self.router_api_key = ""
+        self.router_api_key_new = False
+
+    def router_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.router_api_key}"}
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -107,7 +113,9 @@ class Stack:
             python_argv("web", "--bind", f"{self.args.host}:{self.args.port}", "--no-migrate"),
             env,
         )
-        self.sup.start("worker", python_argv("worker", "--concurrency", "2"), env)
+        # The worker sends the router's key with the benchmark runs it executes.
+        key = {"ROUTER_API_KEY": self.router_api_key} if self.router_api_key else {}
+        self.sup.start("worker", python_argv("worker", "--concurrency", "2"), {**env, **key})
         self.sup.start("beat", python_argv("beat"), env)
         self.wait_http(f"{self.base}/api/v1/health", "the web app")
 
@@ -194,14 +202,20 @@ class Stack:
                 "--state-dir",
                 str(self.var_dir / "router"),
             ),
-            {**env, "SYSHAX_ROUTER_TOKEN": tokens["router"]},
+            {
+                **env,
+                "SYSHAX_ROUTER_TOKEN": tokens["router"],
+                "SYSHAX_ROUTER_API_KEY": self.router_api_key,
+            },
         )
         self.wait_for_model()
 
     def wait_for_model(self) -> None:
         def listed() -> bool:
             try:
-                body = httpx.get(f"{self.router}/v1/models", timeout=2).json()
+                body = httpx.get(
+                    f"{self.router}/v1/models", headers=self.router_headers(), timeout=2
+                ).json()
             except (httpx.HTTPError, ValueError):
                 return False
             return any(m.get("id") == self.model_name for m in body.get("data", []))
@@ -215,14 +229,22 @@ class Stack:
         )
 
     def smoke(self) -> None:
+        request = {
+            "model": self.model_name,
+            "prompt": "Explain prefill and decode.",
+            "max_tokens": 16,
+        }
+        refused = httpx.post(f"{self.router}/v1/completions", timeout=30, json=request)
+        if refused.status_code != 401:
+            raise RuntimeError(
+                f"the router answered {refused.status_code} to a request without its API key"
+            )
+        self.say("router refuses a request without its API key (401)")
         response = httpx.post(
             f"{self.router}/v1/completions",
             timeout=120,
-            json={
-                "model": self.model_name,
-                "prompt": "Explain prefill and decode.",
-                "max_tokens": 16,
-            },
+            headers=self.router_headers(),
+            json=request,
         )
         response.raise_for_status()
         body = response.json()
@@ -241,7 +263,7 @@ class Stack:
             response = httpx.post(
                 f"{self.router}/v1/completions",
                 timeout=300,
-                headers={"X-Syshax-Mode": mode},
+                headers={**self.router_headers(), "X-Syshax-Mode": mode},
                 json={
                     "model": self.model_name,
                     "prompt": "Explain prefill and decode.",
@@ -289,7 +311,12 @@ class Stack:
             "--json",
             str(self.var_dir / "up" / "benchmark-short.json"),
         )
-        env = {**os.environ, **self.child_env(), "SYSHAX_TOKEN": admin_api_token()}
+        env = {
+            **os.environ,
+            **self.child_env(),
+            "SYSHAX_TOKEN": admin_api_token(self.var_dir),
+            "SYSHAX_ROUTER_API_KEY": self.router_api_key,
+        }
         return subprocess.run(argv, env=env).returncode
 
     def banner(self, password: str | None) -> None:
@@ -300,16 +327,26 @@ class Stack:
         if password:
             self.say(f"admin user admin / {password}   (shown once; change it in the admin)")
         if self.deployment_id is not None:
-            self.say(f"router     {self.router}/v1  (OpenAI-compatible)")
+            self.say(f"router     {self.router}/v1  (OpenAI-compatible; needs its API key)")
+            store = self.var_dir / "up" / "tokens.json"
+            if self.router_api_key_new:
+                self.say(f"router key {self.router_api_key}   (shown once; kept in {store})")
+                export = self.router_api_key
+            else:  # read from the store, so the key is printed only at the first start
+                path = json.dumps(str(store))
+                code = f'import json; print(json.load(open({path}))["router_api_key"])'
+                export = f"$(python3 -c {shlex.quote(code)})"
             body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 32})
             self.say(
-                "\ntry it:\n  curl " + f"{self.router}/v1/completions -H 'Content-Type: "
-                f"application/json' -d {shlex.quote(body)}"
+                f"\ntry it:\n  export SYSHAX_ROUTER_API_KEY={export}\n  curl "
+                f"{self.router}/v1/completions -H 'Content-Type: application/json' "
+                f'-H "Authorization: Bearer $SYSHAX_ROUTER_API_KEY" -d {shlex.quote(body)}'
             )
             self.say(
-                "  python -c \"from openai import OpenAI; c = OpenAI(base_url='"
-                f"{self.router}/v1', api_key='none'); print(c.completions.create(model='"
-                f"{model}', prompt='Hello', max_tokens=32).choices[0].text)\""
+                "  python -c \"import os; from openai import OpenAI; c = OpenAI(base_url='"
+                f"{self.router}/v1', api_key=os.environ['SYSHAX_ROUTER_API_KEY']); print("
+                f"c.completions.create(model='{model}', prompt='Hello', max_tokens=32)"
+                '.choices[0].text)"'
             )
         self.say(f"logs       {self.sup.log_dir}/")
 
@@ -369,12 +406,14 @@ def run(args: argparse.Namespace) -> int:
     from django.conf import settings
     from django.core.management import call_command
 
-    from syshax.commands.up_stack import ensure_admin
+    from syshax.commands.up_stack import ensure_admin, ensure_router_api_key
 
     var_dir = Path(settings.VAR_DIR)
     call_command("migrate", interactive=False, verbosity=0)
     password = ensure_admin()
     stack = Stack(args, var_dir)
+    if not args.no_engines:
+        stack.router_api_key, stack.router_api_key_new = ensure_router_api_key(var_dir)
     interrupted = False
 
     def interrupt(signum: int, frame: FrameType | None) -> None:

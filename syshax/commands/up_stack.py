@@ -5,13 +5,14 @@ API and admin use; nothing here bypasses the workflow."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from syshax.supervisor import write_text_atomic
 
 if TYPE_CHECKING:
     from controlplane.deployments.models import DeploymentProfile
@@ -39,13 +40,9 @@ def ensure_admin() -> str | None:
     return password
 
 
-def admin_api_token() -> str:
-    """The admin's DRF token, for the benchmark CLI to read the control plane."""
-    from django.contrib.auth import get_user_model
-    from rest_framework.authtoken.models import Token
-
-    admin = get_user_model().objects.get(username="admin")
-    return str(Token.objects.get_or_create(user=admin)[0].key)
+# The router's API key: what clients send as ``Authorization: Bearer``. Its prefix makes it
+# easy to spot (and to check that no command line carries it).
+ROUTER_API_KEY_PREFIX = "sxk_"
 
 
 def _token_store(var_dir: Path) -> Path:
@@ -54,14 +51,52 @@ def _token_store(var_dir: Path) -> Path:
     return path
 
 
+def _read_tokens(var_dir: Path) -> dict[str, str]:
+    store = _token_store(var_dir)
+    return dict(json.loads(store.read_text())) if store.exists() else {}
+
+
+def _write_tokens(var_dir: Path, tokens: dict[str, str]) -> None:
+    # Mode 0600 from its first byte; replaced whole, so a reader never sees half of it.
+    write_text_atomic(_token_store(var_dir), json.dumps(tokens), mode=0o600)
+
+
+def admin_api_token(var_dir: Path) -> str:
+    """The admin's API token, for the benchmark CLI to read the control plane. Kept in
+    var/up/tokens.json (only its hash is in the database); a missing, revoked or expired one
+    is issued again."""
+    from django.contrib.auth import get_user_model
+
+    from controlplane.access.models import PersonalToken, hash_token
+
+    tokens = _read_tokens(var_dir)
+    admin = get_user_model().objects.get(username="admin")
+    key = tokens.get("admin_api", "")
+    stored = PersonalToken.objects.filter(key_hash=hash_token(key), user=admin).first()
+    if stored is None or not stored.active:
+        tokens["admin_api"] = PersonalToken.issue(admin, "syshax up", acting_user="syshax up")[1]
+        _write_tokens(var_dir, tokens)
+    return tokens["admin_api"]
+
+
+def ensure_router_api_key(var_dir: Path) -> tuple[str, bool]:
+    """The local router's API key, made on the first run and kept in var/up/tokens.json:
+    (key, whether it is new)."""
+    tokens = _read_tokens(var_dir)
+    if tokens.get("router_api_key", "").startswith(ROUTER_API_KEY_PREFIX):
+        return tokens["router_api_key"], False
+    tokens["router_api_key"] = ROUTER_API_KEY_PREFIX + secrets.token_urlsafe(32)
+    _write_tokens(var_dir, tokens)
+    return tokens["router_api_key"], True
+
+
 def ensure_tokens(var_dir: Path, node_name: str) -> dict[str, str]:
     """Agent and router tokens for the local stack, kept in var/up/tokens.json (mode 0600).
     Only their hashes are in the database; a missing or revoked one is issued again."""
     from controlplane.access.models import MachineCredential, hash_token
     from controlplane.inventory.models import Node
 
-    store = _token_store(var_dir)
-    tokens: dict[str, str] = json.loads(store.read_text()) if store.exists() else {}
+    tokens = _read_tokens(var_dir)
     node, _ = Node.objects.get_or_create(name=node_name, defaults={"address": "127.0.0.1"})
     wanted = {
         "agent": ("agent", f"agent-{node_name}", node),
@@ -78,8 +113,7 @@ def ensure_tokens(var_dir: Path, node_name: str) -> dict[str, str]:
         )
         if not valid:
             tokens[key] = MachineCredential.issue(kind, name, node=bound)[1]
-    store.write_text(json.dumps(tokens))
-    os.chmod(store, 0o600)
+    _write_tokens(var_dir, tokens)
     return tokens
 
 

@@ -39,6 +39,9 @@ from syshax.loadgen.wire import ConnectionPool
 from syshax.loadgen.workload import build_requests
 
 CONTROL_PLANE_ENV = "SYSHAX_CONTROL_PLANE_URL"
+API_KEY_ENV = "SYSHAX_ROUTER_API_KEY"
+# Flags whose values are secrets: not copied into the JSON results.
+_SECRET_FLAGS = ("--token", "--api-key")
 # Warm-up requests get indexes from here on, so they never collide with measured ones.
 _WARMUP_INDEX = 1_000_000
 
@@ -85,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--token",
         default=os.environ.get("SYSHAX_TOKEN"),
         help="a user's API token for the control plane (env SYSHAX_TOKEN)",
+    )
+    where.add_argument(
+        "--api-key",
+        help=f"the router's API key, sent to every target as 'Authorization: Bearer KEY' "
+        f"(default: env {API_KEY_ENV}, which keeps it off the command line)",
     )
     where.add_argument("--mode", choices=MODE_CHOICES, help="default: the modes given targets")
 
@@ -207,13 +215,15 @@ async def _benchmark(
 ) -> list[Row]:
     rows: list[Row] = []
     models: dict[str, str] = {}
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
     pool = ConnectionPool()
     async with make_session() as session:
         # Ask every target for its model before the first row, so a dead target stops the
         # run at once instead of after an hour of other rows.
         for target in targets:
             if target.url not in models:
-                models[target.url] = args.model or await discover_model(session, target.url)
+                models[target.url] = args.model or await discover_model(session, target.url, auth)
         try:
             for level in levels:
                 # The same prompts for every mode at a level, so the modes compare like for like.
@@ -235,7 +245,7 @@ async def _benchmark(
                         target.url,
                         models[target.url],
                         api=args.api,
-                        headers=target.headers,
+                        headers={**target.headers, **auth},
                         timeout_s=args.timeout,
                     )
                     load = LoadSpec(level, args.request_rate, args.burstiness, args.seed)
@@ -274,6 +284,20 @@ async def _benchmark(
     return rows
 
 
+def _without_secrets(argv: list[str]) -> list[str]:
+    shown = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            arg, hide_next = "***", False
+        elif arg in _SECRET_FLAGS:
+            hide_next = True
+        elif arg.startswith(tuple(f"{flag}=" for flag in _SECRET_FLAGS)):
+            arg = arg.split("=", 1)[0] + "=***"
+        shown.append(arg)
+    return shown
+
+
 def _config(
     args: argparse.Namespace,
     scenario: Scenario,
@@ -283,7 +307,7 @@ def _config(
 ) -> dict[str, object]:
     return {
         "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "argv": sys.argv[1:],
+        "argv": _without_secrets(sys.argv[1:]),
         "scenario": scenario.to_dict(),
         "concurrency": list(levels),
         "iterations": args.iterations,

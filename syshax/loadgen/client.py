@@ -45,11 +45,13 @@ class TargetUnavailable(RuntimeError):
     """The target could not say which model it serves."""
 
 
-async def discover_model(session: aiohttp.ClientSession, base_url: str) -> str:
+async def discover_model(
+    session: aiohttp.ClientSession, base_url: str, headers: Mapping[str, str] | None = None
+) -> str:
     """The first model the target serves, from ``GET /v1/models``."""
     url = f"{api_root(base_url)}/models"
     try:
-        async with session.get(url) as response:
+        async with session.get(url, headers=headers) as response:
             if response.status != 200:
                 body = (await response.text())[:_ERROR_BODY_LIMIT]
                 raise TargetUnavailable(f"GET {url} answered HTTP {response.status}: {body}")

@@ -9,27 +9,28 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+from contextlib import suppress
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 
 class StandInControlPlane:
     def __init__(
-        self,
-        *,
-        node_name: str,
-        broker_url: str,
-        port: int = 0,
-        interval: float = 0.2,
-        broker_options: dict[str, Any] | None = None,
+        self, *, node_name: str, port: int = 0, interval: float = 0.2, wait: float = 0.5
     ) -> None:
         self.node_name = node_name
-        self.broker_url = broker_url
-        self.broker_options = broker_options or {}
         self.interval = interval
+        self.wait = wait  # the long poll of GET agent/commands
         self.requests: list[tuple[str, str, Any]] = []
         self.force_hash_mismatch = 0  # answer this many heartbeats with a foreign hash
+        self.fail_results = False  # answer command results with 503 (the agent keeps them)
         self.inventory_hash = ""
+        # Commands as the real control plane hands them out: each entry once per agent
+        # session, until a result for its dispatch arrives.
+        self.commands: list[tuple[dict[str, Any], set[str]]] = []
+        self.answered: set[str] = set()
         self.lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self.port = port
@@ -40,6 +41,10 @@ class StandInControlPlane:
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, format: str, *args: Any) -> None:
                 pass
+
+            def handle_one_request(self) -> None:
+                with suppress(BrokenPipeError):  # an agent killed in its long poll
+                    super().handle_one_request()
 
             def _answer(self, body: dict[str, Any], status: int = 200) -> None:
                 raw = json.dumps(body).encode()
@@ -52,9 +57,17 @@ class StandInControlPlane:
             def _handle(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length)) if length else None
-                path = self.path.removeprefix("/api/v1/")
+                url = urlsplit(self.path)
+                path = url.path.removeprefix("/api/v1/")
                 if self.headers.get("Authorization") != "Bearer sxa_test":
                     self._answer({"error": {"code": "not_authenticated", "message": "no"}}, 401)
+                    return
+                if path == "agent/commands":
+                    session = parse_qs(url.query)["session"][0]
+                    self._answer({"commands": outer.take(session)})
+                    return
+                if path.startswith("commands/") and outer.fail_results:
+                    self._answer({"error": {"code": "unavailable", "message": "down"}}, 503)
                     return
                 with outer.lock:
                     outer.requests.append((self.command, path, body))
@@ -77,14 +90,33 @@ class StandInControlPlane:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def enqueue(self, **message: Any) -> None:
+        """Issue a command to the agent (again, for the same dispatch id: a redelivery)."""
+        with self.lock:
+            dispatch_id = str(message["dispatch_id"])
+            self.answered.discard(dispatch_id)
+            self.commands = [c for c in self.commands if c[0]["dispatch_id"] != dispatch_id]
+            self.commands.append(({"node": self.node_name, **message}, set()))
+
+    def take(self, session: str) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + self.wait
+        while True:
+            with self.lock:
+                out = []
+                for message, sessions in self.commands:
+                    if session not in sessions and message["dispatch_id"] not in self.answered:
+                        sessions.add(session)
+                        out.append(message)
+            if out or time.monotonic() >= deadline:
+                return out
+            time.sleep(0.05)
+
     def route(self, method: str, path: str, body: Any) -> dict[str, Any]:
         if path == "agent/self":
             return {
                 "node": {"id": 5, "name": self.node_name},
                 "heartbeat_interval_seconds": self.interval,
-                "command_queue": f"node.{self.node_name}",
-                "broker_url": self.broker_url,
-                "broker_transport_options": self.broker_options,
+                "command_wait_seconds": self.wait,
             }
         if path == "nodes/5/inventory":
             self.inventory_hash = _hash(body)
@@ -100,6 +132,7 @@ class StandInControlPlane:
                 "heartbeat_interval_seconds": self.interval,
             }
         if path.startswith("commands/"):
+            self.answered.add(path.split("/")[1])
             return {"accepted": True}
         if path == "nodes/5/containers":
             return {"updated": len(body["containers"])}

@@ -16,7 +16,12 @@ from agent_helpers import IMAGE, free_port, host_mounts, http_engine_spec
 from agents.commands import CommandExecutor
 from agents.runtimes import EngineRuntimeError
 from agents.runtimes.dockerapi import DockerRuntime, container_kwargs
-from agents.specs import EngineSpec, kv_connector_dir
+from agents.specs import EngineSpec, SpecPolicy, kv_connector_dir
+
+
+def mounted(*extra: Path) -> SpecPolicy:
+    """The policy of an agent started with ``--mount`` for each of :func:`host_mounts`."""
+    return SpecPolicy(mount_sources=tuple(str(m["source"]) for m in host_mounts(*extra)))
 
 
 def container_spec(root: Path, **extra: Any) -> dict[str, Any]:
@@ -139,7 +144,9 @@ def test_ascend_npus_get_their_device_nodes_and_the_host_driver() -> None:
 def test_gpu_then_cpu_share_one_ipc_namespace_on_podman(
     docker_runtime: DockerRuntime, web_root: Path, tmp_path: Path
 ) -> None:
-    executor = CommandExecutor(docker_runtime, node="node-a", state_dir=tmp_path / "state")
+    executor = CommandExecutor(
+        docker_runtime, node="node-a", state_dir=tmp_path / "state", policy=mounted(web_root)
+    )
     refused = run(executor, "start", "cpu", container_spec(web_root))
     assert "IPC peer GPU engine syshax-11-g1-gpu is not running" in refused["detail"]
 
@@ -207,7 +214,9 @@ def test_gpu_then_cpu_share_one_ipc_namespace_on_podman(
 def test_a_failing_container_reports_its_exit_code_and_logs_and_is_removed(
     docker_runtime: DockerRuntime, tmp_path: Path
 ) -> None:
-    executor = CommandExecutor(docker_runtime, node="node-a", state_dir=tmp_path / "state")
+    executor = CommandExecutor(
+        docker_runtime, node="node-a", state_dir=tmp_path / "state", policy=mounted()
+    )
     spec = {
         "command": [sys.executable, "-c", "print('CUDA out of memory'); raise SystemExit(2)"],
         "image": IMAGE,
@@ -258,7 +267,9 @@ def completion(port: int, body: dict[str, Any]) -> httpx.Response:
 def test_simulator_kv_handoff_works_across_the_shared_ipc_namespace_only(
     docker_runtime: DockerRuntime, tmp_path: Path
 ) -> None:
-    executor = CommandExecutor(docker_runtime, node="node-a", state_dir=tmp_path / "state")
+    executor = CommandExecutor(
+        docker_runtime, node="node-a", state_dir=tmp_path / "state", policy=mounted()
+    )
     gpu_spec = sim_spec("a100-80gb", shm_size_bytes=256 << 20)
     cpu_spec = sim_spec(
         "xeon-8480", cpuset="0-1", env={"OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "1"}

@@ -24,8 +24,8 @@ from agents.runtimes.dockerapi import DockerRuntime
 from agents.runtimes.process import ProcessRuntime
 from controlplane.access.models import MachineCredential
 from controlplane.deployments import services
+from controlplane.deployments.delivery import expire_stale_commands
 from controlplane.deployments.models import AgentCommand, Deployment, DeploymentProfile
-from controlplane.deployments.workflow import resend_stale_commands
 from controlplane.inventory.models import Node
 from controlplane.inventory.services import mark_lost_nodes
 from tests.support.controlplane import child_env, running, syshax, wait_until
@@ -252,8 +252,9 @@ def test_killing_agent_and_worker_mid_deploy_loses_and_duplicates_nothing(
     fleet.agent()
 
     def settled() -> bool:
-        # What beat does every 30-60 s in production, sped up: resend what got no result.
-        resend_stale_commands(older_than_seconds=2.0)
+        # What beat does every 30 s in production, sped up: offer again what got no result.
+        # The restarted agent is a new session, so it is handed the start-gpu command anyway.
+        expire_stale_commands(older_than_seconds=2.0)
         return deployment_state(deployment.pk) in ("running", "failed")
 
     wait_until(settled, 150, "the deploy to finish after the crash", interval=1.0)

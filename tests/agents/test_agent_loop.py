@@ -1,17 +1,16 @@
-"""The agent process: HTTP client back-off, heartbeats, outage and reconcile, Celery commands.
+"""The agent process: HTTP client back-off, heartbeats, outage and reconcile, fetched commands.
 
-The control plane here is the stand-in of standin_control_plane.py (it records requests), so
-these tests pin the agent's client behaviour. Commands travel through the real Redis broker.
+The control plane here is the stand-in of standin_control_plane.py (it records requests and
+hands out commands as ``GET agent/commands`` does), so these tests pin the agent's client
+behaviour. test_agent_e2e.py runs the agent against the real control plane.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -20,40 +19,11 @@ from typing import Any
 
 import pytest
 from agent_helpers import PROJECT, http_engine_spec
-from celery import Celery
 from standin_control_plane import StandInControlPlane
 
 from agents.client import ApiError, ControlPlaneClient, Unreachable, backoff_delay
 from agents.commands import probe
-from agents.consumer import TASK_NAME
 from syshax.supervisor import wait_until
-
-
-def _test_broker() -> tuple[str, dict[str, Any]]:
-    """Redis when the suite runs on services (REDIS_URL), else a filesystem broker of its own,
-    as on the embedded defaults."""
-    url = os.environ.get("SYSHAX_TEST_REDIS_URL") or os.environ.get("REDIS_URL")
-    if url:
-        return url, {}
-    folder = Path(tempfile.mkdtemp(prefix="syshax-agent-broker-"))
-    for sub in ("queue", "processed", "control"):
-        (folder / sub).mkdir()
-    return "syshaxfs://", {
-        "data_folder_in": str(folder / "queue"),
-        "data_folder_out": str(folder / "queue"),
-        "processed_folder": str(folder / "processed"),
-        "control_folder": str(folder / "control"),
-        "polling_interval": 0.05,
-    }
-
-
-REDIS, BROKER_OPTIONS = _test_broker()
-
-
-def producer_for_tests() -> Celery:
-    app = Celery(broker=REDIS)
-    app.conf.broker_transport_options = BROKER_OPTIONS
-    return app
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
@@ -72,7 +42,7 @@ def test_backoff_grows_exponentially_with_full_jitter_up_to_the_cap() -> None:
 
 
 def test_client_tells_unreachable_from_refused(tmp_path: Path) -> None:
-    plane = StandInControlPlane(node_name="n", broker_url=REDIS, broker_options=BROKER_OPTIONS)
+    plane = StandInControlPlane(node_name="n")
     plane.start()
     try:
         assert ControlPlaneClient(plane.url, "sxa_test").agent_self()["node"]["id"] == 5
@@ -92,7 +62,7 @@ def node_name() -> str:
 
 @pytest.fixture
 def plane(node_name: str) -> Iterator[StandInControlPlane]:
-    cp = StandInControlPlane(node_name=node_name, broker_url=REDIS, broker_options=BROKER_OPTIONS)
+    cp = StandInControlPlane(node_name=node_name)
     cp.start()
     yield cp
     cp.stop()
@@ -138,16 +108,10 @@ class AgentProcess:
         return self.proc.wait(timeout=20)
 
 
-def send(producer: Celery, queue: str, **kwargs: Any) -> None:
-    producer.send_task(TASK_NAME, kwargs=kwargs, queue=queue)
-
-
 def test_agent_beats_takes_commands_survives_an_outage_and_readopts_after_a_kill(
     plane: StandInControlPlane, node_name: str, tmp_path: Path, web_root: Path
 ) -> None:
     agent = AgentProcess(plane, tmp_path / "state", tmp_path / "agent.log")
-    producer = producer_for_tests()
-    queue = f"node.{node_name}"
     agent.start()
     try:
         (inventory,) = wait_for(lambda: plane.seen("PUT", "nodes/5/inventory"), what="inventory")
@@ -160,7 +124,7 @@ def test_agent_beats_takes_commands_survives_an_outage_and_readopts_after_a_kill
         plane.force_hash_mismatch = 1
         wait_for(lambda: len(plane.seen("PUT", "nodes/5/inventory")) == 2, what="resend")
 
-        # A start command through the real broker; its result comes back over REST.
+        # A start command fetched from the control plane; its result goes back over REST.
         spec = http_engine_spec(web_root, accelerators=[{"uuid": sim["uuid"], "simulated": True}])
         endpoint = f"http://127.0.0.1:{spec['port']}"
         start = {
@@ -171,7 +135,7 @@ def test_agent_beats_takes_commands_survives_an_outage_and_readopts_after_a_kill
             "role": "gpu",
             "spec": spec,
         }
-        send(producer, queue, **start)
+        plane.enqueue(**start)
         path = f"commands/{start['dispatch_id']}/result"
         (result,) = wait_for(lambda: plane.seen("POST", path), what="start result")
         assert result["status"] == "succeeded", result["detail"]
@@ -186,9 +150,8 @@ def test_agent_beats_takes_commands_survives_an_outage_and_readopts_after_a_kill
         card = plane.seen("POST", "nodes/5/heartbeat")[-1]["accelerators"][0]
         assert card["simulated"] and card["utilization_percent"] == 0.0
 
-        # Outage: the control plane goes away; the engine keeps serving; the agent backs off.
-        plane.stop()
-        # A command during the outage still runs; its result waits in the outbox.
+        # A command whose result cannot be delivered: the result waits in the outbox ...
+        plane.fail_results = True
         inspect = {
             "dispatch_id": str(uuid.uuid4()),
             "action": "inspect",
@@ -197,9 +160,13 @@ def test_agent_beats_takes_commands_survives_an_outage_and_readopts_after_a_kill
             "role": "gpu",
             "spec": {},
         }
-        send(producer, queue, **inspect)
+        plane.enqueue(**inspect)
         outbox = tmp_path / "state" / "outbox"
         wait_for(lambda: list(outbox.glob("*.json")), what="the result in the outbox")
+        # ... through an outage: the control plane goes away; the engine keeps serving; the
+        # agent backs off.
+        plane.stop()
+        plane.fail_results = False
         time.sleep(1.0)
         assert probe(endpoint, "/health")[0]
         beats_before = len(plane.seen("POST", "nodes/5/heartbeat"))
@@ -233,11 +200,11 @@ def test_agent_beats_takes_commands_survives_an_outage_and_readopts_after_a_kill
         )
         adopted = plane.seen("PUT", "nodes/5/containers")[-1]["containers"]
         assert [c["engine_id"] for c in adopted] == [engine_id]
-        send(producer, queue, **start)  # redelivery of the same dispatch
+        plane.enqueue(**start)  # redelivery of the same dispatch
         wait_for(lambda: len(plane.seen("POST", path)) == 2, what="repeated result")
         assert plane.seen("POST", path)[1] == result
         again = dict(start, dispatch_id=str(uuid.uuid4()))  # same generation, new dispatch
-        send(producer, queue, **again)
+        plane.enqueue(**again)
         (second,) = wait_for(
             lambda: plane.seen("POST", f"commands/{again['dispatch_id']}/result"),
             what="second start",
@@ -253,7 +220,7 @@ def test_agent_beats_takes_commands_survives_an_outage_and_readopts_after_a_kill
             "role": None,
             "spec": {},
         }
-        send(producer, queue, **stop)
+        plane.enqueue(**stop)
         (stopped,) = wait_for(
             lambda: plane.seen("POST", f"commands/{stop['dispatch_id']}/result"), what="stop result"
         )

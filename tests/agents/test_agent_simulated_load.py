@@ -21,7 +21,7 @@ import httpx
 import pytest
 from agent_helpers import free_port, http_engine_spec
 from standin_control_plane import StandInControlPlane
-from test_agent_loop import BROKER_OPTIONS, REDIS, AgentProcess, producer_for_tests, send, wait_for
+from test_agent_loop import AgentProcess, wait_for
 
 from agents.commands import CommandExecutor
 from agents.discovery import (
@@ -238,9 +238,7 @@ def test_an_engine_that_does_not_answer_never_holds_up_the_heartbeat() -> None:
 
 @pytest.fixture
 def plane() -> Iterator[StandInControlPlane]:
-    cp = StandInControlPlane(
-        node_name=f"t-{uuid.uuid4().hex[:8]}", broker_url=REDIS, broker_options=BROKER_OPTIONS
-    )
+    cp = StandInControlPlane(node_name=f"t-{uuid.uuid4().hex[:8]}")
     cp.start()
     yield cp
     cp.stop()
@@ -256,9 +254,7 @@ def test_the_agent_process_beats_its_simulator_engines_figures(
         card = inventory["accelerators"][0]["uuid"]
         spec = sim_engine_spec(card)
         dispatch = str(uuid.uuid4())
-        send(
-            producer_for_tests(),
-            f"node.{plane.node_name}",
+        plane.enqueue(
             dispatch_id=dispatch,
             action="start",
             deployment_id=3,

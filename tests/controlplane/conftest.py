@@ -135,3 +135,10 @@ def _fresh_throttle_counts() -> None:
 def _loopback_benchmark_targets(settings) -> None:
     """The tests benchmark engines they start on this host's loopback, on any port."""
     settings.BENCHMARK_ALLOWED_TARGETS = ["127.0.0.1", "localhost"]
+
+
+@pytest.fixture(autouse=True)
+def _short_command_fetch_wait(settings) -> None:
+    """An agent's command fetch waits at most a second here (20 s by default), so a test or
+    the API fuzzer calling it with an agent token is not held."""
+    settings.AGENT_COMMAND_WAIT_SECONDS = 1.0

@@ -27,10 +27,9 @@ from django.core.signals import request_finished, request_started
 from django.db import close_old_connections
 from drf_spectacular.generators import SchemaGenerator
 from hypothesis import HealthCheck, settings
-from rest_framework.authtoken.models import Token
 from schemathesis.checks import negative_data_rejection, positive_data_acceptance
 
-from controlplane.access.models import MachineCredential
+from controlplane.access.models import MachineCredential, PersonalToken
 from controlplane.benchmarks.models import BenchmarkRun, Scenario
 from controlplane.deployments.models import AgentCommand, ContainerInstance
 from controlplane.routers.models import RouterInstance
@@ -100,7 +99,7 @@ def world(db: Any, admin_user) -> Iterator[World]:
         "/api/v1/scenarios/": scenario.name,
         "/api/v1/benchmark-runs/": run.pk,
     }
-    yield World(Token.objects.create(user=admin_user).key, agent, router, ids)
+    yield World(PersonalToken.issue(admin_user, "fuzz")[1], agent, router, ids)
     request_started.connect(close_old_connections)
     request_finished.connect(close_old_connections)
 

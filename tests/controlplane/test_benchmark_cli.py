@@ -8,9 +8,8 @@ import threading
 
 import pytest
 from django.utils import timezone
-from rest_framework.authtoken.models import Token
 
-from controlplane.access.models import MachineCredential
+from controlplane.access.models import MachineCredential, PersonalToken
 from controlplane.inventory.models import Heartbeat
 from controlplane.routers.models import RouterInstance
 from syshax.cli import main as syshax_main
@@ -42,7 +41,7 @@ def test_heartbeats_summarize_to_mean_and_peak() -> None:
 def test_benchmark_a_deployment_through_the_control_plane(
     live_server, admin_user, make_deployment, tmp_path, capsys
 ) -> None:
-    token = Token.objects.create(user=admin_user).key
+    token = PersonalToken.issue(admin_user, "cli")[1]
     with running_sim("a100-80gb", speed=20.0) as engine:
         deployment = make_deployment(state="running", gpu_endpoint=engine)
         credential = MachineCredential.issue("router", "r1")[0]
@@ -109,7 +108,7 @@ def test_benchmark_a_deployment_through_the_control_plane(
 
 @pytest.mark.django_db(transaction=True)
 def test_an_unknown_or_stopped_deployment_is_a_clear_error(live_server, admin_user, capsys) -> None:
-    token = Token.objects.create(user=admin_user).key
+    token = PersonalToken.issue(admin_user, "cli")[1]
     status = syshax_main(
         ["benchmark", "--deployment", "nope", "--control-plane", live_server.url, "--token", token]
     )

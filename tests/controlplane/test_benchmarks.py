@@ -274,3 +274,32 @@ def test_a_run_against_nothing_fails_with_every_request_counted() -> None:
     assert runner.execute(run.pk) == "failed"
     run.refresh_from_db()
     assert run.status == "failed" and run.error
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_sends_the_router_api_key_to_a_registered_router_only(
+    simulated_gpu, settings
+) -> None:
+    from django.utils import timezone
+
+    from controlplane.access.models import MachineCredential
+    from controlplane.routers.models import RouterInstance
+    from syshax.loadgen.simproc import running_router
+
+    settings.ROUTER_API_KEY = "sxk_bench"
+    scenario = Scenario.objects.create(name="tiny3", input_tokens=8, output_tokens=4)
+    extra = ("--api-key", "sxk_bench")
+    with running_router(simulated_gpu, simulated_gpu, mode="gpu-only", extra_args=extra) as url:
+        assert runner.router_api_key(url) == ""  # not registered: no key
+        RouterInstance.objects.create(
+            name="r-key",
+            credential=MachineCredential.issue("router", "r-key")[0],
+            listen_url=url,
+            last_seen_at=timezone.now(),
+        )
+        assert runner.router_api_key(url + "/") == "sxk_bench"
+        assert runner.router_api_key(simulated_gpu) == ""  # an engine never gets it
+        run = BenchmarkRun.objects.create(
+            scenario=scenario, target_url=url, mode="gpu", concurrency=[1], iterations=2
+        )
+        assert runner.execute(run.pk) == "succeeded", BenchmarkRun.objects.get(pk=run.pk).error

@@ -1,5 +1,6 @@
 """A real Celery worker on the configured broker (Redis on CI, the filesystem broker on the
-embedded defaults) drives the deploy workflow, and commands reach the node's own queue."""
+embedded defaults) drives the deploy workflow, and the node's agent fetches each command with
+its own token."""
 
 from __future__ import annotations
 
@@ -7,29 +8,17 @@ import uuid
 
 import pytest
 from django.db import connections
+from rest_framework.test import APIClient
 
-from controlplane.celery import app
+from controlplane.access.models import MachineCredential
 from controlplane.deployments import services
 from controlplane.deployments.models import AgentCommand, Deployment
-from controlplane.deployments.workflow import AGENT_TASK
 from tests.support.controlplane import running, syshax, wait_until
-
-
-def take_from_queue(queue: str, timeout: float) -> dict:
-    """Consume one message from a node's queue, as the node's agent would."""
-    with app.connection_for_read() as conn:
-        simple = conn.SimpleQueue(queue)
-        try:
-            message = simple.get(block=True, timeout=timeout)
-            message.ack()
-            return {"headers": message.headers, "body": message.payload}
-        finally:
-            simple.close()
 
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_the_worker_advances_a_deploy_and_commands_reach_the_node_queue(
+def test_the_worker_advances_a_deploy_and_the_agent_fetches_its_commands(
     tmp_path, make_node, make_profile, admin_user
 ) -> None:
     # A fresh name, so the node's queue holds nothing from an earlier run.
@@ -37,6 +26,7 @@ def test_the_worker_advances_a_deploy_and_commands_reach_the_node_queue(
     deployment = services.create_deployment(
         name="live", profile=make_profile(), node=node, acting_user=admin_user
     )
+    _, token = MachineCredential.issue("agent", f"agent-{node.name}", node=node)
     connections.close_all()
     with running(syshax("worker", "--concurrency", "1"), tmp_path / "worker.log"):
         services.request_deploy(deployment, acting_user=admin_user)
@@ -46,11 +36,13 @@ def test_the_worker_advances_a_deploy_and_commands_reach_the_node_queue(
 
         command = wait_until(first_command, 60, "the worker to dispatch the first step")
         assert command.step == "stop-old-cpu"
-        message = take_from_queue(node.command_queue, timeout=30)
-        assert message["headers"]["task"] == AGENT_TASK
-        _args, kwargs, _ = message["body"]
-        assert kwargs["dispatch_id"] == str(command.dispatch_id)
-        assert kwargs["action"] == "stop"
+        agent = APIClient()
+        agent.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+        answer = agent.get("/api/v1/agent/commands", {"session": "s1", "wait": "5"})
+        assert answer.status_code == 200, answer.content
+        (message,) = answer.json()["commands"]
+        assert message["dispatch_id"] == str(command.dispatch_id)
+        assert (message["action"], message["node"], message["attempt"]) == ("stop", node.name, 1)
 
         from controlplane.deployments.workflow import record_command_result
 

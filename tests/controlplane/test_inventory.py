@@ -127,11 +127,11 @@ def test_a_draining_node_stays_draining_while_it_heartbeats(
     assert "draining" in response.json()["error"]["message"]
 
 
-def test_agent_self_tells_the_agent_its_queue(node, agent_client) -> None:
+def test_agent_self_tells_the_agent_its_node_and_fetch_wait(node, agent_client, settings) -> None:
     body = agent_client.get("/api/v1/agent/self").json()
     assert body["node"]["name"] == "node-a"
-    assert body["command_queue"] == "node.node-a"
-    assert body["broker_url"]
+    assert body["command_wait_seconds"] == settings.AGENT_COMMAND_WAIT_SECONDS
+    assert not {"broker_url", "command_queue", "broker_transport_options"} & set(body)
 
 
 def test_node_returning_settles_unknown_deployments_from_reported_containers(

@@ -1,8 +1,8 @@
 """Helpers for the browser tests: Debian's Chromium under Playwright, and a stand-in agent.
 
-The stand-in agent is the agent's *side of the wire* only: it takes commands from the node's
-real Celery queue and answers through the real REST API with a real agent token, as
-agents/ does. It starts no engines, because none can run inside this test.
+The stand-in agent is the agent's *side of the wire* only: it fetches its node's commands and
+answers them through the real REST API with a real agent token, as agents/ does. It starts
+no engines, because none can run inside this test.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -71,14 +72,15 @@ def save_screenshot(page: Any, name: str, *, for_docs: bool = False) -> Path:
 
 
 class StandInAgent(threading.Thread):
-    """Answers every command on ``queue`` with success, ``delay`` seconds after taking it."""
+    """Fetches its node's commands as an agent does (``GET agent/commands`` with the node's
+    token) and answers each with success, ``delay`` seconds after taking it."""
 
-    def __init__(self, base_url: str, token: str, queue: str, delay: float = 0.6) -> None:
-        super().__init__(daemon=True, name=f"stand-in-agent-{queue}")
+    def __init__(self, base_url: str, token: str, delay: float = 0.6) -> None:
+        super().__init__(daemon=True, name="stand-in-agent")
         self.base_url = base_url.rstrip("/")
         self.token = token
-        self.queue = queue
         self.delay = delay
+        self.session = uuid.uuid4().hex
         self.handled: list[dict[str, Any]] = []
         self.errors: list[str] = []
         self._stop_event = threading.Event()
@@ -86,38 +88,20 @@ class StandInAgent(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
 
-    def purge(self) -> None:
-        """Drop whatever an earlier, interrupted run left in the node's queue."""
-        from controlplane.celery import app
-
-        with app.connection_for_write() as conn:
-            inbox = conn.SimpleQueue(self.queue)
-            try:
-                inbox.clear()
-            finally:
-                inbox.close()
-
     def run(self) -> None:
-        from controlplane.celery import app
-
         headers = {"Authorization": f"Bearer {self.token}"}
-        with (
-            httpx.Client(base_url=self.base_url, headers=headers, timeout=30) as http,
-            app.connection_for_read() as conn,
-        ):
-            inbox = conn.SimpleQueue(self.queue)
-            try:
-                while not self._stop_event.is_set():
-                    try:
-                        message = inbox.get(block=True, timeout=0.5)
-                    except inbox.Empty:
-                        continue
-                    _args, kwargs, _ = message.payload
-                    message.ack()
+        with httpx.Client(base_url=self.base_url, headers=headers, timeout=30) as http:
+            while not self._stop_event.is_set():
+                response = http.get(
+                    "/api/v1/agent/commands", params={"session": self.session, "wait": "0.5"}
+                )
+                if response.status_code != 200:
+                    self.errors.append(f"fetch: HTTP {response.status_code} {response.text}")
+                    self._stop_event.wait(0.5)
+                    continue
+                for command in response.json()["commands"]:
                     time.sleep(self.delay)
-                    self._answer(http, kwargs)
-            finally:
-                inbox.close()
+                    self._answer(http, command)
 
     def _answer(self, http: httpx.Client, command: dict[str, Any]) -> None:
         containers = []

@@ -238,8 +238,7 @@ def test_create_a_deployment_and_watch_it_become_running(
     assert problem.field == "tensor_parallel_size"
     save_screenshot(page, "deployment-error")
 
-    agent = StandInAgent(live_server.url, fleet["token"], node.command_queue, delay=0.7)
-    agent.purge()
+    agent = StandInAgent(live_server.url, fleet["token"], delay=0.7)
     agent.start()
     try:
         page.fill("#id_name", "qwen32b-second")

@@ -68,7 +68,7 @@ def flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 
 
-def test_router_and_agent_on_the_host_network_reach_web_and_redis_by_published_ports() -> None:
+def test_router_and_agent_on_the_host_network_reach_web_by_its_published_port() -> None:
     # Service names do not resolve on the host network, and the engines listen on the host.
     web = "http://${CONTROL_PLANE_HOST:-127.0.0.1}:${WEB_PORT:-8000}"
     for name in ("router", "agent"):
@@ -76,9 +76,11 @@ def test_router_and_agent_on_the_host_network_reach_web_and_redis_by_published_p
         assert service["network_mode"] == "host", name
         assert "ports" not in service, name
         assert flag(service["command"], "--control-plane") == web, name
-    broker = flag(SERVICES["agent"]["command"], "--broker")
-    assert broker == "redis://${CONTROL_PLANE_HOST:-127.0.0.1}:${REDIS_PORT:-6379}/0"
-    assert SERVICES["redis"]["ports"] == ["${REDIS_BIND:-127.0.0.1}:${REDIS_PORT:-6379}:6379"]
+    # The agent fetches its commands from web and holds no broker credential: Redis stays on
+    # the compose network, unpublished.
+    assert "--broker" not in SERVICES["agent"]["command"]
+    assert "ports" not in SERVICES["redis"]
+    assert "redis" not in SERVICES["agent"]["depends_on"]
     assert SERVICES["web"]["ports"] == ["${WEB_PORT:-8000}:8000"]
     assert flag(SERVICES["router"]["command"], "--port") == "${ROUTER_PORT:-7010}"
     assert "${ROUTER_PORT:-7010}" in SERVICES["router"]["healthcheck"]["test"][1]
@@ -129,8 +131,6 @@ def test_the_env_example_names_only_variables_the_settings_or_compose_read() -> 
         "POSTGRES_PASSWORD",
         "WEB_PORT",
         "ROUTER_PORT",
-        "REDIS_PORT",
-        "REDIS_BIND",
         "CONTROL_PLANE_HOST",
         "NODE_ADDRESS",
         "DOCKER_SOCKET",
@@ -169,11 +169,10 @@ def compose_client() -> list[str] | None:
     return [standalone] if standalone else None
 
 
-def test_the_compose_client_accepts_the_file_with_the_env_example(tmp_path) -> None:
-    client = compose_client()
-    if client is None:
-        # No compose client on this machine: the structural checks above are the test.
-        return
+def compose_config(
+    client: list[str], tmp_path: Path, **overrides: str
+) -> subprocess.CompletedProcess[str]:
+    """``compose config -q`` with the env example, every empty value filled in."""
     values = {
         line.split("=", 1)[0]: line.split("=", 1)[1]
         for line in (ROOT / ".env.example").read_text().splitlines()
@@ -181,15 +180,34 @@ def test_the_compose_client_accepts_the_file_with_the_env_example(tmp_path) -> N
     }
     env = tmp_path / ".env"
     values["APP_ENV_FILE"] = str(env)  # not the checkout's .env, which may not exist
-    env.write_text("\n".join(f"{k}={v or 'x'}" for k, v in sorted(values.items())))
-    result = subprocess.run(
+    values = {name: value or "x" for name, value in values.items()} | overrides
+    env.write_text("\n".join(f"{k}={v}" for k, v in sorted(values.items())))
+    return subprocess.run(
         [*client, "-f", str(ROOT / "docker-compose.yml"), "--env-file", str(env), "config", "-q"],
         capture_output=True,
         text=True,
         # Compose lets the caller's environment override the env file: give it none.
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path)},
     )
+
+
+def test_the_compose_client_accepts_the_file_with_the_env_example(tmp_path) -> None:
+    client = compose_client()
+    if client is None:
+        # No compose client on this machine: the structural checks above are the test.
+        return
+    result = compose_config(client, tmp_path)
     assert result.returncode == 0, result.stderr
+    # No router API key: compose refuses every command, naming the variable.
+    refused = compose_config(client, tmp_path, ROUTER_API_KEY="")
+    assert refused.returncode != 0 and "set ROUTER_API_KEY in .env" in refused.stderr
+
+
+def test_the_router_requires_an_api_key_given_in_its_environment() -> None:
+    router = SERVICES["router"]
+    assert "--api-key" not in router["command"]
+    key = router["environment"]["SYSHAX_ROUTER_API_KEY"]
+    assert key == "${ROUTER_API_KEY:?set ROUTER_API_KEY in .env}"
 
 
 def test_machine_tokens_travel_in_the_environment_not_on_a_command_line() -> None:

@@ -282,10 +282,12 @@ def agent_override(path: Path) -> None:
     path.write_text(yaml.safe_dump({"services": {"agent": {"command": command}}}))
 
 
-def completion(router_port: int, prompt: str) -> Any:
+def completion(router_port: int, prompt: str, api_key: str) -> Any:
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="none", timeout=30)
+    client = OpenAI(
+        base_url=f"http://127.0.0.1:{router_port}/v1", api_key=api_key, timeout=30, max_retries=0
+    )
     try:
         return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12)
     finally:
@@ -311,7 +313,7 @@ def test_compose_brings_the_stack_up_serves_completions_and_recovers() -> None:
 
         project = f"syshaxtest{secrets.token_hex(4)}"
         node_name = f"compose-{secrets.token_hex(3)}"
-        web_port, router_port, redis_port, gpu_port, cpu_port = (free_port() for _ in range(5))
+        web_port, router_port, gpu_port, cpu_port = (free_port() for _ in range(4))
         env_file = workdir / "compose.env"
         env: dict[str, str] = {
             "SECRET_KEY": secrets.token_urlsafe(60),
@@ -325,9 +327,9 @@ def test_compose_brings_the_stack_up_serves_completions_and_recovers() -> None:
             "DOCKER_SOCKET": str(sock),
             "WEB_PORT": str(web_port),
             "ROUTER_PORT": str(router_port),
-            "REDIS_PORT": str(redis_port),
             "WEB_WORKERS": "2",
             "WORKER_CONCURRENCY": "2",
+            "ROUTER_API_KEY": "sxk_" + secrets.token_urlsafe(32),
             "ROUTER_TOKEN": "",
             "ROUTER_NAME": f"router-{project}",
             "AGENT_TOKEN": "",
@@ -433,8 +435,9 @@ def test_compose_brings_the_stack_up_serves_completions_and_recovers() -> None:
                     "syshax", "manage", "createsuperuser", "--noinput",
                     "--username", "admin", "--email", "admin@example.com",
                 )  # fmt: skip
-                out = compose("exec", "-T", "web", "syshax", "manage", "drf_create_token", "admin")
-                admin_token = out.split("Generated token ", 1)[1].split()[0]
+                out = compose("exec", "-T", "web", "syshax", "manage", "issue_token", "admin")
+                # The token is alone on its (stdout) line; `compose exec` interleaves stderr.
+                (admin_token,) = [line for line in out.splitlines() if line.startswith("sxp_")]
                 # The snippet of docs/deployment.md.
                 out = compose(
                     "exec", "-T", "web", "syshax", "manage", "shell", "-c",
@@ -524,9 +527,20 @@ def test_compose_brings_the_stack_up_serves_completions_and_recovers() -> None:
                 assert len(engines) == 2, engines
 
             with stages.stage("completion through the router container"):
+                key = env["ROUTER_API_KEY"]
                 answer = wait_for(
-                    lambda: completion(router_port, "The compose stack is"), 120, "a completion"
+                    lambda: completion(router_port, "The compose stack is", key),
+                    120,
+                    "a completion",
                 )
+                # Without its API key the router refuses, in OpenAI's shape.
+                refused = httpx.post(
+                    f"http://127.0.0.1:{router_port}/v1/completions",
+                    json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                    timeout=30,
+                )
+                assert refused.status_code == 401, refused.text
+                assert refused.json()["error"]["code"] == "invalid_api_key", refused.text
                 assert answer.choices[0].text.strip(), answer
                 assert answer.usage.completion_tokens > 0, answer.usage
                 print(
@@ -557,7 +571,7 @@ def test_compose_brings_the_stack_up_serves_completions_and_recovers() -> None:
                 )
                 wait_for(lambda: node().get("status") == "online", 120, "the node online again")
                 again = wait_for(
-                    lambda: completion(router_port, "After the restart"), 120, "a completion"
+                    lambda: completion(router_port, "After the restart", key), 120, "a completion"
                 )
                 assert again.usage.completion_tokens > 0, again.usage
         except BaseException:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -44,3 +45,34 @@ def test_hetero_rows_record_the_routers_decision(pd_router: str, tmp_path: Path)
     assert all(sample["output_tokens"] == 8 for sample in samples)
     # PD decodes on the CPU: the simulated Kunpeng's per-token latency, not the A100's.
     assert row["summary"]["tpot"]["mean"] > 30.0
+
+
+def test_the_benchmark_sends_a_routers_api_key_from_its_environment(tmp_path: Path) -> None:
+    with (
+        running_sim("a100-80gb", speed=20.0) as gpu,
+        running_router(gpu, gpu, mode="gpu-only", extra_args=("--api-key", "sxk_test")) as router,
+    ):
+        command = [
+            sys.executable, "-m", "syshax.cli", "benchmark", "--no-progress",
+            "--scenario", "custom", "--input-tokens", "8", "--output-tokens", "4",
+            "--concurrency", "1", "--iterations", "2", "--warmup", "0", "--target", router,
+            "--mode", "gpu", "--json", str(tmp_path / "out.json"),
+        ]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "SYSHAX_ROUTER_API_KEY"}
+        refused = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+        assert refused.returncode == 2 and "HTTP 401" in refused.stderr, refused.stderr
+        env["SYSHAX_ROUTER_API_KEY"] = "sxk_test"
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+    document = json.loads((tmp_path / "out.json").read_text())
+    assert document["rows"][0]["summary"]["completed"] == 2
+    assert "sxk_test" not in json.dumps(document)
+
+
+def test_the_json_results_leave_secret_flags_out() -> None:
+    from syshax.loadgen.cli import _without_secrets
+
+    argv = ["--target", "http://r", "--api-key", "sxk_a", "--token=sxp_b", "--mode", "gpu"]
+    assert _without_secrets(argv) == [
+        "--target", "http://r", "--api-key", "***", "--token=***", "--mode", "gpu",
+    ]  # fmt: skip

@@ -3,16 +3,23 @@ serves a completion through the router from the hetero deployment, and stops cle
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
+from syshax.commands.up_stack import SIM_MODEL
 from syshax.supervisor import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,41 +62,106 @@ def up_command(tmp_path: Path, *args: str) -> tuple[list[str], dict[str, str], l
     return argv, env, ports
 
 
-@pytest.mark.slow
-def test_up_serves_a_completion_from_the_hetero_deployment_and_stops_cleanly(tmp_path) -> None:
-    var_dir = tmp_path / "var"
-    argv, env, ports = up_command(tmp_path)
-    # While it runs, no process may carry a machine token on its command line.
+# Machine tokens, people's API tokens and the router's API key.
+SECRET_PREFIXES = ("sxa_", "sxr_", "sxp_", "sxk_")
+
+
+@contextlib.contextmanager
+def watching_command_lines() -> Iterator[list[str]]:
+    """While the block runs, every process whose command line holds a secret, by its prefix."""
     exposed: list[str] = []
     done = threading.Event()
 
     def watch() -> None:
         while not done.wait(0.5):
-            exposed.extend(processes_mentioning("sxa_") + processes_mentioning("sxr_"))
+            for prefix in SECRET_PREFIXES:
+                exposed.extend(processes_mentioning(prefix))
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        result = subprocess.run(
-            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400
-        )
+        yield exposed
     finally:
         done.set()
         watcher.join()
+
+
+def serve_until_interrupted(
+    argv: list[str], env: dict[str, str], router: str, key: str
+) -> tuple[int, str]:
+    """Run ``syshax up`` (no --exit); once it serves, check the router's API key from outside:
+    refused without it or with a wrong one (OpenAI's 401), served with it. Then Ctrl-C."""
+    process = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    serving = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if "Ctrl-C stops everything." in line:
+                serving.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 400
+        while not serving.wait(1):
+            assert process.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
+        request = {"model": SIM_MODEL, "prompt": "Hello", "max_tokens": 4}
+        url = f"{router}/v1/completions"
+        for headers in ({}, {"Authorization": "Bearer sxk_wrong"}):
+            refused = httpx.post(url, json=request, headers=headers, timeout=30)
+            assert refused.status_code == 401, refused.text
+            error = refused.json()["error"]
+            assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_api_key")
+        served = httpx.post(
+            url, json=request, headers={"Authorization": f"Bearer {key}"}, timeout=60
+        )
+        assert served.status_code == 200, served.text
+        assert served.json()["usage"]["completion_tokens"] == 4
+        process.send_signal(signal.SIGINT)
+        status = process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        reader.join(timeout=10)
+    return status, "".join(lines)
+
+
+@pytest.mark.slow
+def test_up_serves_a_completion_from_the_hetero_deployment_and_stops_cleanly(tmp_path) -> None:
+    var_dir = tmp_path / "var"
+    argv, env, ports = up_command(tmp_path)
+    # While it runs, no process may carry a token or key on its command line.
+    with watching_command_lines() as exposed:
+        result = subprocess.run(
+            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400
+        )
     assert exposed == []
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "start-gpu: GPU engine" in output and "start-cpu: CPU engine" in output
     assert output.index("start-gpu:") < output.index("start-cpu:")
+    assert "router refuses a request without its API key (401)" in output
     assert "completion through the router:" in output
     assert "admin user admin / " in output
+    key = json.loads((var_dir / "up" / "tokens.json").read_text())["router_api_key"]
+    assert f"router key {key}" in output  # shown at the first start
     assert "stopped." in output
     assert processes_mentioning(str(var_dir)) == []
     for port in ports:  # web, router and both engines are gone
         assert not listening(int(port)), f"port {port} still served after shutdown"
-    # A second run reuses the state: no new admin password, same node.
-    again = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
-    assert "admin user admin / " not in again.stdout
-    assert "completion through the router:" in again.stdout
+    # A second run reuses the state (no new admin password or router key, same node) and
+    # serves until Ctrl-C.
+    serve = [arg for arg in argv if arg != "--exit"]
+    with watching_command_lines() as exposed:
+        status, again = serve_until_interrupted(serve, env, f"http://127.0.0.1:{ports[1]}", key)
+    assert exposed == []
+    assert status == 0, again[-4000:]
+    assert "admin user admin / " not in again and key not in again
+    assert "stopped." in again
     assert processes_mentioning(str(var_dir)) == []

@@ -6,6 +6,7 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 
 from controlplane.deployments.choices import (
+    CommandAction,
     CommandOutcome,
     ContainerHealth,
     ContainerStatus,
@@ -174,6 +175,42 @@ class CommandResultSerializer(serializers.Serializer):  # type: ignore[type-arg]
     output = serializers.DictField(required=False, default=dict)
 
 
+class CommandFetchSerializer(serializers.Serializer):  # type: ignore[type-arg]
+    """The query of ``GET agent/commands``."""
+
+    session = serializers.RegexField(
+        r"^[A-Za-z0-9_-]+$",
+        max_length=64,
+        help_text="the agent process's own id: a command is handed to a session once",
+    )
+    wait = serializers.FloatField(
+        required=False,
+        default=0.0,
+        min_value=0.0,
+        max_value=60.0,
+        help_text="seconds to wait for a command when none is queued (capped by the control "
+        "plane's AGENT_COMMAND_WAIT_SECONDS)",
+    )
+
+
+class CommandMessageSerializer(serializers.Serializer):  # type: ignore[type-arg]
+    """One command as its agent receives it."""
+
+    dispatch_id = serializers.UUIDField()
+    node = serializers.CharField()
+    action = serializers.ChoiceField(choices=CommandAction.choices)
+    deployment_id = serializers.IntegerField(allow_null=True)
+    generation = serializers.IntegerField()
+    role = serializers.ChoiceField(choices=EngineRole.choices, allow_null=True)
+    spec = serializers.DictField()
+    attempt = serializers.IntegerField()
+    created_at = serializers.DateTimeField()
+
+
+class CommandBatchSerializer(serializers.Serializer):  # type: ignore[type-arg]
+    commands = CommandMessageSerializer(many=True)
+
+
 class AgentCommandSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
     class Meta:
         model = AgentCommand
@@ -186,6 +223,7 @@ class AgentCommandSerializer(serializers.ModelSerializer):  # type: ignore[type-
             "generation",
             "step",
             "attempts",
+            "delivered_at",
             "spec",
             "status",
             "detail",

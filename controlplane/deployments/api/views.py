@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from django.conf import settings
 from django.db.models import QuerySet
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
@@ -12,13 +13,16 @@ from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 from rest_framework.views import APIView
 
+from controlplane.access.models import MachineCredential
 from controlplane.access.permissions import ScopedPermission
 from controlplane.access.principal import MachinePrincipal
 from controlplane.core.api import Conflict
 from controlplane.core.viewsets import ScopedModelViewSet, ScopedReadOnlyViewSet
-from controlplane.deployments import services, workflow
+from controlplane.deployments import delivery, services, workflow
 from controlplane.deployments.api.serializers import (
     AgentCommandSerializer,
+    CommandBatchSerializer,
+    CommandFetchSerializer,
     CommandResultSerializer,
     ContainerReportSerializer,
     ContainerSerializer,
@@ -166,3 +170,35 @@ class CommandResultView(_AgentOnlyView):
             command, status=data["status"], detail=data["detail"], output=data["output"]
         )
         return Response({"accepted": True, "duplicate": not accepted_first})
+
+
+class AgentCommandsView(_AgentOnlyView):
+    """An agent fetches its own node's commands: the only way a command reaches an agent."""
+
+    agent_methods = ("GET",)
+
+    @extend_schema(
+        parameters=[CommandFetchSerializer],
+        responses=CommandBatchSerializer,
+        description="The calling agent's queued commands not yet handed to its session, "
+        "oldest first; waits up to `wait` seconds for one. Agent tokens only.",
+    )
+    def get(self, request: Request) -> Response:
+        user = request.user
+        if not isinstance(user, MachinePrincipal) or not user.is_agent:
+            self.permission_denied(request, message="only an agent token has commands")
+        query = CommandFetchSerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        wait = min(query.validated_data["wait"], settings.AGENT_COMMAND_WAIT_SECONDS)
+        node = get_object_or_404(Node, pk=user.node_id)
+        credential = user.credential
+        commands = delivery.fetch(
+            node.pk,
+            query.validated_data["session"],
+            wait,
+            still_authorized=lambda: MachineCredential.objects.filter(
+                pk=credential.pk, revoked_at__isnull=True
+            ).exists(),
+        )
+        body = {"commands": [delivery.as_message(c, node.name) for c in commands]}
+        return Response(CommandBatchSerializer(body).data)

@@ -3,6 +3,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
+from django.db.models import QuerySet
 from django_filters import rest_framework as filters
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema, inline_serializer
@@ -41,6 +42,14 @@ class NodeViewSet(ScopedModelViewSet):
     ordering_fields = ["name", "status", "last_heartbeat_at"]
     agent_methods = ("GET", "PUT", "POST")
     node_field = "pk"
+    # What the agents' reports read of their node; the rest stays unloaded on that hot path.
+    _report_fields = ("status", "inventory_hash")
+
+    def get_queryset(self) -> QuerySet[Node]:
+        queryset: QuerySet[Node] = super().get_queryset()
+        if self.action in ("heartbeat", "inventory"):
+            return queryset.select_related(None).prefetch_related(None).only(*self._report_fields)
+        return queryset
 
     def check_permissions(self, request: Request) -> None:
         super().check_permissions(request)
@@ -136,7 +145,8 @@ class AcceleratorViewSet(ScopedReadOnlyViewSet):
 
 
 class AgentSelfView(APIView):
-    """What an agent needs to start: its node, its heartbeat period and its command queue."""
+    """What an agent needs to start: its node, its heartbeat period and how long a command
+    fetch may wait."""
 
     permission_classes = [ScopedPermission]
     agent_methods = ("GET",)
@@ -150,8 +160,7 @@ class AgentSelfView(APIView):
         body: dict[str, Any] = {
             "node": NodeSerializer(node).data,
             "heartbeat_interval_seconds": settings.HEARTBEAT_INTERVAL_SECONDS,
-            "command_queue": node.command_queue,
-            "broker_url": settings.CELERY_BROKER_URL,
-            "broker_transport_options": settings.CELERY_BROKER_TRANSPORT_OPTIONS,
+            # Commands come from GET agent/commands; an agent holds no broker credential.
+            "command_wait_seconds": settings.AGENT_COMMAND_WAIT_SECONDS,
         }
         return Response(body)

@@ -1,0 +1,186 @@
+"""How an agent gets its commands: it fetches them over the authenticated HTTP API.
+
+The :class:`AgentCommand` row is the only copy of a command. An agent asks for its own node's
+queued commands (``GET agent/commands``) and, when there are none, the request waits up to
+``AGENT_COMMAND_WAIT_SECONDS`` for one (a long poll). No broker URL or queue ever reaches an
+agent, so an agent token reaches nothing but its own node's rows, and a revoked token is
+refused on the agent's next request (docs/decisions.md, "Agents fetch their commands").
+
+Waking a waiting request: with Redis configured, dispatching a command pushes a token on a
+per-node list that the waiting request blocks on (``BLPOP``); the embedded defaults have no
+shared process to signal through, so a waiting request re-reads the database twice a second.
+Either way the database decides what is delivered: a lost or stale wake-up costs one query.
+
+Each agent process names itself with a session id. A command is handed to a session once;
+it is handed out again to a new session (the agent restarted: the agent's dispatch ledger and
+its adopt-by-label start make that harmless) or after :func:`expire_stale_commands` gave up
+waiting for its result.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from controlplane.deployments.choices import CommandStatus
+from controlplane.deployments.models import AgentCommand
+
+log = logging.getLogger(__name__)
+
+MAX_COMMANDS_PER_FETCH = 10
+_DB_POLL_SECONDS = 0.5
+_WAKE_TTL_SECONDS = 120
+_redis_client: Any = None
+
+
+def _redis() -> Any:
+    """A Redis client when REDIS_URL is set, else None (created once per process)."""
+    global _redis_client
+    url = getattr(settings, "REDIS_URL", "")
+    if not url:
+        return None
+    if _redis_client is None:
+        import redis
+
+        _redis_client = redis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=2)
+    return _redis_client
+
+
+def _wake_key(node_id: int) -> str:
+    return f"syshax:agent-wake:{node_id}"
+
+
+def wake(node_id: int) -> None:
+    """Tell a waiting fetch of ``node_id``'s agent to look again. Best effort: the agent's
+    next fetch finds the command in any case."""
+    client = _redis()
+    if client is None:
+        return
+    try:
+        pipe = client.pipeline()
+        pipe.rpush(_wake_key(node_id), "1")
+        pipe.ltrim(_wake_key(node_id), -8, -1)
+        pipe.expire(_wake_key(node_id), _WAKE_TTL_SECONDS)
+        pipe.execute()
+    except Exception as exc:  # Redis down: the agent's own polling still finds the command
+        log.warning("cannot wake the agent of node %s: %s", node_id, exc)
+
+
+def _block(node_id: int, seconds: float) -> None:
+    client = _redis()
+    if client is not None:
+        try:
+            # BLPOP takes whole seconds on old servers; 1 s slices keep the deadline honest.
+            client.blpop([_wake_key(node_id)], timeout=max(1, min(int(seconds), 5)))
+            return
+        except Exception as exc:
+            log.warning("agent wake-up list unavailable (%s); polling the database", exc)
+    time.sleep(min(seconds, _DB_POLL_SECONDS))
+
+
+def take(node_id: int, session: str, limit: int = MAX_COMMANDS_PER_FETCH) -> list[AgentCommand]:
+    """The node's queued commands not yet handed to ``session``, oldest first, marked as
+    handed to it."""
+    with transaction.atomic():
+        pending = list(
+            AgentCommand.objects.select_for_update(skip_locked=True)
+            .filter(node_id=node_id, status=CommandStatus.QUEUED)
+            .exclude(delivered_to=session)
+            .order_by("created_at")[:limit]
+        )
+        if pending:
+            now = timezone.now()
+            AgentCommand.objects.filter(pk__in=[c.pk for c in pending]).update(
+                delivered_to=session, delivered_at=now, attempts=F("attempts") + 1
+            )
+            for command in pending:
+                command.delivered_to, command.delivered_at = session, now
+                command.attempts += 1
+    return pending
+
+
+def fetch(
+    node_id: int,
+    session: str,
+    wait_seconds: float,
+    still_authorized: Callable[[], bool] = lambda: True,
+) -> list[AgentCommand]:
+    """:func:`take`, waiting up to ``wait_seconds`` for a command when there is none.
+    ``still_authorized`` is asked again after each wait, so a token revoked while its request
+    waits is handed nothing."""
+    deadline = time.monotonic() + max(0.0, wait_seconds)
+    waited = False
+    while True:
+        if waited and not still_authorized():
+            return []
+        commands = take(node_id, session)
+        remaining = deadline - time.monotonic()
+        if commands or remaining <= 0:
+            return commands
+        _block(node_id, remaining)
+        waited = True
+
+
+def as_message(command: AgentCommand, node_name: str) -> dict[str, Any]:
+    """What the agent executes: the fields of the row, nothing else."""
+    return {
+        "dispatch_id": str(command.dispatch_id),
+        "node": node_name,
+        "action": command.action,
+        "deployment_id": command.deployment_id,
+        "generation": command.generation,
+        "role": command.role or None,
+        "spec": command.spec,
+        "attempt": command.attempts,
+        "created_at": command.created_at.isoformat(),
+    }
+
+
+def expire_stale_commands(older_than_seconds: float, max_attempts: int = 3) -> int:
+    """Commands without a result. One handed out ``older_than_seconds`` (plus its engine's
+    health timeout) ago is offered again; after ``max_attempts`` hand-outs, or when no agent
+    fetched it for ``max_attempts * older_than_seconds``, it expires and its deployment's
+    workflow moves on (to failed). Returns how many commands it touched."""
+    from controlplane.deployments.workflow import record_command_result
+
+    now = timezone.now()
+    count = 0
+    stale = AgentCommand.objects.filter(status=CommandStatus.QUEUED).filter(
+        Q(delivered_at__isnull=True, created_at__lt=now - timedelta(seconds=older_than_seconds))
+        | Q(delivered_at__lt=now - timedelta(seconds=older_than_seconds))
+    )
+    for command in stale.select_related("node"):
+        timeout = float(command.spec.get("health_timeout_seconds", 0) or 0)
+        if command.delivered_at is None:
+            if now - command.created_at < timedelta(seconds=older_than_seconds * max_attempts):
+                continue
+            detail = (
+                f"the agent of node {command.node.name} did not fetch the command within "
+                f"{older_than_seconds * max_attempts:g} s"
+            )
+        else:
+            if now - command.delivered_at < timedelta(seconds=older_than_seconds + timeout):
+                continue
+            if command.attempts < max_attempts:
+                # Offered again, even to the same agent session: its result may have been lost.
+                AgentCommand.objects.filter(pk=command.pk, status=CommandStatus.QUEUED).update(
+                    delivered_to=""
+                )
+                wake(command.node_id)
+                count += 1
+                continue
+            detail = (
+                f"no result from the agent of node {command.node.name} after "
+                f"{command.attempts} deliveries"
+            )
+        record_command_result(command, status=CommandStatus.EXPIRED, detail=detail, output={})
+        count += 1
+    return count

@@ -1,0 +1,978 @@
+#!/usr/bin/env python3
+"""Fleet scale: the real control plane on PostgreSQL under N agents, M routers and an operator.
+
+    .venv/bin/python scripts/fleet_load.py --agents 200 --routers 20 --seconds 20   # quick
+    .venv/bin/python scripts/fleet_load.py --agents 5000 --routers 200 --seconds 120 --lost 50
+
+It creates a database of its own (``syshax_fleet_<random>``) on ``--postgres``, migrates it and
+issues every credential in-process (``MachineCredential.issue``: one agent token per node, one
+router token per router, and a superuser's API token for the operator). Then it starts the
+control plane as production runs it: ``syshax web`` (gunicorn with ``BufferedRequestWorker``)
+under ``controlplane.settings.production``, and a Celery worker and beat on Redis db
+``--redis-db``. Over HTTP, from one asyncio process with at most ``--connections``
+connections, start times spread uniformly over the period:
+
+- each agent PUTs its inventory once (this machine's CPU topology and 8 simulated A100s,
+  as ``agents.discovery`` builds them), then every ``--period`` seconds POSTs a heartbeat as
+  ``collect_heartbeat`` does and fetches its commands with ``wait=0`` (a real agent holds a
+  long poll open instead: 5,000 of them would hold 5,000 web threads, see docs/scale.md);
+  the agent of the first node answers its commands, so a deployment really comes up;
+- each router registers, then every ``--router-interval`` seconds GETs
+  ``routing/policies/default`` and ``routing/deployments`` with ``If-None-Match`` and POSTs
+  stats every ``--stats-interval`` seconds;
+- the operator creates a profile and a deployment on the first node and deploys it, changes a
+  policy knob, and runs a short benchmark on the deployment's GPU engine (a ``syshax sim``);
+- with ``--lost K`` the agents of K nodes stop heartbeating early, and beat's reaper must
+  mark them offline.
+
+The first period is warm-up (every inventory PUT and first heartbeat); the table covers the
+``--seconds`` after it: per endpoint the count, p50/p99 latency and errors, the CPU seconds of
+the control plane's processes and of this script, and the database's counters. After the load
+the script counts the queries of one heartbeat and of one 304 in-process (Django's
+``CaptureQueriesContext`` on the loaded database) and times one reaper pass over all the nodes
+with ``--stale`` of them silent. The database is dropped at the end (``--keep-db`` keeps it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from syshax.supervisor import free_port  # noqa: E402
+
+HOST = "127.0.0.1"
+GPUS_PER_NODE = 8
+SPEC_TIMEOUT = 30.0
+
+
+# ------------------------------------------------------------------ the stack
+
+
+def server_env(database_url: str, redis_url: str, var_dir: Path, period: float) -> dict[str, str]:
+    """The environment production needs (docs/configuration.md), and nothing from a file."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings.production",
+            "SYSHAX_ENV_FILE": str(var_dir / "none.env"),
+            "SYSHAX_VAR_DIR": str(var_dir),
+            "SECRET_KEY": secrets.token_urlsafe(64),
+            "ALLOWED_HOSTS": "127.0.0.1,localhost,testserver",
+            "DATABASE_URL": database_url,
+            "REDIS_URL": redis_url,
+            "SECURE_SSL_REDIRECT": "false",
+            "HEARTBEAT_INTERVAL_SECONDS": str(period),
+            "BENCHMARK_ALLOWED_TARGETS": HOST,
+            "LOG_LEVEL": "WARNING",
+        }
+    )
+    return env
+
+
+def pg_connect(url: str) -> Any:
+    import psycopg
+
+    return psycopg.connect(url, autocommit=True)
+
+
+@contextmanager
+def fleet_database(postgres: str) -> Iterator[str]:
+    name = f"syshax_fleet_{secrets.token_hex(4)}"
+    with pg_connect(f"{postgres}/postgres") as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"{postgres}/{name}"
+    finally:
+        if not ARGS.keep_db:
+            with pg_connect(f"{postgres}/postgres") as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        else:
+            print(f"kept database {name}")
+
+
+def syshax(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "syshax.cli", *argv]
+
+
+def in_django(env: dict[str, str], step: str, *extra: str) -> dict[str, Any]:
+    """Run one ``--step`` of this script in a child that has Django set up; its JSON answer."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--step", step, *extra],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+@dataclass
+class Stack:
+    env: dict[str, str]
+    logs: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str, argv: list[str]) -> None:
+        log = (self.logs / f"{name}.log").open("wb")
+        self.procs[name] = subprocess.Popen(
+            argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+        )
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            with suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# ------------------------------------------------------------------ recording
+
+
+@dataclass
+class Endpoint:
+    latencies: list[float] = field(default_factory=list)
+    statuses: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.endpoints: dict[str, Endpoint] = defaultdict(Endpoint)
+        self.measuring = False
+        self.events: dict[str, float] = {}
+        self.slow: list[tuple[float, str, float]] = []  # (when, endpoint, seconds) over 100 ms
+
+    def note(self, name: str, seconds: float, status: int | None, error: str = "") -> None:
+        if not self.measuring and name != "PUT inventory":
+            return
+        ep = self.endpoints[name]
+        if status is not None:
+            ep.statuses[status] += 1
+        if error:
+            ep.errors[error] += 1
+        else:
+            ep.latencies.append(seconds)
+            if seconds > 0.1:
+                self.slow.append((time.time() - START_WALL, name, seconds))
+
+
+class Api:
+    """One shared aiohttp session; every call is timed and recorded under its endpoint name."""
+
+    def __init__(self, base: str, session: Any, recorder: Recorder) -> None:
+        self.base = base
+        self.session = session
+        self.recorder = recorder
+
+    async def call(
+        self,
+        name: str,
+        method: str,
+        path: str,
+        token: str,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+        ok: tuple[int, ...] = (200, 201, 202, 304),
+        by_status: bool = False,
+    ) -> tuple[int | None, Any, Any]:
+        head = {"Authorization": f"Bearer {token}", **(headers or {})}
+        start = time.perf_counter()
+        try:
+            async with self.session.request(
+                method, self.base + path, json=body, headers=head
+            ) as resp:
+                raw = await resp.read()
+                status, answer_headers = resp.status, resp.headers.copy()
+        except Exception as exc:  # a transport error is an error of this endpoint, not fatal
+            self.recorder.note(name, time.perf_counter() - start, None, type(exc).__name__)
+            return None, None, {}
+        seconds = time.perf_counter() - start
+        if by_status and status in (200, 304):
+            name = f"{name} {status}"
+        self.recorder.note(name, seconds, status, "" if status in ok else f"HTTP {status}")
+        data = json.loads(raw) if raw and status != 304 else None
+        return status, data, answer_headers
+
+
+# ------------------------------------------------------------------ simulated machines
+
+
+def base_inventory() -> dict[str, Any]:
+    from agents.discovery import collect_inventory
+
+    return collect_inventory(node_name="fleet", address=HOST)
+
+
+def node_inventory(base: dict[str, Any], name: str) -> dict[str, Any]:
+    from agents.discovery import simulated_accelerators
+
+    return {
+        **base,
+        "hostname": name,
+        "accelerators": simulated_accelerators(["a100-80gb"] * GPUS_PER_NODE, name),
+    }
+
+
+def heartbeat_payload(inventory: dict[str, Any], digest: str, rng: random.Random) -> dict[str, Any]:
+    """What ``agents.discovery.collect_heartbeat`` sends for idle simulated cards."""
+    from agents.discovery import simulated_load
+
+    total = int(inventory["cpu"].get("memory_total_bytes") or 64 * 1024**3)
+    return {
+        "cpu_percent": round(rng.uniform(1, 60), 1),
+        "memory_used_bytes": int(total * rng.uniform(0.1, 0.6)),
+        "memory_total_bytes": total,
+        "inventory_hash": digest,
+        "accelerators": [simulated_load(acc, None) for acc in inventory["accelerators"]],
+    }
+
+
+async def agent(
+    api: Api, index: int, node: dict[str, Any], base: dict[str, Any], offset: float, stop: float
+) -> None:
+    from agents.discovery import inventory_hash
+
+    rng = random.Random(index)
+    loop = asyncio.get_running_loop()
+    inventory = node_inventory(base, node["name"])
+    digest = inventory_hash(inventory)
+    token, node_id = node["token"], node["id"]
+    session = f"fleet-{index}"
+    await asyncio.sleep(offset)
+    await api.call("PUT inventory", "PUT", f"nodes/{node_id}/inventory", token, inventory)
+    lost_at = ARGS.lost_at if index >= len(NODES) - ARGS.lost else None
+    # The deployment's node fetches every second, as a long poll would hand it a command at
+    # once; every other agent fetches once a heartbeat.
+    fetch_every = 1.0 if index == 0 else ARGS.period
+    tick = next_beat = loop.time()
+    while loop.time() < stop:
+        if lost_at is not None and loop.time() >= lost_at:
+            api.recorder.events.setdefault("lost_silent_at", time.time())
+            return  # this node's agent has died
+        if loop.time() >= next_beat:
+            payload = heartbeat_payload(inventory, digest, rng)
+            await api.call("POST heartbeat", "POST", f"nodes/{node_id}/heartbeat", token, payload)
+            next_beat += ARGS.period
+        _, body, _ = await api.call(
+            "GET agent/commands", "GET", f"agent/commands?session={session}&wait=0", token
+        )
+        for command in (body or {}).get("commands", []):
+            await answer_command(api, token, node_id, command)
+        tick += fetch_every
+        await asyncio.sleep(max(0.0, tick - loop.time()))
+
+
+async def answer_command(api: Api, token: str, node_id: int, command: dict[str, Any]) -> None:
+    """The first node's agent: every engine starts healthy at once, every stop succeeds."""
+    containers = []
+    if command["action"] == "start":
+        spec = command.get("spec") or {}
+        containers.append(
+            {
+                "deployment_id": command["deployment_id"],
+                "generation": command["generation"],
+                "role": command["role"],
+                "engine_id": f"fleet-{command['dispatch_id'][:8]}",
+                "name": f"syshax-fleet-{command['role']}",
+                "status": "running",
+                "health": "healthy",
+                "endpoint": f"http://{HOST}:{spec.get('port', 0)}",
+            }
+        )
+    result = {"status": "succeeded", "detail": "", "containers": containers}
+    await api.call(
+        "POST command result", "POST", f"commands/{command['dispatch_id']}/result", token, result
+    )
+    if containers:
+        await api.call(
+            "PUT containers",
+            "PUT",
+            f"nodes/{node_id}/containers",
+            token,
+            {"containers": containers},
+        )
+
+
+@dataclass
+class RouterSeen:
+    policy_versions: dict[int, float] = field(default_factory=dict)  # version -> first seen
+    deployments: dict[int, float] = field(default_factory=dict)  # count -> first seen
+
+
+async def router(
+    api: Api, name: str, token: str, offset: float, stop: float, seen: RouterSeen
+) -> None:
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(offset)
+    _, body, _ = await api.call(
+        "POST routers/register",
+        "POST",
+        "routers/register",
+        token,
+        {"name": name, "version": "fleet", "listen_url": ""},
+    )
+    router_id = (body or {}).get("id")
+    etags: dict[str, str] = {}
+    tick, last_stats = loop.time(), loop.time() - random.uniform(0, ARGS.stats_interval)
+    while loop.time() < stop:
+        for label, path in (
+            ("GET routing/policies", "routing/policies/default"),
+            ("GET routing/deployments", "routing/deployments"),
+        ):
+            headers = {"If-None-Match": etags[path]} if path in etags else {}
+            status, data, answer = await api.call(
+                label, "GET", path, token, headers=headers, by_status=True
+            )
+            if status == 200 and data is not None:
+                etags[path] = answer.get("ETag", "")
+                now = time.time()
+                if "version" in data:
+                    seen.policy_versions.setdefault(int(data["version"]), now)
+                else:
+                    seen.deployments.setdefault(len(data.get("deployments", [])), now)
+        if router_id and loop.time() - last_stats >= ARGS.stats_interval:
+            last_stats = loop.time()
+            stats = {"policy_version": max(seen.policy_versions, default=1), "request_rate": 0.0}
+            await api.call("POST routers/stats", "POST", f"routers/{router_id}/stats", token, stats)
+        tick += ARGS.router_interval
+        await asyncio.sleep(max(0.0, tick - loop.time()))
+
+
+async def until(predicate: Any, within: float, every: float = 1.0) -> Any:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(every)
+    return None
+
+
+async def operator(api: Api, token: str, node: dict[str, Any], ports: tuple[int, int]) -> None:
+    """Deploy on the first node, change the policy, benchmark the deployment's GPU engine."""
+    events = api.recorder.events
+    measure = ARGS.seconds
+    await asyncio.sleep(0.1 * measure)
+    profile = {
+        "name": "fleet-profile",
+        "model": "qwen2.5-7b-instruct",
+        "engine": "simulator",
+        "enable_cpu_engine": False,
+        "gpu_port": ports[0],
+        "cpu_port": ports[1],
+    }
+    _, made, _ = await api.call("operator", "POST", "profiles/", token, profile)
+    dep = {"name": "fleet-deployment", "profile": (made or {}).get("id"), "node": node["id"]}
+    status, deployment, _ = await api.call("operator", "POST", "deployments/", token, dep)
+    if deployment is None or "id" not in deployment:
+        events["deploy_error"] = float(status or 0)
+        print(f"operator: deployment not created: {status} {deployment}", file=sys.stderr)
+        return
+    dep_id = deployment["id"]
+    events["deploy_requested"] = time.time()
+    await api.call("operator", "POST", f"deployments/{dep_id}/deploy", token)
+
+    async def running() -> bool:
+        _, body, _ = await api.call("operator", "GET", f"deployments/{dep_id}", token)
+        return bool(body and body.get("state") == "running")
+
+    if await until(running, within=0.3 * measure):
+        events["deploy_running"] = time.time()
+    await asyncio.sleep(max(0.0, 0.4 * measure - (time.time() - START_WALL)))
+    change = {"cpu_max_batch_size": random.randint(2, 7), "reason": "fleet load"}
+    _, policy, _ = await api.call("operator", "PATCH", "policies/default", token, change)
+    if policy:
+        events["policy_changed"] = time.time()
+        events["policy_version"] = float(policy["version"])
+    if "deploy_running" not in events:
+        return
+    run = {
+        "scenario": "short",
+        "deployment": dep_id,
+        "target_url": f"http://{HOST}:{ports[0]}",
+        "mode": "gpu",
+        "concurrency": [2],
+        "iterations": 10,
+    }
+    status, made_run, _ = await api.call("operator", "POST", "benchmark-runs/", token, run)
+    if not made_run or "id" not in made_run:
+        print(f"operator: benchmark not started: {status} {made_run}", file=sys.stderr)
+        return
+    events["benchmark_started"] = time.time()
+
+    async def finished() -> str:
+        _, body, _ = await api.call("operator", "GET", f"benchmark-runs/{made_run['id']}", token)
+        state = (body or {}).get("status", "")
+        return state if state in ("succeeded", "failed", "cancelled") else ""
+
+    outcome = await until(finished, within=0.45 * measure)
+    if outcome:
+        events["benchmark_finished"] = time.time()
+        BENCHMARK["status"] = outcome
+
+
+async def lost_watch(api: Api, token: str) -> None:
+    """When beat's reaper has marked every silent node offline."""
+    events = api.recorder.events
+
+    async def all_offline() -> bool:
+        _, body, _ = await api.call("operator", "GET", "nodes/?status=offline&limit=1", token)
+        count = int((body or {}).get("count", 0))
+        if count and "lost_first_offline" not in events:
+            events["lost_first_offline"] = time.time()
+        return count >= ARGS.lost
+
+    if await until(all_offline, within=ARGS.seconds + ARGS.period, every=1.0):
+        events["lost_all_offline"] = time.time()
+
+
+# ------------------------------------------------------------------ CPU and database counters
+
+
+def process_tree(pid: int) -> list[Any]:
+    import psutil
+
+    with suppress(psutil.Error):
+        parent = psutil.Process(pid)
+        return [parent, *parent.children(recursive=True)]
+    return []
+
+
+class CpuSampler:
+    """CPU seconds per group of processes, and the database's backends, once a second."""
+
+    def __init__(self, stack: Stack, db_url: str, db_name: str) -> None:
+        self.stack, self.db_url, self.db_name = stack, db_url, db_name
+        self.first: dict[tuple[str, int], float] = {}
+        self.last: dict[tuple[str, int], float] = {}
+        self.backends_max = 0
+        self.waits: dict[str, int] = defaultdict(int)  # backend state / wait event -> samples
+        self.started = time.monotonic()
+        self.stopped = self.started
+
+    def _groups(self) -> Iterator[tuple[str, Any]]:
+        import psutil
+
+        for name, proc in self.stack.procs.items():
+            for p in process_tree(proc.pid):
+                yield name, p
+        yield "load generator (this script)", psutil.Process()
+        with pg_connect(self.db_url) as conn:
+            rows = conn.execute(
+                "SELECT pid, state, wait_event_type, wait_event, left(query, 50) "
+                "FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                (self.db_name,),
+            ).fetchall()
+        self.backends_max = max(self.backends_max, len(rows))
+        for _, state, wait_type, wait, query in rows:
+            if state == "active":
+                self.waits[f"active {wait_type or 'CPU'}:{wait or '-'} {query}"] += 1
+            else:
+                self.waits[str(state)] += 1
+        for pid, *_ in rows:
+            with suppress(psutil.Error):
+                yield "postgres backends", psutil.Process(pid)
+
+    def sample(self) -> None:
+        import psutil
+
+        for group, proc in self._groups():
+            with suppress(psutil.Error):
+                times = proc.cpu_times()
+                seconds = times.user + times.system
+                key = (group, proc.pid)
+                self.first.setdefault(key, seconds)
+                self.last[key] = seconds
+        self.stopped = time.monotonic()
+
+    def totals(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for key, last in self.last.items():
+            out[key[0]] += last - self.first[key]
+        return dict(out)
+
+
+def db_counters(db_url: str, db_name: str) -> dict[str, int]:
+    with pg_connect(db_url) as conn:
+        row = conn.execute(
+            "SELECT xact_commit, xact_rollback, tup_inserted, tup_updated, tup_deleted "
+            "FROM pg_stat_database WHERE datname = %s",
+            (db_name,),
+        ).fetchone()
+    keys = ("commits", "rollbacks", "rows inserted", "rows updated", "rows deleted")
+    return dict(zip(keys, (int(v) for v in row), strict=True))
+
+
+def busy_others(before: dict[int, tuple[str, float]], ours: set[int]) -> list[tuple[str, float]]:
+    """The other processes on this machine that used the most CPU meanwhile."""
+    import psutil
+
+    used: dict[str, float] = defaultdict(float)
+    for proc in psutil.process_iter(["pid", "name", "cmdline", "cpu_times"]):
+        if proc.pid in ours or proc.pid not in before:
+            continue
+        times = proc.info["cpu_times"]
+        if times is None:
+            continue
+        label, start = before[proc.pid]
+        used[label] += times.user + times.system - start
+    return sorted(used.items(), key=lambda kv: -kv[1])[:5]
+
+
+def cpu_snapshot() -> dict[int, tuple[str, float]]:
+    import psutil
+
+    out = {}
+    for proc in psutil.process_iter(["pid", "name", "cmdline", "cpu_times"]):
+        times = proc.info["cpu_times"]
+        if times is None:
+            continue
+        cmd = " ".join((proc.info["cmdline"] or [proc.info["name"] or "?"])[:4])[:70]
+        out[proc.pid] = (cmd, times.user + times.system)
+    return out
+
+
+# ------------------------------------------------------------------ steps run inside Django
+
+
+def step_setup(out: Path) -> dict[str, Any]:
+    from django.contrib.auth.models import User
+
+    from controlplane.access.models import MachineCredential, PersonalToken
+    from controlplane.inventory.models import Node
+    from controlplane.policy.services import ensure_default_policy
+
+    ensure_default_policy()
+    names = [f"fleet-{i:05d}" for i in range(ARGS.agents)]
+    Node.objects.bulk_create([Node(name=n, address=HOST) for n in names], batch_size=1000)
+    nodes = []
+    for node in Node.objects.filter(name__in=names).order_by("name"):
+        _, token = MachineCredential.issue("agent", f"agent-{node.name}", node=node)
+        nodes.append({"id": node.pk, "name": node.name, "token": token})
+    routers = []
+    for i in range(ARGS.routers):
+        name = f"fleet-router-{i:03d}"
+        routers.append({"name": name, "token": MachineCredential.issue("router", name)[1]})
+    user = User.objects.create_superuser("fleet-operator", "", secrets.token_urlsafe(24))
+    _, operator_token = PersonalToken.issue(user, "fleet operator")
+    out.write_text(json.dumps({"nodes": nodes, "routers": routers, "operator": operator_token}))
+    return {"nodes": len(nodes), "routers": len(routers)}
+
+
+def _counted(call: Any) -> tuple[int, int, list[str]]:
+    """(status, queries without savepoints, SQL) of one in-process request."""
+    from django.db import close_old_connections, connection
+    from django.test.utils import CaptureQueriesContext
+
+    close_old_connections()  # as at the start of a real request
+    with CaptureQueriesContext(connection) as ctx:
+        response = call()
+    sql = [q["sql"] for q in ctx.captured_queries if "SAVEPOINT" not in q["sql"]]
+    return response.status_code, len(sql), [s[:120] for s in sql]
+
+
+def step_queries(tokens: Path) -> dict[str, Any]:
+    """Queries of one heartbeat, one command fetch and the two 304s, on the loaded database."""
+    from django.test import Client
+
+    from controlplane.inventory.models import Node
+
+    data = json.loads(tokens.read_text())
+    agent_node = data["nodes"][1 if len(data["nodes"]) > 1 else 0]
+    node = Node.objects.prefetch_related("accelerators").get(pk=agent_node["id"])
+    beat = {
+        "cpu_percent": 5.0,
+        "memory_total_bytes": 1,
+        "inventory_hash": node.inventory_hash,
+        "accelerators": [
+            {"uuid": a.uuid, "utilization_percent": 1.0, "memory_used_bytes": 1}
+            for a in node.accelerators.all()
+        ],
+    }
+    agent = Client(HTTP_AUTHORIZATION=f"Bearer {agent_node['token']}")
+    router = Client(HTTP_AUTHORIZATION=f"Bearer {data['routers'][0]['token']}")
+    out: dict[str, Any] = {}
+    path = f"/api/v1/nodes/{node.pk}/heartbeat"
+    agent.post(path, beat, content_type="application/json")  # last_used_at is fresh after this
+    out["POST heartbeat"] = _counted(
+        lambda: agent.post(path, beat, content_type="application/json")
+    )
+    out["GET agent/commands"] = _counted(
+        lambda: agent.get("/api/v1/agent/commands?session=q&wait=0")
+    )
+    for name, url in (
+        ("GET routing/policies 304", "/api/v1/routing/policies/default"),
+        ("GET routing/deployments 304", "/api/v1/routing/deployments"),
+    ):
+        etag = router.get(url)["ETag"]
+        out[name] = _counted(lambda url=url, etag=etag: router.get(url, HTTP_IF_NONE_MATCH=etag))
+    return out
+
+
+def step_reaper() -> dict[str, Any]:
+    """One reaper pass over every node with ``--stale`` of them silent past the grace period."""
+    from datetime import timedelta
+
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+    from django.utils import timezone
+
+    from controlplane.inventory.choices import NodeStatus
+    from controlplane.inventory.models import Node
+    from controlplane.inventory.services import mark_lost_nodes
+
+    grace = Node.heartbeat_grace()
+    stale_count = min(ARGS.stale, Node.objects.count())
+    passes, queries = [], 0
+    for attempt in range(3):
+        now = timezone.now()
+        Node.objects.update(status=NodeStatus.ONLINE, last_heartbeat_at=now)
+        stale = Node.objects.order_by("-name").values_list("pk", flat=True)[:stale_count]
+        Node.objects.filter(pk__in=list(stale)).update(
+            last_heartbeat_at=now - grace - timedelta(seconds=1)
+        )
+        with CaptureQueriesContext(connection) as ctx:
+            start = time.perf_counter()
+            lost = mark_lost_nodes()
+            passes.append(time.perf_counter() - start)
+        queries = len(ctx.captured_queries)
+        assert len(lost) == stale_count, (attempt, len(lost))
+    return {
+        "nodes": Node.objects.count(),
+        "stale": stale_count,
+        "grace_seconds": grace.total_seconds(),
+        "pass_seconds": passes,
+        "queries": queries,
+    }
+
+
+def run_step() -> None:
+    import django
+
+    django.setup()
+    if ARGS.step == "setup":
+        answer = step_setup(Path(ARGS.tokens))
+    elif ARGS.step == "queries":
+        answer = step_queries(Path(ARGS.tokens))
+    else:
+        answer = step_reaper()
+    print(json.dumps(answer))
+
+
+# ------------------------------------------------------------------ the load
+
+
+async def load(base: str, data: dict[str, Any], sampler: CpuSampler) -> dict[str, Any]:
+    import aiohttp
+
+    recorder = Recorder()
+    connector = aiohttp.TCPConnector(limit=ARGS.connections, keepalive_timeout=1.0)
+    timeout = aiohttp.ClientTimeout(total=SPEC_TIMEOUT)
+    loop = asyncio.get_running_loop()
+    period = ARGS.period
+    warm_end = loop.time() + (ARGS.warmup if ARGS.warmup is not None else 2 * period)
+    stop = warm_end + ARGS.seconds
+    ARGS.lost_at = warm_end + 0.2 * ARGS.seconds
+    seen = [RouterSeen() for _ in data["routers"]]
+    base_inv = base_inventory()
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        api = Api(base, session, recorder)
+        spread = period / max(1, len(data["nodes"]))
+        tasks = [
+            asyncio.create_task(agent(api, i, node, base_inv, i * spread, stop))
+            for i, node in enumerate(data["nodes"])
+        ]
+        rspread = ARGS.router_interval / max(1, len(data["routers"]))
+        tasks += [
+            asyncio.create_task(router(api, r["name"], r["token"], i * rspread, stop, seen[i]))
+            for i, r in enumerate(data["routers"])
+        ]
+        await asyncio.sleep(max(0.0, warm_end - loop.time()))
+        recorder.measuring = True
+        global START_WALL
+        START_WALL = time.time()
+        spies = start_profiles(sampler.stack) if ARGS.profile else []
+        sampler.sample()
+        counters_before = db_counters(ARGS.db_url, ARGS.db_name)
+        side = [
+            asyncio.create_task(
+                operator(api, data["operator"], data["nodes"][0], (ARGS.gpu_port, free_port()))
+            )
+        ]
+        if ARGS.lost:
+            side.append(asyncio.create_task(lost_watch(api, data["operator"])))
+        while loop.time() < stop:
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(sampler.sample)
+        recorder.measuring = False
+        counters_after = db_counters(ARGS.db_url, ARGS.db_name)
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+        for spy in spies:
+            await asyncio.to_thread(spy.wait, 30)
+        for task in side:
+            task.cancel()
+        await asyncio.gather(*tasks, *side, return_exceptions=True)
+    counters = {k: counters_after[k] - counters_before[k] for k in counters_before}
+    return {"recorder": recorder, "seen": seen, "db": counters}
+
+
+def start_profiles(stack: Stack) -> list[subprocess.Popen[bytes]]:
+    """py-spy on each gunicorn worker (not the master) for the measured window."""
+    ARGS.profile.mkdir(parents=True, exist_ok=True)
+    spy = Path(sys.executable).with_name("py-spy")
+    workers = process_tree(stack.procs["web"].pid)[1:]
+    return [
+        subprocess.Popen(
+            [
+                str(spy),
+                "record",
+                "--format",
+                "raw",
+                "--rate",
+                "50",
+                "--nonblocking",
+                "--pid",
+                str(w.pid),
+                "--output",
+                str(ARGS.profile / f"web-{w.pid}.txt"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for w in workers
+    ]
+
+
+# ------------------------------------------------------------------ the report
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def report(result: dict[str, Any], cpu: dict[str, float], extra: dict[str, Any]) -> dict[str, Any]:
+    recorder: Recorder = result["recorder"]
+    seconds = ARGS.seconds
+    rows = []
+    print(f"\n{ARGS.agents} agents, {ARGS.routers} routers, {seconds:g} s measured\n")
+    print("| endpoint | count | per s | p50 ms | p99 ms | max ms | errors |")
+    print("|---|---|---|---|---|---|---|")
+    for name in sorted(recorder.endpoints):
+        ep = recorder.endpoints[name]
+        count = len(ep.latencies) + sum(ep.errors.values())
+        lat = [x * 1000 for x in ep.latencies]
+        errors = ", ".join(f"{k}: {v}" for k, v in sorted(ep.errors.items())) or "0"
+        row = {
+            "endpoint": name,
+            "count": count,
+            "rate": count / seconds,
+            "p50_ms": statistics.median(lat) if lat else None,
+            "p99_ms": percentile(lat, 0.99) if lat else None,
+            "max_ms": max(lat) if lat else None,
+            "errors": dict(ep.errors),
+        }
+        rows.append(row)
+        fmt = (lambda v: f"{v:.1f}") if lat else (lambda v: "-")
+        print(
+            f"| {name} | {count} | {count / seconds:.1f} | {fmt(row['p50_ms'])} | "
+            f"{fmt(row['p99_ms'])} | {fmt(row['max_ms'])} | {errors} |"
+        )
+    print("\nCPU seconds over the measured window (and cores busy):")
+    for group, used in sorted(cpu.items(), key=lambda kv: -kv[1]):
+        print(f"  {group}: {used:.1f} s ({used / seconds:.2f} cores)")
+    beats = len(recorder.endpoints["POST heartbeat"].latencies) or 1
+    print("\ndatabase counters:", json.dumps(result["db"]))
+    print(f"  per heartbeat: {result['db']['rows updated'] / beats:.1f} rows updated")
+    events = recorder.events
+    timeline = {}
+    if "deploy_running" in events:
+        timeline["deploy -> running s"] = events["deploy_running"] - events["deploy_requested"]
+        seen_at = [
+            min(s.deployments[k] for k in s.deployments if k > 0)
+            for s in result["seen"]
+            if any(k > 0 for k in s.deployments)
+        ]
+        if len(seen_at) == ARGS.routers:
+            timeline["deploy -> every router has it s"] = max(seen_at) - events["deploy_requested"]
+    if "policy_changed" in events:
+        version = int(events["policy_version"])
+        seen_at = [
+            s.policy_versions[version] for s in result["seen"] if version in s.policy_versions
+        ]
+        if len(seen_at) == ARGS.routers:
+            timeline["policy change -> every router has it s"] = (
+                max(seen_at) - events["policy_changed"]
+            )
+    if "benchmark_finished" in events:
+        timeline[f"benchmark ({BENCHMARK.get('status')}) s"] = (
+            events["benchmark_finished"] - events["benchmark_started"]
+        )
+    if "lost_all_offline" in events:
+        timeline[f"{ARGS.lost} silent -> all offline s"] = (
+            events["lost_all_offline"] - events["lost_silent_at"]
+        )
+    print("\noperator:", json.dumps({k: round(v, 2) for k, v in timeline.items()}))
+    by_second: dict[int, list[float]] = defaultdict(list)
+    for when, _, took in recorder.slow:
+        by_second[int(when)].append(took)
+    worst = sorted(by_second.items(), key=lambda kv: -max(kv[1]))[:5]
+    print(
+        "seconds with answers over 100 ms (second: count, worst ms):",
+        ", ".join(f"{t}: {len(v)}, {max(v) * 1000:.0f}" for t, v in sorted(worst)) or "none",
+    )
+    for key, value in extra.items():
+        print(f"\n{key}: {json.dumps(value)}")
+    return {"rows": rows, "cpu": cpu, "db": result["db"], "timeline": timeline, **extra}
+
+
+# ------------------------------------------------------------------ main
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--agents", type=int, default=200)
+    p.add_argument("--routers", type=int, default=20)
+    p.add_argument("--seconds", type=float, default=20.0, help="measured, after one period")
+    p.add_argument("--period", type=float, default=10.0, help="heartbeat interval (s)")
+    p.add_argument("--router-interval", type=float, default=1.0)
+    p.add_argument("--stats-interval", type=float, default=10.0)
+    p.add_argument("--connections", type=int, default=100, help="client connection limit")
+    p.add_argument("--workers", type=int, default=2, help="syshax web --workers")
+    p.add_argument("--threads", type=int, default=4, help="syshax web --threads")
+    p.add_argument("--lost", type=int, default=0, help="agents that stop heartbeating")
+    p.add_argument("--stale", type=int, default=50, help="silent nodes in the reaper pass")
+    p.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432")
+    p.add_argument("--redis", default="redis://127.0.0.1:6379/13")
+    p.add_argument("--no-celery", action="store_true", help="no worker, beat or benchmark")
+    p.add_argument("--keep-db", action="store_true")
+    p.add_argument("--json", type=Path, help="write the figures here")
+    p.add_argument(
+        "--profile", type=Path, help="py-spy each web worker over the window (collapsed stacks)"
+    )
+    p.add_argument("--warmup", type=float, help="seconds before measuring (default: two periods)")
+    p.add_argument("--step", choices=["setup", "queries", "reaper"], help=argparse.SUPPRESS)
+    p.add_argument("--tokens", help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def flush_redis(url: str) -> None:
+    import redis
+
+    redis.Redis.from_url(url).flushdb()
+
+
+def wait_healthy(base: str, stack: Stack, timeout: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name, proc in stack.procs.items():
+            if proc.poll() is not None:
+                raise SystemExit(f"{name} exited with {proc.returncode}; see {stack.logs}")
+        with suppress(httpx.HTTPError):
+            if httpx.get(base + "health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.3)
+    raise SystemExit(f"the control plane did not answer health in {timeout:g} s")
+
+
+def main() -> int:
+    if ARGS.step:
+        run_step()
+        return 0
+    with tempfile.TemporaryDirectory(prefix="fleet-") as tmp, fleet_database(ARGS.postgres) as url:
+        var_dir = Path(tmp)
+        ARGS.db_url, ARGS.db_name = url, url.rsplit("/", 1)[1]
+        env = server_env(url, ARGS.redis, var_dir, ARGS.period)
+        flush_redis(ARGS.redis)
+        started = time.monotonic()
+        subprocess.run(syshax("manage", "migrate", "--verbosity", "0"), env=env, check=True)
+        tokens = var_dir / "tokens.json"
+        made = in_django(env, "setup", *_sizes(), "--tokens", str(tokens))
+        print(f"set up {made} in {time.monotonic() - started:.1f} s", flush=True)
+        data = json.loads(tokens.read_text())
+        stack = Stack(env, var_dir)
+        port, ARGS.gpu_port = free_port(), free_port()
+        web = ["web", "--bind", f"{HOST}:{port}", "--no-migrate"]
+        stack.start(
+            "web", syshax(*web, "--workers", str(ARGS.workers), "--threads", str(ARGS.threads))
+        )
+        if not ARGS.no_celery:
+            stack.start("worker", syshax("worker", "--concurrency", "1", "--loglevel", "WARNING"))
+            stack.start("beat", syshax("beat", "--loglevel", "WARNING"))
+            sim = ["sim", "--device", "a100-80gb", "--model", "qwen2.5-7b-instruct"]
+            stack.start(
+                "engine (syshax sim)", syshax(*sim, "--port", str(ARGS.gpu_port), "--speed", "20")
+            )
+        base = f"http://{HOST}:{port}/api/v1/"
+        others_before = cpu_snapshot()
+        try:
+            wait_healthy(base, stack)
+            sampler = CpuSampler(stack, url, ARGS.db_name)
+            result = asyncio.run(load(base, data, sampler))
+            ours = {p.pid for proc in stack.procs.values() for p in process_tree(proc.pid)}
+            ours |= {pid for _, pid in sampler.last} | {os.getpid()}
+            others = busy_others(others_before, ours)
+        finally:
+            stack.stop()
+        queries = in_django(env, "queries", "--tokens", str(tokens))
+        reaper = in_django(env, "reaper", *_sizes(), "--stale", str(ARGS.stale))
+        extra = {
+            "queries per request (in-process, CaptureQueriesContext)": {
+                k: v[1] for k, v in queries.items()
+            },
+            "reaper pass": reaper,
+            "backends (max)": sampler.backends_max,
+            "backend states (samples)": dict(
+                sorted(sampler.waits.items(), key=lambda kv: -kv[1])[:12]
+            ),
+            "busiest other processes (CPU s)": [(n, round(s, 1)) for n, s in others],
+            "setup": {"web": f"{ARGS.workers} workers x {ARGS.threads} threads"},
+        }
+        figures = report(result, sampler.totals(), extra)
+        figures["queries_sql"] = queries
+        if ARGS.json:
+            ARGS.json.write_text(json.dumps(figures, indent=2, default=str))
+        flush_redis(ARGS.redis)
+    return 0
+
+
+def _sizes() -> list[str]:
+    return ["--agents", str(ARGS.agents), "--routers", str(ARGS.routers)]
+
+
+NODES: list[Any] = []
+BENCHMARK: dict[str, str] = {}
+START_WALL = time.time()
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    NODES = [None] * ARGS.agents
+    sys.exit(main())
