@@ -9,7 +9,8 @@ What goes on the command line depends on the engine kind (docs/operator-guide.md
 * ``syshax-v0``, sysHAX's patched V0 image: ``--preemption-mode`` and ``CUSTOM_CPU_AFFINITY``,
   KV handed over with sysHAX's request fields;
 * ``simulator``: upstream's flags, or with ``pd_protocol: syshax`` its sysHAX-compatible mode
-  (``--syshax-compat``, which also takes ``--preemption-mode``).
+  (``--syshax-compat``, which also takes ``--preemption-mode``). Its thread binding only on a
+  node shaped like its CPU preset (see ``binds_device_cores``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from agents.specs import Accelerator, EngineSpec, engine_name, kv_transfer_confi
 from controlplane.deployments.choices import EngineKind
 from controlplane.deployments.models import Deployment, DeploymentProfile
 from controlplane.inventory.models import Node
+from syshax.sim.presets import DEVICES
 
 GIB = 1024**3
 SIMULATOR_COMMAND = ["syshax", "sim"]
@@ -74,12 +76,40 @@ def engine_args(
     return args + list(profile.cpu_extra_args)
 
 
-def cpu_engine_env(profile: DeploymentProfile, plan: dict[str, Any]) -> dict[str, str]:
-    """Threads, binding and KV space of the CPU engine; the profile's ``cpu_env`` wins."""
-    env = thread_env(
-        profile.engine,
-        plan.get("omp_num_threads", ""),
-        str(plan.get("custom_cpu_affinity", "")),
+def binds_device_cores(profile: DeploymentProfile, node: Node | None) -> bool:
+    """Whether the plan's CPU ids name cores of the device the CPU engine computes on.
+
+    They are the node's CPUs. A real engine computes on them. A simulated CPU engine computes
+    on its preset (``sim_cpu_device``), whose cores the simulator numbers ``0..cores-1`` in
+    NUMA order, so the node's ids are its cores only on a node of the preset's shape (the
+    Kunpeng 920 host for the Kunpeng preset). Anywhere else the host's binding would shrink the
+    simulated device: ``syshax up`` on a 2-core machine bound it to ``0-1``, 2 of the Kunpeng's
+    160 cores, and its prefill ran 80 times slower than the device it stands for. There it
+    models the whole preset, as without a binding; its process still runs in the plan's cpuset.
+    """
+    if profile.engine != EngineKind.SIMULATOR:
+        return True
+    device = DEVICES.get(profile.sim_cpu_device)
+    cpu = getattr(node, "cpu", None)
+    if node is None or device is None or cpu is None:
+        return False
+    numa_nodes = sum(1 for n in node.numa_nodes.all() if n.cpus.strip())
+    return (cpu.physical_cores, numa_nodes) == (device.cores, device.numa_nodes)
+
+
+def cpu_engine_env(
+    profile: DeploymentProfile, plan: dict[str, Any], node: Node | None
+) -> dict[str, str]:
+    """Threads, binding and KV space of the CPU engine on ``node``; the profile's ``cpu_env``
+    wins."""
+    env = (
+        thread_env(
+            profile.engine,
+            plan.get("omp_num_threads", ""),
+            str(plan.get("custom_cpu_affinity", "")),
+        )
+        if binds_device_cores(profile, node)
+        else {}
     )
     env["VLLM_CPU_KVCACHE_SPACE"] = str(profile.cpu_kv_cache_space_gb)
     if profile.quantization != "none":
@@ -139,7 +169,7 @@ def profile_engine_spec(
         command=tuple(_command(profile, "cpu")),
         args=args,
         image=profile.cpu_image,
-        env=cpu_engine_env(profile, plan),
+        env=cpu_engine_env(profile, plan, node),
         port=profile.cpu_port,
         host=host,
         cpuset=plan.get("cpuset") or None,

@@ -182,18 +182,18 @@ def run(args: argparse.Namespace) -> int:
     # Imported here so --help stays instant.
     from syshax.sim.connector import parse_kv_transfer_config
     from syshax.sim.engine import EngineConfig
-    from syshax.sim.perfmodel import parse_cpu_list, restrict_cpu
+    from syshax.sim.perfmodel import bind_cpu
     from syshax.sim.presets import device_preset, model_preset
     from syshax.sim.server import ServerSettings, serve
 
-    device = device_preset(args.device)
-    bind = args.cpu_bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").strip()
-    if device.is_cpu and bind and bind not in ("auto", "all", "nobind"):
-        try:
-            device = restrict_cpu(device, parse_cpu_list(bind))
-        except ValueError as exc:
-            print(f"syshax sim: CPU binding {bind!r}: {exc}", file=sys.stderr)
-            return 2
+    preset = device_preset(args.device)
+    bind = args.cpu_bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    try:
+        device = bind_cpu(preset, bind)
+    except ValueError as exc:
+        print(f"syshax sim: CPU binding {bind!r}: {exc}", file=sys.stderr)
+        return 2
+    if device is not preset:
         log.info("bound to %d cores on %d NUMA node(s)", device.cores, device.numa_nodes)
     if args.tensor_parallel_size < 1 or args.max_num_seqs < 1:
         print("syshax sim: --tensor-parallel-size and --max-num-seqs must be >= 1", file=sys.stderr)

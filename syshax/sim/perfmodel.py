@@ -165,3 +165,16 @@ def restrict_cpu(device: DevicePreset, cpus: set[int]) -> DevicePreset:
         cores=len(usable),
         numa_nodes=len(nodes),
     )
+
+
+UNBOUND = frozenset({"", "auto", "all", "nobind"})  # the spellings of "no binding"
+
+
+def bind_cpu(device: DevicePreset, binding: str) -> DevicePreset:
+    """The device a CPU engine computes on when bound by ``binding`` (``--cpu-bind``, else
+    vLLM's ``VLLM_CPU_OMP_THREADS_BIND``: the preset's core ids, ranks joined by ``|``); the
+    whole preset when unbound. Raises ValueError for a list that names none of its cores."""
+    binding = binding.strip()
+    if not device.is_cpu or binding in UNBOUND:
+        return device
+    return restrict_cpu(device, parse_cpu_list(binding))

@@ -14,6 +14,7 @@ from django.test import RequestFactory
 
 from agents.specs import EngineSpec
 from controlplane.deployments.models import Deployment, DeploymentProfile
+from controlplane.deployments.services import placement_plan
 from controlplane.deployments.specs import engine_spec
 from controlplane.routers.services import routable_deployments
 from router.backends import Backend, Timeouts
@@ -23,6 +24,8 @@ from router.state import Deployment as RoutedDeployment
 from router.state import DeploymentSpec
 from syshax.policy_schema import PolicyKnobs
 from syshax.sim.cli import add_arguments as sim_arguments
+from syshax.sim.perfmodel import bind_cpu
+from syshax.sim.presets import DEVICES, DevicePreset, device_preset
 
 PLAN = {
     "cpuset": "2-7",
@@ -112,7 +115,51 @@ def test_the_simulator_gets_flags_it_accepts_in_the_mode_of_the_protocol(
     assert gpu_args.preemption_mode == ("swap" if compat else None)
     assert ("--kv-transfer-config" in gpu["args"]) is not compat
     assert cpu_args.kv_cache_space == 12 and cpu["env"]["VLLM_CPU_KVCACHE_SPACE"] == "12"
-    assert cpu["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "2-3,4-7"  # its --cpu-bind default
+    # This 8-core node is not the simulated Kunpeng: the host's binding is not its cores.
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in cpu["env"] and cpu["cpuset"] == "2-7"
+
+
+def simulated_cpu_device(spec: dict[str, Any]) -> DevicePreset:
+    """The CPU device ``syshax sim`` models when started as ``spec`` says."""
+    args = sim_parse(spec["args"])
+    binding = args.cpu_bind or spec["env"].get("VLLM_CPU_OMP_THREADS_BIND", "")
+    return bind_cpu(device_preset(args.device), binding)
+
+
+def test_a_simulated_cpu_engine_on_a_small_host_models_its_whole_preset(
+    make_deployment, make_node, make_profile
+) -> None:
+    # syshax up's node: this machine's CPUs (here 2 cores on one NUMA node) beside a simulated
+    # A100. The host's plan binds the CPU engine to 0-1; read as the Kunpeng preset's core ids
+    # that was 2 of its 160 cores, a prefill 80x slower, and the benchmark's CPU row timed out.
+    laptop = make_node("laptop", numa=1, cores_per_numa=2)
+    profile = make_profile(sim_cpu_device="kunpeng-920-7280z", pd_protocol="vllm")
+    plan = placement_plan(profile, laptop)
+    deployment = make_deployment(node=laptop, profile=profile, affinity_plan=plan)
+    cpu = engine_spec(deployment, "cpu")
+    assert cpu["cpuset"] == "0-1"  # the process still runs on the host's planned cores
+    device = simulated_cpu_device(cpu)
+    assert (device.cores, device.numa_nodes) == (160, 4)
+    assert device == DEVICES["kunpeng-920-7280z"]
+    # Real vLLM on the same host computes on those cores: it is bound to them.
+    vllm = make_profile(engine="vllm", quantization="none")
+    plan = placement_plan(vllm, laptop)
+    real = engine_spec(make_deployment(node=laptop, profile=vllm, affinity_plan=plan), "cpu")
+    assert real["env"]["VLLM_CPU_OMP_THREADS_BIND"] == plan["custom_cpu_affinity"] == "0-1"
+
+
+def test_a_simulated_cpu_engine_on_a_host_of_its_preset_shape_keeps_the_binding(
+    make_deployment, make_node, make_profile
+) -> None:
+    # A Kunpeng 920 7280Z host (4 NUMA nodes x 40 cores): its CPU ids are the preset's cores.
+    kunpeng = make_node("kunpeng", numa=4, cores_per_numa=40, architecture="aarch64")
+    profile = make_profile(sim_cpu_device="kunpeng-920-7280z")
+    plan = placement_plan(profile, kunpeng)
+    cpu = engine_spec(make_deployment(node=kunpeng, profile=profile, affinity_plan=plan), "cpu")
+    assert cpu["env"]["VLLM_CPU_OMP_THREADS_BIND"] == plan["custom_cpu_affinity"]
+    device = simulated_cpu_device(cpu)
+    assert device.cores == plan["physical_cores"] < 160  # two cores stay with the GPU engine
+    assert device.numa_nodes == 4
 
 
 def test_without_a_cpu_engine_there_is_no_kv_transfer(make_deployment, node, make_profile) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from syshax.sim.engine import EngineConfig, build_scheduler, plan_capacity
 from syshax.sim.perfmodel import (
+    bind_cpu,
     decode_step_time,
     effective_hardware,
     parse_cpu_list,
@@ -159,6 +160,16 @@ def test_cpu_lists_parse_like_vllm_binds() -> None:
         restrict_cpu(DEVICES["kunpeng-920-7280z"], {500})
     gpu = DEVICES["a100-80gb"]
     assert restrict_cpu(gpu, {0}) is gpu  # a GPU engine ignores CPU binding
+
+
+def test_a_cpu_binding_names_the_presets_cores_and_unbound_is_the_whole_device() -> None:
+    kunpeng = DEVICES["kunpeng-920-7280z"]
+    for unbound in ("", " ", "auto", "all", "nobind"):
+        assert bind_cpu(kunpeng, unbound) is kunpeng
+    two = bind_cpu(kunpeng, "0-1")  # two of the preset's 160 cores, not "a 2-core host"
+    assert (two.cores, two.numa_nodes) == (2, 1)
+    assert two.peak_flops == pytest.approx(kunpeng.peak_flops / 80)
+    assert bind_cpu(DEVICES["a100-80gb"], "0-1") is DEVICES["a100-80gb"]
 
 
 def test_frontend_emits_a_steps_tokens_one_after_another_and_queues() -> None:
