@@ -29,7 +29,19 @@ class DeploymentCreateForm(forms.Form):
         help_text="lower-case letters, digits and '-'",
     )
     profile = forms.ModelChoiceField(queryset=DeploymentProfile.objects.all())
-    node = forms.ModelChoiceField(queryset=Node.objects.all(), to_field_name="name")
+    node = forms.ModelChoiceField(
+        queryset=Node.objects.all(),
+        to_field_name="name",
+        required=False,
+        empty_label="let the control plane choose",
+        help_text="a named node pins the deployment there",
+    )
+    node_selector = forms.CharField(
+        required=False,
+        max_length=1024,
+        label="Node labels",
+        help_text="when the control plane chooses: labels the node must carry, e.g. rack=r1",
+    )
     policy = forms.ModelChoiceField(
         queryset=SchedulingPolicy.objects.all(),
         required=False,
@@ -43,6 +55,18 @@ class DeploymentCreateForm(forms.Form):
         if Deployment.objects.filter(name=name).exists():
             raise ValidationError(f"a deployment named {name!r} already exists")
         return name
+
+    def clean_node_selector(self) -> dict[str, str]:
+        text: str = self.cleaned_data["node_selector"]
+        labels: dict[str, str] = {}
+        for item in (part.strip() for part in text.split(",")):
+            if not item:
+                continue
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ValidationError(f"{item!r}: write labels as name=value, comma-separated")
+            labels[key.strip()] = value.strip()
+        return labels
 
     def add_service_error(self, field: str, message: str) -> None:
         """Put an error a service raised beside its field; profile knobs go to the node."""

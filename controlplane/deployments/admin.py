@@ -138,6 +138,7 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     list_display = [
         "name",
         "node",
+        "pinned",
         "profile",
         "desired_state",
         "state",
@@ -145,7 +146,7 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "step",
         "state_changed_at",
     ]
-    list_filter = ["state", "desired_state", "node", "profile"]
+    list_filter = ["state", "desired_state", "pinned", "node", "profile"]
     search_fields = ["name", "node__name", "profile__name"]
     readonly_fields = [
         "desired_state",
@@ -157,8 +158,20 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "gpu_endpoint",
         "cpu_endpoint",
         "affinity_plan",
+        "held_cards",
     ]
     inlines = [ContainerInline, DeploymentEventInline]
+
+    @admin.display(description="cards held")
+    def held_cards(self, obj: Deployment) -> str:
+        claims = obj.accelerator_claims.select_related("accelerator").order_by("accelerator__index")
+        return ", ".join(f"{c.accelerator.index}: {c.accelerator.uuid}" for c in claims) or "-"
+
+    def save_model(self, request, obj, form, change):  # type: ignore[no-untyped-def]
+        if "node" in form.changed_data:
+            obj.pinned = True  # an operator who names the node pins it there
+        super().save_model(request, obj, form, change)
+
     actions = ["deploy", "stop", "restart", "run_benchmark"]
 
     def _each(self, request, queryset, operation, verb):  # type: ignore[no-untyped-def]

@@ -36,7 +36,7 @@ def held_cpus(node: Node, *, excluding: Deployment | None = None) -> dict[int, s
     """CPU -> the name of the active deployment on the node whose CPU engine holds it."""
     held: dict[int, str] = {}
     others = Deployment.objects.filter(node=node, state__in=ACTIVE)
-    if excluding is not None and excluding.pk:
+    if excluding is not None and excluding.pk is not None:
         others = others.exclude(pk=excluding.pk)
     for other in others:
         for cpu in parse_cpu_list(str((other.affinity_plan or {}).get("cpuset", ""))):
@@ -45,7 +45,12 @@ def held_cpus(node: Node, *, excluding: Deployment | None = None) -> dict[int, s
 
 
 def plan_for(
-    profile: DeploymentProfile, node: Node, *, deployment: Deployment | None = None
+    profile: DeploymentProfile,
+    node: Node,
+    *,
+    deployment: Deployment | None = None,
+    cpu_cores: int | None = None,
+    numa_nodes: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """The CPU engine's cpuset, OMP_NUM_THREADS and CUSTOM_CPU_AFFINITY, as stored on the
     deployment. Raises PlacementError naming the field when it cannot be placed."""
@@ -69,7 +74,9 @@ def plan_for(
     # Keep two cores per GPU engine process for its host threads, on nodes big enough to spare them.
     gpu_host = min(2 * tp, topology.physical_cores // 4)
     request = AffinityRequest(
+        cpu_cores=None if explicit else cpu_cores,
         gpu_host_cores=0 if explicit else gpu_host,
+        numa_nodes=None if explicit else numa_nodes,
         cpu_affinity=profile.cpu_affinity if explicit else None,
     )
     try:

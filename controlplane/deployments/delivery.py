@@ -66,7 +66,10 @@ def wake(node_id: int) -> None:
         return
     try:
         pipe = client.pipeline()
-        pipe.rpush(_wake_key(node_id), "1")
+        # Two tokens: a fetch of an agent that died mid-wait may still be blocked and take one
+        # (its reply goes nowhere); the restarted agent's fetch takes the other at once. A
+        # spare token only costs the next fetch one query.
+        pipe.rpush(_wake_key(node_id), "1", "1")
         pipe.ltrim(_wake_key(node_id), -8, -1)
         pipe.expire(_wake_key(node_id), _WAKE_TTL_SECONDS)
         pipe.execute()

@@ -23,6 +23,7 @@ from controlplane.deployments.choices import (
     PreemptionMode,
     Quantization,
 )
+from controlplane.inventory.choices import AcceleratorKind
 from controlplane.inventory.cpulist import CpuListError, parse_cpu_list
 from controlplane.inventory.models import Node, node_name_validator
 from controlplane.policy.models import SchedulingPolicy
@@ -203,6 +204,52 @@ class Deployment(TimeStampedModel):
         DeploymentProfile, on_delete=models.PROTECT, related_name="deployments"
     )
     node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="deployments")
+    # Placement (docs/lifecycles.md): pinned to `node` by its operator, or placed (and placed
+    # again when its node is lost) by the control plane within these constraints.
+    pinned = models.BooleanField(
+        default=True, help_text="the operator chose the node; false: the control plane places it"
+    )
+    accelerator_kind = models.CharField(
+        max_length=8, choices=AcceleratorKind.choices, blank=True, help_text="empty: any kind"
+    )
+    min_device_memory_gb = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.0), MaxValueValidator(1e6)],
+        help_text="each card needs at least this much memory",
+    )
+    cpu_cores = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(65536)],
+        help_text="physical cores for the CPU engine; empty: every free core of the node",
+    )
+    cpu_numa_local = models.BooleanField(
+        default=False, help_text="the CPU engine's cores on one NUMA node (else spread evenly)"
+    )
+    node_selector = models.JSONField(
+        default=dict, blank=True, help_text="node labels the node must carry, e.g. {rack: r1}"
+    )
+    # Replicas: each one a GPU engine and its CPU engine on one node. Replicas 2..N are
+    # deployments of their own (placed by the control plane, spread over nodes) that follow
+    # their first replica's deploys and stops.
+    replicas = models.PositiveIntegerField(
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(64)],
+        help_text="engine pairs to run, each on a node of its own where there is room",
+    )
+    replica_of = models.ForeignKey(
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="replica_set",
+        help_text="the first replica this one follows",
+    )
+    replica_index = models.PositiveIntegerField(default=1)
+    retiring = models.BooleanField(
+        default=False, help_text="a replica beyond the count: removed once stopped"
+    )
     policy = models.ForeignKey(
         SchedulingPolicy,
         on_delete=models.PROTECT,
@@ -237,6 +284,25 @@ class Deployment(TimeStampedModel):
 
     def __str__(self) -> str:
         return self.name
+
+
+class AcceleratorClaim(models.Model):
+    """A card held by an active deployment. One row per card: the unique key is what keeps
+    two deployments, however concurrent, from taking the same card."""
+
+    accelerator = models.OneToOneField(
+        "inventory.Accelerator", on_delete=models.CASCADE, related_name="claim"
+    )
+    deployment = models.ForeignKey(
+        Deployment, on_delete=models.CASCADE, related_name="accelerator_claims"
+    )
+    claimed_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["accelerator__node", "accelerator__index"]
+
+    def __str__(self) -> str:
+        return f"{self.accelerator} held by {self.deployment}"
 
 
 class DeploymentEvent(models.Model):

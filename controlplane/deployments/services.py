@@ -9,6 +9,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.core import audit
+from controlplane.deployments import delivery, placing
 from controlplane.deployments.choices import DeploymentState, DesiredState, EventLevel
 from controlplane.deployments.models import Deployment, DeploymentEvent, DeploymentProfile
 from controlplane.deployments.placement import PlacementError, check_placement
@@ -39,6 +40,8 @@ def set_state(deployment: Deployment, state: str, reason: str = "") -> None:
     deployment.state = state
     deployment.state_reason = reason
     deployment.state_changed_at = timezone.now()
+    if state in (DeploymentState.STOPPED, DeploymentState.FAILED) and deployment.pk:
+        placing.release(deployment)  # its cards are free for the next placement
 
 
 def _queue_advance(deployment_id: int) -> None:
@@ -48,10 +51,15 @@ def _queue_advance(deployment_id: int) -> None:
 
 
 def placement_plan(
-    profile: DeploymentProfile, node: Node, deployment: Deployment | None = None
+    profile: DeploymentProfile,
+    node: Node,
+    deployment: Deployment | None = None,
+    *,
+    numa_node: int | None = None,
 ) -> dict[str, Any]:
-    """Check the profile fits the node and plan the CPU engine's cores; raise the first
-    PlacementError (it names the field and the limit), carrying all of them in ``problems``."""
+    """Check the profile fits the node and plan the CPU engine's cores (on ``numa_node`` only
+    when given); raise the first PlacementError (it names the field and the limit), carrying
+    all of them in ``problems``."""
     problems = check_placement(profile, node)
     if problems:
         first = problems[0]
@@ -61,41 +69,141 @@ def placement_plan(
         return {}
     from controlplane.deployments.affinity import plan_for
 
-    return plan_for(profile, node, deployment=deployment)
+    return plan_for(
+        profile,
+        node,
+        deployment=deployment,
+        cpu_cores=deployment.cpu_cores if deployment is not None else None,
+        numa_nodes=(numa_node,) if numa_node is not None else None,
+    )
+
+
+PLACEMENT_FIELDS = (
+    "accelerator_kind",
+    "min_device_memory_gb",
+    "cpu_cores",
+    "cpu_numa_local",
+    "node_selector",
+)
 
 
 def create_deployment(
     *,
     name: str,
     profile: DeploymentProfile,
-    node: Node,
+    node: Node | None,
     policy: SchedulingPolicy | None = None,
     acting_user: Any,
     start: bool = False,
+    replicas: int = 1,
+    **placement: Any,
 ) -> Deployment:
-    plan = placement_plan(profile, node)
+    """A deployment of ``profile`` on ``node``, or, with ``node=None``, on the node the
+    scheduler chooses within the ``placement`` constraints (PLACEMENT_FIELDS), with
+    ``replicas`` engine pairs (replicas 2..N are placed by the scheduler)."""
+    unknown = set(placement) - set(PLACEMENT_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown placement constraint(s): {', '.join(sorted(unknown))}")
+    draft = Deployment(
+        name=name, profile=profile, pinned=node is not None, replicas=replicas, **placement
+    )
+    how = "pinned by its operator"
+    if node is None:
+        choice = placing.choose(draft)
+        node = Node.objects.get(name=choice.node)
+        how = f"chosen by the scheduler ({choice.reason})"
+    draft.node = node
+    plan = placement_plan(profile, node, draft)
     user, _ = audit.split_actor(acting_user)
     with transaction.atomic():
-        deployment = Deployment.objects.create(
-            name=name,
-            profile=profile,
-            node=node,
-            affinity_plan=plan,
-            policy=policy or ensure_default_policy(),
-            created_by=user,
+        draft.affinity_plan = plan
+        draft.policy = policy or ensure_default_policy()
+        draft.created_by = user
+        draft.save(force_insert=True)
+        deployment = draft
+        add_event(
+            deployment, "created", f"profile {profile.name} placed on node {node.name}, {how}"
         )
-        add_event(deployment, "created", f"profile {profile.name} placed on node {node.name}")
         audit.record("deployment.created", deployment, acting_user=acting_user)
+        _sync_replicas(deployment, acting_user=acting_user)
         if start:
             request_deploy(deployment, acting_user=acting_user)
     return deployment
 
 
-def request_deploy(deployment: Deployment, *, acting_user: Any) -> Deployment:
-    """Start (or redeploy after a profile change): a new generation, GPU first then CPU."""
+def replica_name(first: Deployment, index: int) -> str:
+    return f"{first.name[:58]}-r{index}"
+
+
+def _sync_replicas(first: Deployment, *, acting_user: Any) -> None:
+    """Replicas 2..N of ``first`` exist, inherit its profile, policy and constraints, and
+    those beyond N retire (stopped, then removed). Runs in the caller's transaction."""
+    have = {r.replica_index: r for r in first.replica_set.all()}
+    for index in range(2, first.replicas + 1):
+        replica = have.get(index)
+        if replica is not None:
+            if replica.retiring:
+                replica.retiring = False
+                replica.save(update_fields=["retiring", "updated_at"])
+            continue
+        replica = Deployment(
+            name=replica_name(first, index),
+            profile=first.profile,
+            policy=first.policy,
+            pinned=False,
+            replica_of=first,
+            replica_index=index,
+            created_by=first.created_by,
+            **{f: getattr(first, f) for f in PLACEMENT_FIELDS},
+        )
+        choice = placing.choose(replica)
+        replica.node = Node.objects.get(name=choice.node)
+        replica.affinity_plan = placement_plan(replica.profile, replica.node, replica)
+        replica.save(force_insert=True)
+        add_event(
+            replica,
+            "created",
+            f"replica {index} of {first.name}, placed on node {replica.node.name} "
+            f"({choice.reason})",
+        )
+        audit.record("deployment.created", replica, acting_user=acting_user)
+    for index, replica in have.items():
+        if index > first.replicas and not replica.retiring:
+            replica.retiring = True
+            replica.save(update_fields=["retiring", "updated_at"])
+            if replica.state in (DeploymentState.STOPPED, DeploymentState.PENDING):
+                replica.delete()
+            else:
+                request_stop(replica, acting_user=acting_user)
+
+
+def set_replicas(first: Deployment, replicas: int, *, acting_user: Any) -> Deployment:
+    """Change the replica count; new replicas deploy at once when the deployment should run."""
+    with transaction.atomic():
+        locked = Deployment.objects.select_for_update().get(pk=first.pk)
+        if locked.replica_of_id is not None:
+            raise PlacementError("replicas", "set the count on the first replica")
+        locked.replicas = replicas
+        locked.save(update_fields=["replicas", "updated_at"])
+        _sync_replicas(locked, acting_user=acting_user)
+        if locked.desired_state == DesiredState.RUNNING:
+            for replica in locked.replica_set.filter(retiring=False).exclude(
+                desired_state=DesiredState.RUNNING
+            ):
+                request_deploy(replica, acting_user=acting_user, follow=False)
+        audit.record(
+            "deployment.replicas", locked, acting_user=acting_user, detail={"replicas": replicas}
+        )
+    first.refresh_from_db()
+    return first
+
+
+def request_deploy(deployment: Deployment, *, acting_user: Any, follow: bool = True) -> Deployment:
+    """Start (or redeploy after a profile change): a new generation, GPU first then CPU; the
+    deployment's other replicas too (``follow``), all placed or none."""
     with transaction.atomic():
         locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
-        locked.affinity_plan = placement_plan(locked.profile, locked.node, locked)
+        _place(locked)
         locked.generation += 1
         locked.desired_state = DesiredState.RUNNING
         locked.step = ""
@@ -109,12 +217,37 @@ def request_deploy(deployment: Deployment, *, acting_user: Any) -> Deployment:
             detail={"generation": locked.generation},
         )
         _queue_advance(locked.pk)
+        if follow:  # after the first replica, which keeps its node; the others spread
+            for replica in locked.replica_set.filter(retiring=False).order_by("replica_index"):
+                try:
+                    request_deploy(replica, acting_user=acting_user, follow=False)
+                except PlacementError as exc:
+                    raise PlacementError(
+                        exc.field, f"replica {replica.replica_index}: {exc.message}"
+                    ) from None
     deployment.refresh_from_db()
     return deployment
 
 
-def request_stop(deployment: Deployment, *, acting_user: Any) -> Deployment:
+def _place(locked: Deployment, *, avoid: frozenset[str] = frozenset()) -> str:
+    """Claim the deployment's cards (moving it when it is not pinned and its node no longer
+    fits) and plan its CPU engine there. Returns the node it left, or ""."""
+    before = locked.node
+    choice, moved = placing.place_and_claim(locked, avoid=avoid)
+    locked.affinity_plan = placement_plan(
+        locked.profile, locked.node, locked, numa_node=choice.numa_node
+    )
+    if moved:
+        add_event(locked, "placed", f"placed on node {locked.node.name}: {choice.reason}")
+        return before.name
+    return ""
+
+
+def request_stop(deployment: Deployment, *, acting_user: Any, follow: bool = True) -> Deployment:
     with transaction.atomic():
+        if follow:
+            for replica in deployment.replica_set.all():
+                request_stop(replica, acting_user=acting_user, follow=False)
         locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
         if locked.desired_state == DesiredState.STOPPED and locked.state == DeploymentState.STOPPED:
             return locked
@@ -135,6 +268,8 @@ def request_restart(deployment: Deployment, *, acting_user: Any) -> Deployment:
 
 
 def mark_node_deployments_unknown(node: Node) -> int:
+    """The node was lost: its deployments become unknown, and those the control plane placed
+    are placed again elsewhere (after commit, one task each)."""
     changed = 0
     for deployment in Deployment.objects.filter(node=node).exclude(
         state__in=[DeploymentState.STOPPED, DeploymentState.PENDING, DeploymentState.UNKNOWN]
@@ -142,8 +277,109 @@ def mark_node_deployments_unknown(node: Node) -> int:
         set_state(deployment, DeploymentState.UNKNOWN, f"node {node.name} stopped heartbeating")
         deployment.save(update_fields=["state", "state_reason", "state_changed_at", "updated_at"])
         add_event(deployment, "node-lost", deployment.state_reason, level=EventLevel.WARNING)
+        if not deployment.pinned and deployment.desired_state == DesiredState.RUNNING:
+            _queue_reschedule(deployment.pk)
         changed += 1
     return changed
+
+
+def _queue_reschedule(deployment_id: int) -> None:
+    from controlplane.deployments import tasks
+
+    transaction.on_commit(lambda: tasks.reschedule_deployment.delay(deployment_id))
+
+
+def stranded_deployments() -> list[int]:
+    """Placed (not pinned) deployments that should run but sit on a lost node."""
+    return list(
+        Deployment.objects.filter(
+            pinned=False,
+            desired_state=DesiredState.RUNNING,
+            state=DeploymentState.UNKNOWN,
+        )
+        .exclude(node__status="online")
+        .values_list("pk", flat=True)
+    )
+
+
+def reschedule(deployment_id: int) -> str:
+    """Place a stranded deployment on another node and deploy it there; with no room, say why
+    in its state reason (beat tries again). Returns the node it went to, or ""."""
+    with transaction.atomic():
+        locked = (
+            Deployment.objects.select_for_update()
+            .select_related("profile", "node")
+            .get(pk=deployment_id)
+        )
+        lost = locked.node
+        if (
+            locked.pinned
+            or locked.desired_state != DesiredState.RUNNING
+            or locked.state != DeploymentState.UNKNOWN
+            or lost.status == "online"
+        ):
+            return ""
+        try:
+            _place(locked, avoid=frozenset({lost.name}))
+        except PlacementError as exc:
+            reason = f"node {lost.name} lost; no other node has room: {exc}"
+            if reason != locked.state_reason:
+                locked.state_reason = reason
+                locked.save(update_fields=["state_reason", "updated_at"])
+                add_event(locked, "reschedule", reason, level=EventLevel.WARNING)
+            return ""
+        locked.generation += 1
+        locked.step = ""
+        reason = f"node {lost.name} lost; placed again on node {locked.node.name}"
+        set_state(locked, DeploymentState.DEPLOYING, reason)
+        locked.save()
+        add_event(locked, "reschedule", reason, level=EventLevel.WARNING)
+        audit.record(
+            "deployment.rescheduled",
+            locked,
+            acting_user="scheduler",
+            detail={"from": lost.name, "to": locked.node.name, "generation": locked.generation},
+        )
+        _queue_advance(locked.pk)
+        return locked.node.name
+
+
+def stop_moved_away(node: Node, deployment_ids: set[int]) -> int:
+    """Engines a returning node still runs for deployments placed elsewhere since: one stop
+    command each (all generations), unless one is already queued."""
+    from controlplane.deployments.choices import CommandAction, CommandStatus
+    from controlplane.deployments.models import AgentCommand
+
+    issued = 0
+    for deployment in Deployment.objects.filter(pk__in=deployment_ids).exclude(node=node):
+        pending = AgentCommand.objects.filter(
+            node=node, deployment=deployment, action=CommandAction.STOP, step=""
+        ).filter(status=CommandStatus.QUEUED)
+        if pending.exists():
+            continue
+        command = AgentCommand.objects.create(
+            node=node,
+            deployment=deployment,
+            action=CommandAction.STOP,
+            generation=deployment.generation,
+            spec={
+                "deployment": deployment.name,
+                "deployment_id": deployment.pk,
+                "role": None,
+                "keep_generation": None,
+            },
+        )
+        add_event(
+            deployment,
+            "orphans",
+            f"node {node.name} is back with engines of this deployment, which now runs on "
+            f"node {deployment.node.name}: stopping them there",
+            level=EventLevel.WARNING,
+            detail={"dispatch_id": str(command.dispatch_id)},
+        )
+        transaction.on_commit(lambda: delivery.wake(node.pk))
+        issued += 1
+    return issued
 
 
 def sync_containers(node: Node, reported: list[dict[str, Any]]) -> int:
@@ -153,6 +389,13 @@ def sync_containers(node: Node, reported: list[dict[str, Any]]) -> int:
     updated = 0
     with transaction.atomic():
         own = {d.pk: d for d in Deployment.objects.filter(node=node)}
+        elsewhere = {
+            int(i["deployment_id"])
+            for i in reported
+            if i["deployment_id"] not in own and i.get("status") != "missing"
+        }
+        if elsewhere:
+            stop_moved_away(node, elsewhere)
         for item in reported:
             deployment = own.get(item["deployment_id"])
             if deployment is None:

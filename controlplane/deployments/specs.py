@@ -21,6 +21,7 @@ from agents.affinity import thread_env
 from agents.specs import Accelerator, EngineSpec, engine_name, kv_transfer_config
 from controlplane.deployments.choices import EngineKind
 from controlplane.deployments.models import Deployment, DeploymentProfile
+from controlplane.inventory.models import Accelerator as AcceleratorRow
 from controlplane.inventory.models import Node
 from syshax.sim.presets import DEVICES
 
@@ -30,15 +31,23 @@ VLLM_QUANTIZATION = ("awq", "gptq", "fp8")  # the profile quantizations vLLM tak
 
 
 def engine_args(
-    profile: DeploymentProfile, role: str, *, engine_id: str = "", peer_engine_id: str = ""
+    profile: DeploymentProfile,
+    role: str,
+    *,
+    engine_id: str = "",
+    peer_engine_id: str = "",
+    host: str = "",
 ) -> list[str]:
     """The engine's flags for its kind; the KV connector's config names this engine and its
-    PD peer (the agents' engine names)."""
+    PD peer (the agents' engine names). ``host`` is the node's address: vLLM listens on every
+    interface by default, the simulator only where it is told (its default is 127.0.0.1)."""
     served = profile.model_name_for_clients
     args: list[str] = []
     if profile.engine == EngineKind.SIMULATOR:
         device = profile.sim_gpu_device if role == "gpu" else profile.sim_cpu_device
         args += ["--device", device]
+        if host and host != "127.0.0.1":
+            args += ["--host", host]
         if profile.speaks_syshax:
             args.append("--syshax-compat")
     args += [
@@ -132,6 +141,7 @@ def profile_engine_spec(
     node: Node | None,
     plan: dict[str, Any],
     names: tuple[str, str],
+    cards: list[AcceleratorRow] | None = None,
 ) -> EngineSpec:
     """One engine of ``profile`` on ``node`` (None: no node's devices or address), named
     ``names`` = (GPU engine, CPU engine). ``engine_spec`` and ``syshax profile render`` both
@@ -139,13 +149,14 @@ def profile_engine_spec(
     host = (node.address if node is not None else "") or "127.0.0.1"
     gpu_name, cpu_name = names
     name, peer = (gpu_name, cpu_name) if role == "gpu" else (cpu_name, gpu_name)
-    args = tuple(engine_args(profile, role, engine_id=name, peer_engine_id=peer))
+    args = tuple(engine_args(profile, role, engine_id=name, peer_engine_id=peer, host=host))
     if role == "gpu":
-        cards = (
-            list(node.accelerators.order_by("index")[: profile.tensor_parallel_size])
-            if node is not None
-            else []
-        )
+        if cards is None:  # no claim (a rendered profile): the node's first cards
+            cards = (
+                list(node.accelerators.order_by("index")[: profile.tensor_parallel_size])
+                if node is not None
+                else []
+            )
         accelerators = tuple(
             Accelerator(uuid=acc.uuid, index=acc.index, simulated=acc.simulated, kind=acc.kind)
             for acc in cards
@@ -190,8 +201,19 @@ def engine_spec(deployment: Deployment, role: str) -> dict[str, Any]:
         engine_name(deployment.pk, deployment.generation, "gpu"),
         engine_name(deployment.pk, deployment.generation, "cpu"),
     )
+    claimed = [
+        claim.accelerator
+        for claim in deployment.accelerator_claims.select_related("accelerator").order_by(
+            "accelerator__index"
+        )
+    ]
     spec = profile_engine_spec(
-        profile, role, node=deployment.node, plan=deployment.affinity_plan or {}, names=names
+        profile,
+        role,
+        node=deployment.node,
+        plan=deployment.affinity_plan or {},
+        names=names,
+        cards=claimed or None,
     )
     return {
         **spec.to_dict(),

@@ -17,6 +17,22 @@ def expire_stale_commands() -> int:
     return delivery.expire_stale_commands(older_than_seconds=60.0)
 
 
+@shared_task(name="deployments.reschedule", ignore_result=True)
+def reschedule_deployment(deployment_id: int) -> str:
+    """A placed deployment's node was lost: place it again elsewhere."""
+    from controlplane.deployments.services import reschedule
+
+    return reschedule(deployment_id)
+
+
+@shared_task(name="deployments.reschedule_stranded", ignore_result=True)
+def reschedule_stranded() -> int:
+    """Beat: try again for placed deployments still stranded on a lost node (no room before)."""
+    from controlplane.deployments.services import reschedule, stranded_deployments
+
+    return sum(1 for pk in stranded_deployments() if reschedule(pk))
+
+
 @shared_task(name="deployments.reconcile_node", ignore_result=True)
 def reconcile_node(node_id: int) -> int:
     """A node came back: re-check its deployments that went unknown while it was away."""

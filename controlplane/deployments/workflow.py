@@ -187,6 +187,10 @@ def _finish(deployment: Deployment, steps: tuple[Step, ...]) -> None:
     deployment.step = ""
     deployment.save()
     add_event(deployment, deployment.state, message)
+    if deployment.retiring and deployment.state == DeploymentState.STOPPED:
+        # A replica beyond its deployment's count: gone once its engines are.
+        log.info("replica %s retired", deployment.name)
+        deployment.delete()
 
 
 def record_command_result(

@@ -231,6 +231,7 @@ CELERY_BEAT_SCHEDULE = {
     },
     "prune-heartbeats": {"task": "inventory.prune_heartbeats", "schedule": 3600.0},
     "expire-stale-commands": {"task": "deployments.expire_stale_commands", "schedule": 30.0},
+    "reschedule-stranded": {"task": "deployments.reschedule_stranded", "schedule": 30.0},
     "resume-in-flight-deployments": {"task": "deployments.resume_in_flight", "schedule": 60.0},
 }
 
@@ -243,6 +244,9 @@ AGENT_COMMAND_WAIT_SECONDS = env_float("AGENT_COMMAND_WAIT_SECONDS", 20.0, minim
 HEARTBEAT_TOLERANCE = env_float("HEARTBEAT_TOLERANCE", 3.0, minimum=1.0)
 HEARTBEAT_RETENTION_HOURS = env_int("HEARTBEAT_RETENTION_HOURS", 24, minimum=1)
 ROUTER_GRACE_SECONDS = env_float("ROUTER_GRACE_SECONDS", 30.0, minimum=1.0)
+# A token's last_used_at is written at most this often (a write per request would double the
+# fleet's write load; docs/scale.md).
+TOKEN_LAST_USED_SECONDS = env_float("TOKEN_LAST_USED_SECONDS", 300.0, minimum=1.0)
 
 LOGGING = {
     "version": 1,

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,12 +66,16 @@ class Proc:
         except OSError:
             return ""
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+    def send(self, sig: int) -> None:
         if self.popen.poll() is None:
             with suppress(ProcessLookupError):
                 os.killpg(self.popen.pid, sig)
-            with suppress(subprocess.TimeoutExpired):
-                self.popen.wait(timeout)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        """Signal the group, wait up to ``timeout``, then SIGKILL whatever is left of it."""
+        self.send(sig)
+        with suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
         with suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         self.popen.wait(5)
@@ -140,6 +145,8 @@ class Fleet:
     def _start(self, name: str, host: Host, argv: list[str], env: dict[str, str]) -> Proc:
         proc = Proc(name, host.argv(argv), env, self.tmp / f"{name}.log")
         self.procs.append(proc)
+        if host.netns is None:  # a namespace's processes die with it; these would not
+            self.network.track(proc.popen.pid)
         return proc
 
     def control_plane_env(self) -> dict[str, str]:
@@ -175,11 +182,12 @@ class Fleet:
         *,
         accelerators: tuple[str, ...] = ("a100-80gb",),
         report_address: bool = True,
+        labels: dict[str, str] | None = None,
     ) -> ClusterNode:
         """Register node ``name`` (no address: its agent reports one), give it a machine and
-        start its agent there."""
+        start its agent there, with one simulated card per preset in ``accelerators``."""
         host = self.network.add(name)
-        row = Node.objects.create(name=name)
+        row = Node.objects.create(name=name, labels=labels or {})
         token = MachineCredential.issue("agent", f"agent-{name}", node=row)[1]
         connections.close_all()
         node = ClusterNode(
@@ -262,9 +270,14 @@ class Fleet:
 
     def close(self) -> None:
         """Stop every process; the network's own teardown then SIGKILLs what is left in each
-        namespace (the engines) and deletes the namespaces."""
-        for proc in reversed(self.procs):
-            proc.stop(timeout=5)
+        namespace (the engines) and deletes the namespaces. Whatever has not exited 2 s after
+        SIGTERM is killed: the web's threads sit in agents' long polls, which gunicorn's
+        graceful shutdown would wait out."""
+        for proc in self.procs:
+            proc.send(signal.SIGTERM)
+        deadline = time.monotonic() + 2
+        for proc in self.procs:
+            proc.stop(timeout=max(0.0, deadline - time.monotonic()))
         self.procs.clear()
 
 

@@ -5,8 +5,9 @@ listen on their own machine's address, and the router reaches them there.
 
 One node's machine is lost (everything on it killed, its namespace deleted): after the grace
 period it is offline, its deployment unknown, and the router serves from the other two with
-no client error. The machine comes back with the same address: online again, nothing
-registered or started twice.
+no client error (before it has dropped the lost engine, a request on that engine as it dies
+gets a prompt 503). The machine comes back with the same address: online again, nothing
+registered or started twice, and once redeployed its engine serves again.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from controlplane.deployments.models import (
     DeploymentProfile,
 )
 from controlplane.inventory.models import Heartbeat, Node
-from tests.cluster.fleet import ClusterNode, Fleet
+from tests.cluster.fleet import ClusterNode, ClusterRouter, Fleet
 from tests.support.controlplane import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -52,10 +53,9 @@ def make_profile() -> DeploymentProfile:
         enable_cpu_engine=False,
         gpu_command=sim,
         gpu_port=ENGINE_PORT,
-        # `syshax sim` binds 127.0.0.1 unless told otherwise and the control plane passes no
-        # --host, so without this the agent's health check of http://<node address>:7001
-        # fails. See docs/cluster-tests.md, "Findings".
-        gpu_extra_args=["--speed", "20", "--host", "0.0.0.0"],
+        # The control plane passes the simulator `--host <node address>` (it binds 127.0.0.1
+        # by default), so the engine listens where the agent checks and the router calls.
+        gpu_extra_args=["--speed", "20"],
         max_model_len=4096,
         health_timeout_seconds=30,
     )
@@ -140,29 +140,79 @@ def one_engine_per_role(node: ClusterNode) -> dict[tuple[str, str], int]:
 
 
 def test_three_hosts_deploy_serve_lose_one_and_get_it_back(fleet: Fleet) -> None:
-    began = time.monotonic()
-    marks: dict[str, float] = {}
-
-    def mark(what: str) -> None:
-        marks[what] = time.monotonic() - began
-
+    timeline = Timeline()
     fleet.start_control_plane()
     # n3 reports no --address: the agent finds its own from the route to the control plane.
     nodes = [fleet.add_node("n1"), fleet.add_node("n2"), fleet.add_node("n3", report_address=False)]
-    n1, n2, n3 = nodes
     fleet.wait_online("n1", "n2", "n3")
-    mark("nodes online")
+    timeline.mark("nodes online")
+    check_registered_over_the_network(fleet, nodes)
 
-    # Registered and heartbeating over the private network, each with its own address.
+    deployments = deploy_one_per_node(fleet, nodes)
+    timeline.mark("deployed")
+
+    # A router on a machine of its own spreads concurrent requests over the three.
+    router = fleet.router()
+    endpoints = {n.name: f"http://{n.host.address}:{ENGINE_PORT}" for n in nodes}
+    wait_until(lambda: router.backends() == set(endpoints.values()), 30, "router sees 3 engines")
+    timeline.mark("router ready")
+    spread = serve(router.url, nodes, 36)
+    assert all(spread.values()), spread
+    timeline.mark("spread")
+
+    lose_n3(fleet, router, deployments, endpoints)
+    timeline.mark("n3 lost")
+    # The other two serve everything, with no client error.
+    serve(router.url, nodes[:2], 24)
+    wait_until(
+        lambda: all(state(deployments[n]) == "running" for n in ("n1", "n2")),
+        10,
+        "n1's and n2's deployments running",
+    )
+
+    back_state = bring_back_n3(fleet, deployments["n3"], endpoints["n3"])
+    timeline.mark("n3 back")
+    wait_until(lambda: router.backends() == set(endpoints.values()), 10, "router sees n3 again")
+    # Nothing duplicated: one engine per role per deployment on each machine, one command
+    # per step and generation.
+    for node in nodes:
+        assert one_engine_per_role(node) == {(str(deployments[node.name].pk), "gpu"): 1}
+    for deployment in deployments.values():
+        steps = list(
+            AgentCommand.objects.filter(deployment=deployment).values_list("generation", "step")
+        )
+        assert len(steps) == len(set(steps)), steps
+    assert serve(router.url, nodes, 24)["n3"] > 0
+    timeline.mark("done")
+    print(f"\nspread over n1-n3: {spread}; n3's deployment when the node came back: {back_state}")
+    print(f"timeline (s): {timeline}")
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.began = time.monotonic()
+        self.marks: dict[str, float] = {}
+
+    def mark(self, what: str) -> None:
+        self.marks[what] = time.monotonic() - self.began
+
+    def __str__(self) -> str:
+        return ", ".join(f"{k} {v:.1f}" for k, v in self.marks.items())
+
+
+def check_registered_over_the_network(fleet: Fleet, nodes: list[ClusterNode]) -> None:
+    """Registered and heartbeating over the private network, each with its own address."""
     for node in nodes:
         row = fleet.node_row(node.name)
         assert row.address == node.host.address, (row.address, node.host.address)
         assert row.accelerators.get().simulated
         beats = Heartbeat.objects.filter(node_id=node.pk)
         wait_until(lambda: beats.count() >= 2, 10, f"a second heartbeat from {node.name}")  # noqa: B023
-    assert len({fleet.node_row(n.name).address for n in nodes}) == 3
 
-    # One deployment pinned to each node, deployed together; engines on the nodes' machines.
+
+def deploy_one_per_node(fleet: Fleet, nodes: list[ClusterNode]) -> dict[str, Deployment]:
+    """One deployment pinned to each node, deployed together; each engine runs on its node's
+    machine and is published at the node's address."""
     profile = make_profile()
     deployments = {
         node.name: services.create_deployment(
@@ -180,29 +230,34 @@ def test_three_hosts_deploy_serve_lose_one_and_get_it_back(fleet: Fleet) -> None
         90,
         "three deployments",
     )
-    mark("deployed")
     for node in nodes:
         deployment = Deployment.objects.get(pk=deployments[node.name].pk)
         assert deployment.state == "running", deployment.state_reason
         assert deployment.gpu_endpoint == f"http://{node.host.address}:{ENGINE_PORT}"
         (engine,) = node.running_engines()
         assert engine.labels["syshax.deployment"] == str(deployment.pk)
-        # The engine runs inside the node's namespace.
-        assert int(engine.extra["pid"]) in node.host.pids()
+        assert int(engine.extra["pid"]) in node.host.pids()  # inside the node's namespace
+    return deployments
 
-    # A router on a machine of its own spreads concurrent requests over the three.
-    router = fleet.router()
-    endpoints = {n.name: f"http://{n.host.address}:{ENGINE_PORT}" for n in nodes}
-    wait_until(lambda: router.backends() == set(endpoints.values()), 30, "router sees 3 engines")
-    mark("router ready")
+
+def serve(url: str, nodes: list[ClusterNode], requests: int) -> dict[str, int]:
+    """Send ``requests`` completions, six at a time; all succeed and ``nodes``' engines
+    served every one. Returns how many each served."""
     before = {n.name: served(n) for n in nodes}
-    outcomes = burst(router.url, 36)
-    assert outcomes == Counter(ok=36), outcomes
+    outcomes = burst(url, requests)
+    assert outcomes == Counter(ok=requests), outcomes
     spread = {n.name: served(n) - before[n.name] for n in nodes}
-    assert sum(spread.values()) == 36 and all(spread.values()), spread
-    mark("spread")
+    assert sum(spread.values()) == requests, spread
+    return spread
 
-    # n3's machine is lost, with its agent and engine, while clients keep sending.
+
+def lose_n3(
+    fleet: Fleet,
+    router: ClusterRouter,
+    deployments: dict[str, Deployment],
+    endpoints: dict[str, str],
+) -> None:
+    """n3's machine is lost, with its agent and engine, while clients keep sending."""
     load = Load(router.url)
     time.sleep(0.5)
     killed_at = time.monotonic()
@@ -226,7 +281,6 @@ def test_three_hosts_deploy_serve_lose_one_and_get_it_back(fleet: Fleet) -> None
     dropped_after = time.monotonic() - killed_at
     time.sleep(1.0)
     during = load.stop()
-    mark("n3 lost")
     # The other machines kept the network: no gap in their heartbeats around the loss beyond
     # what a busy 2-core machine causes. (A bridge whose MAC followed its ports silenced
     # them for longer than the grace period.)
@@ -234,72 +288,47 @@ def test_three_hosts_deploy_serve_lose_one_and_get_it_back(fleet: Fleet) -> None
     assert max(gaps.values()) < 2 * fleet.interval * fleet.tolerance, gaps
     settled_at = killed_at + dropped_after
     late = Counter(o for sent, _, o in during if sent >= settled_at)
-    window = Counter(o for sent, _, o in during if killed_at <= sent < settled_at)
+    window = Counter(o for sent, done, o in during if sent < settled_at and done >= killed_at)
+    failures = [
+        f"{o} at +{sent - killed_at:.2f} s after {done - sent:.2f} s"
+        for sent, done, o in during
+        if o != "ok"
+    ]
     print(
         f"\nn3 lost: offline after {offline_after:.2f} s, dropped by the router after "
-        f"{dropped_after:.2f} s; requests sent in between: {dict(window)}, after: {dict(late)}; "
-        f"nodes reaped: {lost}; n1/n2 heartbeat gaps: {gaps}"
+        f"{dropped_after:.2f} s; requests in between: {dict(window)}, after: {dict(late)}; "
+        f"failures: {failures}; nodes reaped: {lost}; n1/n2 heartbeat gaps: {gaps}"
     )
-    # In between, a request already on n3's engine fails, and promptly: the router retries
-    # on the same deployment's engines only (docs/cluster-tests.md, "Findings").
+    # In between, a request on n3's engine as it dies fails, promptly, with a 503: the router
+    # falls back to the same deployment's engines only (docs/cluster-tests.md, "Findings").
     assert set(window) <= {"ok", "503"}, window
     assert late and set(late) == {"ok"}, late
 
-    # The other two serve everything, with no client error.
-    before = {n.name: served(n) for n in (n1, n2)}
-    outcomes = burst(router.url, 24)
-    assert outcomes == Counter(ok=24), outcomes
-    assert sum(served(n) - before[n.name] for n in (n1, n2)) == 24
-    wait_until(
-        lambda: all(state(deployments[n]) == "running" for n in ("n1", "n2")),
-        10,
-        "n1's and n2's deployments running",
-    )
 
-    # n3 comes back: a new namespace with the same address and disk, the agent restarted.
-    fleet.restore_node("n3")
+def bring_back_n3(fleet: Fleet, deployment: Deployment, endpoint: str) -> str:
+    """n3 comes back: a new namespace with the same address and disk, the agent restarted.
+    Returns the deployment's state once the control plane knows what the agent found."""
+    n3 = fleet.restore_node("n3")
     fleet.wait_online("n3")
-    mark("n3 back")
-    row = fleet.node_row("n3")
-    assert row.address == n3.host.address
+    assert fleet.node_row("n3").address == n3.host.address
     assert Node.objects.count() == 3  # nothing registered twice
     # Its engine died with the machine, and the restarted agent says so (the record in its
-    # state dir has a dead PID): the control plane has settled the deployment once it knows.
-    lost_generation = Deployment.objects.get(pk=deployments["n3"].pk).generation
+    # state dir has a dead PID).
+    lost_generation = Deployment.objects.get(pk=deployment.pk).generation
     wait_until(
         lambda: ContainerInstance.objects.filter(
-            deployment_id=deployments["n3"].pk, generation=lost_generation, status="exited"
+            deployment_id=deployment.pk, generation=lost_generation, status="exited"
         ).exists(),
         10,
         "n3's agent to report its dead engine",
     )
-    back_state = state(deployments["n3"])
+    back_state = state(deployment)
     if back_state == "unknown":
         # Nothing restarted it by itself, so the operator redeploys it.
         assert n3.running_engines() == []
-        services.request_deploy(
-            Deployment.objects.get(pk=deployments["n3"].pk), acting_user=fleet.admin
-        )
-    wait_until(lambda: state(deployments["n3"]) in ("running", "failed"), 60, "n3 running again")
-    redeployed = Deployment.objects.get(pk=deployments["n3"].pk)
+        services.request_deploy(Deployment.objects.get(pk=deployment.pk), acting_user=fleet.admin)
+    wait_until(lambda: state(deployment) in ("running", "failed"), 60, "n3 running again")
+    redeployed = Deployment.objects.get(pk=deployment.pk)
     assert redeployed.state == "running", redeployed.state_reason
-    assert redeployed.gpu_endpoint == endpoints["n3"]
-    wait_until(lambda: router.backends() == set(endpoints.values()), 10, "router sees n3 again")
-    mark("n3 redeployed")
-
-    # Nothing duplicated: one engine per role per deployment on each machine, one command
-    # per step and generation.
-    for node in nodes:
-        assert one_engine_per_role(node) == {(str(deployments[node.name].pk), "gpu"): 1}
-    for deployment in deployments.values():
-        steps = list(
-            AgentCommand.objects.filter(deployment=deployment).values_list("generation", "step")
-        )
-        assert len(steps) == len(set(steps)), steps
-    before = {n.name: served(n) for n in nodes}
-    outcomes = burst(router.url, 24)
-    assert outcomes == Counter(ok=24), outcomes
-    assert served(n3) > before["n3"]
-    mark("done")
-    print(f"n3's deployment when the node came back: {back_state}")
-    print("timeline (s): " + ", ".join(f"{k} {v:.1f}" for k, v in marks.items()))
+    assert redeployed.gpu_endpoint == endpoint
+    return back_state

@@ -156,6 +156,30 @@ def test_create_deployment_calls_the_service_and_deploys(operator_client, make_n
     assert deployment.created_by is not None and deployment.created_by.username == "operator"
 
 
+def test_a_deployment_without_a_node_is_placed_on_a_labelled_node(
+    operator_client, make_node, make_profile
+) -> None:
+    make_node("rack1-box", status="online", labels={"rack": "r1"})
+    wanted = make_node("rack2-box", status="online", labels={"rack": "r2"})
+    response = operator_client.post(
+        reverse("dashboard:deployment-create"),
+        {"name": "placed", "profile": make_profile().pk, "node": "", "node_selector": "rack=r2"},
+    )
+    assert response.status_code == 302, response.content.decode()[:2000]
+    deployment = Deployment.objects.get(name="placed")
+    assert (deployment.node, deployment.pinned, deployment.node_selector) == (
+        wanted,
+        False,
+        {"rack": "r2"},
+    )
+    refused = operator_client.post(
+        reverse("dashboard:deployment-create"),
+        {"name": "nowhere", "profile": make_profile().pk, "node_selector": "rack"},
+    )
+    assert refused.status_code == 400
+    assert "write labels as name=value" in refused.content.decode()
+
+
 def test_placement_errors_are_shown_inline(operator_client, make_node, make_profile) -> None:
     node = make_node("small-box", accelerators=1, accel_gb=16)
     profile = make_profile(tensor_parallel_size=2)

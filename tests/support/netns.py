@@ -22,10 +22,11 @@ to 127.0.0.1 (PostgreSQL, Redis) runs in the host's namespace, bound to ``net.ho
 
 Teardown kills every process left in each namespace (``ip netns pids``), deletes the veth
 pairs, the namespaces and the bridge, also when the block raised. A run writes
-``/run/syshax-netns/<run>.json`` (its PID and start time) before it creates anything and
-deletes it last; :func:`sweep_leftovers` (run on entry) removes the namespaces and links of
-runs whose owner is gone, so a killed test run does not leave its namespaces behind, and
-never touches those of a run still going.
+``/run/syshax-netns/<run>.json`` (its PID and start time, and the host-side process groups it
+started, :meth:`Network.track`) before it creates anything and deletes it last;
+:func:`sweep_leftovers` (run on entry) removes the namespaces, links and host-side processes
+of runs whose owner is gone, so a test run killed with SIGKILL leaves nothing behind for
+long, and never touches those of a run still going.
 
 Needs root and iproute2; :func:`netns_problem` says why not.
 """
@@ -47,6 +48,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -64,14 +66,17 @@ class NetnsError(RuntimeError):
 
 
 def netns_problem() -> str | None:
-    """Why network namespaces cannot be used on this machine, or None when they can."""
+    """Why network namespaces cannot be used on this machine, or None when they can (a
+    namespace is created and deleted to find out)."""
     if os.geteuid() != 0:
         return "network namespaces need root (CI runs the suite as root)"
     if shutil.which("ip") is None:
         return "iproute2's `ip` is not installed"
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    if listed.returncode != 0:
-        return f"`ip netns list` failed: {listed.stderr.strip()}"
+    probe = f"{PREFIX}-{secrets.token_hex(3)}-probe"
+    added = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    if added.returncode != 0:
+        return f"`ip netns add` failed: {added.stderr.strip()}"
     return None
 
 
@@ -106,9 +111,11 @@ class Host:
 class Network:
     """A private /24 with the host's side on a bridge and one namespace per added host."""
 
-    def __init__(self, run: str, subnet: ipaddress.IPv4Network) -> None:
+    def __init__(self, run: str, subnet: ipaddress.IPv4Network, record: Path | None = None) -> None:
         self.run = run
         self.subnet = subnet
+        self.record = record  # this run's registry file
+        self.host_groups: list[tuple[int, float]] = []  # (pgid, its leader's start time)
         self.bridge = f"{PREFIX}-{run}-br"
         gateway = str(subnet.network_address + 1)
         self.host = Host("host", gateway, None)
@@ -116,6 +123,20 @@ class Network:
         self.slots: dict[str, int] = {}  # name -> index; kept after remove() for restore()
 
     # ----------------------------------------------------------------- set-up
+
+    def write_record(self) -> None:
+        if self.record is None:
+            return
+        me = psutil.Process()
+        owner = {"pid": me.pid, "started": me.create_time(), "host_groups": self.host_groups}
+        self.record.write_text(json.dumps(owner))
+
+    def track(self, pid: int) -> None:
+        """Note a process group this run started on the host's side (the control plane):
+        should this run die without its teardown, :func:`sweep_leftovers` kills it too."""
+        with contextlib.suppress(psutil.Error):
+            self.host_groups.append((pid, psutil.Process(pid).create_time()))
+            self.write_record()
 
     def open(self) -> None:
         ip("link", "add", self.bridge, "type", "bridge")
@@ -259,24 +280,49 @@ def pick_subnet(rng: random.Random | None = None) -> ipaddress.IPv4Network:
 # ----------------------------------------------------------------- ownership and sweeping
 
 
-def _owner_alive(record: Path) -> bool:
+def _running(pid: int, started: float) -> bool:
+    """Whether ``pid`` is the process that started at ``started`` (not a recycled PID)."""
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 1.0
+    except psutil.Error:
+        return False
+
+
+def _owner(record: Path) -> dict[str, Any]:
     try:
         owner = json.loads(record.read_text())
-        return abs(psutil.Process(int(owner["pid"])).create_time() - owner["started"]) < 1.0
-    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+    except (OSError, ValueError):
+        return {}
+    return owner if isinstance(owner, dict) else {}
+
+
+def _owner_alive(owner: dict[str, Any]) -> bool:
+    try:
+        return _running(int(owner["pid"]), float(owner["started"]))
+    except (KeyError, TypeError, ValueError):
         return False
 
 
 def sweep_leftovers() -> list[str]:
-    """Delete the namespaces and links of earlier runs whose owner process is gone.
+    """Delete the namespaces and links of earlier runs whose owner process is gone, and kill
+    the host-side process groups they noted (:meth:`Network.track`).
 
     A run is live while its registry file names a running process. Without a registry file a
     run's namespaces are swept only when older than this process, so a run that is just
     starting is never touched. Returns what was removed.
     """
-    live = {p.stem for p in REGISTRY.glob("*.json") if _owner_alive(p)}
+    owners = {p.stem: _owner(p) for p in REGISTRY.glob("*.json")}
+    live = {run for run, owner in owners.items() if _owner_alive(owner)}
     started = psutil.Process().create_time()
     removed: list[str] = []
+    for run, owner in owners.items():
+        if run in live:
+            continue
+        for pgid, leader_started in owner.get("host_groups", []):
+            if _running(int(pgid), float(leader_started)):
+                with contextlib.suppress(OSError):
+                    os.killpg(int(pgid), signal.SIGKILL)
+                    removed.append(f"process group {pgid}")
     for netns in netns_names():
         match = RUN_OF.match(netns)
         if not match or match.group(1) in live:
@@ -309,9 +355,8 @@ def isolated_network(*names: str) -> Iterator[Network]:
     run = secrets.token_hex(3)
     REGISTRY.mkdir(parents=True, exist_ok=True)
     record = REGISTRY / f"{run}.json"
-    me = psutil.Process()
-    record.write_text(json.dumps({"pid": me.pid, "started": me.create_time()}))
-    network = Network(run, pick_subnet())
+    network = Network(run, pick_subnet(), record)
+    network.write_record()  # before anything exists that a sweep could take for a leftover
     try:
         network.open()
         for name in names:

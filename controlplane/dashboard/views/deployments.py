@@ -44,6 +44,7 @@ def deployment_create(request: HttpRequest) -> HttpResponse:
                 policy=data["policy"],
                 acting_user=request.user,
                 start=data["start"],
+                **({"node_selector": data["node_selector"]} if data["node"] is None else {}),
             )
         except PlacementError as exc:
             # Show every reason the profile does not fit, not only the first one raised.

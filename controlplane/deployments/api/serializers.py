@@ -96,6 +96,9 @@ class DeploymentSerializer(serializers.ModelSerializer):  # type: ignore[type-ar
     gpu_endpoint = serializers.CharField(read_only=True)
     cpu_endpoint = serializers.CharField(read_only=True)
     start = serializers.BooleanField(write_only=True, required=False, default=False)
+    accelerators = serializers.SerializerMethodField(
+        help_text="UUIDs of the cards the deployment holds while it is active"
+    )
 
     class Meta:
         model = Deployment
@@ -104,6 +107,16 @@ class DeploymentSerializer(serializers.ModelSerializer):  # type: ignore[type-ar
             "name",
             "profile",
             "node",
+            "pinned",
+            "accelerator_kind",
+            "min_device_memory_gb",
+            "cpu_cores",
+            "cpu_numa_local",
+            "node_selector",
+            "accelerators",
+            "replicas",
+            "replica_of",
+            "replica_index",
             "policy",
             "desired_state",
             "state",
@@ -120,6 +133,9 @@ class DeploymentSerializer(serializers.ModelSerializer):  # type: ignore[type-ar
             "start",
         ]
         read_only_fields = [
+            "pinned",
+            "replica_of",
+            "replica_index",
             "desired_state",
             "state",
             "state_reason",
@@ -133,6 +149,23 @@ class DeploymentSerializer(serializers.ModelSerializer):  # type: ignore[type-ar
             "updated_at",
         ]
 
+        extra_kwargs = {
+            # Left out on create: the control plane places the deployment (docs/lifecycles.md).
+            "node": {"required": False},
+        }
+
+    def validate_node_selector(self, value: Any) -> dict[str, str]:
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 63 and len(v) <= 255
+            for k, v in value.items()
+        ):
+            raise serializers.ValidationError(
+                "must map label names (at most 63 characters) to string values (at most 255)"
+            )
+        if len(value) > 32:
+            raise serializers.ValidationError(f"at most 32 labels, got {len(value)}")
+        return value
+
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         # Moving a deployment that has engines would strand them on the old node.
         instance = self.instance
@@ -142,7 +175,18 @@ class DeploymentSerializer(serializers.ModelSerializer):  # type: ignore[type-ar
                     raise serializers.ValidationError(
                         {field: f"stop the deployment first (it is {instance.state})"}
                     )
+        if instance is not None and "node" in attrs:
+            attrs["pinned"] = True  # an operator who names the node pins it there
+        if instance is not None and instance.replica_of_id is not None:
+            changed = sorted(k for k in attrs if getattr(instance, k, None) != attrs[k])
+            if changed:
+                raise serializers.ValidationError(
+                    {changed[0]: "a replica follows its first replica: change that one"}
+                )
         return attrs
+
+    def get_accelerators(self, obj: Deployment) -> list[str]:
+        return [c.accelerator.uuid for c in obj.accelerator_claims.all()]
 
     def get_containers(self, obj: Deployment) -> list[dict[str, Any]]:
         current = [c for c in obj.containers.all() if c.generation == obj.generation]

@@ -48,7 +48,7 @@ class ProfileViewSet(ScopedModelViewSet):
 
 class DeploymentViewSet(ScopedModelViewSet):
     queryset = Deployment.objects.select_related("profile", "node", "policy").prefetch_related(
-        "containers"
+        "containers", "accelerator_claims__accelerator"
     )
     serializer_class = DeploymentSerializer
     filterset_fields = ["state", "desired_state", "node", "profile"]
@@ -60,9 +60,23 @@ class DeploymentViewSet(ScopedModelViewSet):
     def perform_create(self, serializer: BaseSerializer[Deployment]) -> None:
         data = dict(serializer.validated_data)
         start = data.pop("start", False)
+        data.pop("pinned", None)
         serializer.instance = services.create_deployment(
-            **data, acting_user=self.request.user, start=start
+            name=data.pop("name"),
+            profile=data.pop("profile"),
+            node=data.pop("node", None),
+            policy=data.pop("policy", None),
+            acting_user=self.request.user,
+            start=start,
+            **data,
         )
+
+    def perform_update(self, serializer: BaseSerializer[Deployment]) -> None:
+        data = serializer.validated_data
+        replicas = data.pop("replicas", None)
+        deployment = serializer.save()
+        if replicas is not None and replicas != deployment.replicas:
+            services.set_replicas(deployment, replicas, acting_user=self.request.user)
 
     @extend_schema(request=None, responses={202: DeploymentSerializer})
     @action(detail=True, methods=["post"])
