@@ -241,8 +241,14 @@ def test_create_a_deployment_and_watch_it_become_running(
     agent = StandInAgent(live_server.url, fleet["token"], delay=0.7)
     agent.start()
     try:
+        # Its own ports: qwen32b-hetero already listens on 7001/7002 of this node.
+        second = make_profile(
+            name="qwen32b-q4-second", served_model_name="qwen32b", gpu_port=7101, cpu_port=7102
+        )
+        page.goto(f"{base}/deployments/")
         page.fill("#id_name", "qwen32b-second")
-        page.select_option("#id_profile", str(fleet["profile"].pk))
+        page.select_option("#id_profile", str(second.pk))
+        page.select_option("#id_node", node.name)
         page.uncheck("#id_start")
         page.click("text=Create deployment")
         page.wait_for_selector("text=deployment qwen32b-second created")
@@ -260,7 +266,7 @@ def test_create_a_deployment_and_watch_it_become_running(
             assert any(text.endswith(step) for text in steps), (step, steps)
         assert page.locator(".timeline li").count() > before + 8
         assert page.locator(".timeline li.new").count() > 0  # appended live by the poller
-        assert page.locator('[data-field="gpu-endpoint"]').inner_text() == "http://127.0.0.1:7001"
+        assert page.locator('[data-field="gpu-endpoint"]').inner_text() == "http://127.0.0.1:7101"
         save_screenshot(page, "deployment", for_docs=True)
     finally:
         agent.stop()
@@ -270,7 +276,7 @@ def test_create_a_deployment_and_watch_it_become_running(
     sequence = [(c["action"], c["role"]) for c in agent.handled]
     assert sequence == [("stop", "cpu"), ("stop", "gpu"), ("start", "gpu"), ("start", "cpu")]
     deployment = Deployment.objects.get(name="qwen32b-second")
-    assert deployment.state == "running" and deployment.gpu_endpoint == "http://127.0.0.1:7001"
+    assert deployment.state == "running" and deployment.gpu_endpoint == "http://127.0.0.1:7101"
 
 
 def test_change_the_policy(page: Any, live_server: Any) -> None:
