@@ -8,6 +8,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
@@ -83,6 +84,14 @@ def scrape_failure_kind(exc: BaseException) -> str:
     return SCRAPE_CONNECT
 
 
+class InFlight(Protocol):
+    """A request using a backend, as the backend sees it when it leaves the deployment set."""
+
+    def backend_removed(self, backend: Backend) -> bool:
+        """Hand the request to another engine unless it sent output; True if it was."""
+        ...
+
+
 def ejection_seconds(ejection_count: int, base: float = EJECT_BASE_SECONDS) -> float:
     """Back-off for the n-th ejection (0-based): 1 s, 2 s, 4 s ... capped at 30 s."""
     return float(min(EJECT_MAX_SECONDS, base * (2**ejection_count)))
@@ -100,6 +109,10 @@ class Backend:
         self.pool = RawPool(self.url, timeouts.connect)
         self.up = True  # optimistic until the first scrape says otherwise
         self.inflight = 0  # sequences this router currently has on the engine
+        # The requests now on the engine, for when it leaves the deployment set (retire).
+        self.requests: set[InFlight] = set()
+        # Made when the backend leaves the deployment set; set once its last request ended.
+        self.drained: asyncio.Event | None = None
         self.consecutive_errors = 0
         self.kv_misses = 0  # consecutive PD decodes that recomputed the handed-over KV
         self.ejection_count = 0
@@ -137,6 +150,30 @@ class Backend:
         if self.session is not None:
             await self.session.close()
             self.session = None
+
+    def begin(self, request: InFlight) -> None:
+        self.inflight += 1
+        self.requests.add(request)
+
+    def end(self, request: InFlight) -> None:
+        self.inflight -= 1
+        self.requests.discard(request)
+        if self.drained is not None and self.inflight <= 0:
+            self.drained.set()
+
+    def retire(self) -> int:
+        """The engine left the deployment set (its node was lost, or its deployment stopped).
+
+        It takes no new requests and its idle connections close. The requests on it that
+        have sent the client nothing yet are handed to another engine at once, rather than
+        waiting on a host that may be silent until the first-byte timeout; returns how many.
+        Streams already under way stay on it; ``drained`` is set after the last one ends."""
+        self.up = False
+        self.pool.close()
+        self.drained = asyncio.Event()
+        if self.inflight <= 0:
+            self.drained.set()
+        return sum(request.backend_removed(self) for request in list(self.requests))
 
     def available(self, now: float) -> bool:
         return self.up and now >= self.ejected_until
@@ -212,7 +249,8 @@ class Backend:
         return False
 
     async def scrape(self, interval: float | None = None) -> None:
-        assert self.session is not None
+        if self.session is None:
+            return  # closed after leaving the deployment set
         if interval is not None:
             self.scrape_interval = interval
         started = time.monotonic()

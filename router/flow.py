@@ -94,10 +94,12 @@ class ClientRequest:
     received_at: float
     # Knobs forced for this request by the X-Syshax-Mode header (benchmarks); None: the policy.
     knobs: PolicyKnobs | None = None
+    # That header's value, for planning the request again on another replica.
+    mode_header: str | None = None
 
 
 class Exchange:
-    """State of one request while it is being served."""
+    """State of one request on one deployment while it is being served."""
 
     def __init__(
         self,
@@ -107,8 +109,12 @@ class Exchange:
         deployment: Deployment,
         metrics: RouterMetrics,
         first_byte_timeout: float,
+        task: asyncio.Task[Any] | None = None,
     ) -> None:
         self.http = http
+        # The handler's task, cancelled when the engine it waits on leaves the deployment set.
+        self.task = task
+        self.removed_from: Backend | None = None
         self.req = req
         self.state = state
         self.deployment = deployment
@@ -146,6 +152,17 @@ class Exchange:
     @property
     def started_output(self) -> bool:
         return self.response is not None or bool(self.pieces)
+
+    def backend_removed(self, backend: Backend) -> bool:
+        """The engine this request is on left the deployment set. Unless output already
+        went out, cancel the request's task: the server turns that cancellation into a
+        ``BackendRemoved`` failure and serves the request elsewhere. A stream that already
+        started stays where it is (``Backend.retire``)."""
+        if self.started_output or self.removed_from is not None or self.task is None:
+            return False
+        self.removed_from = backend
+        self.task.cancel()
+        return True
 
     # -- output ------------------------------------------------------------------------------
 
@@ -270,14 +287,12 @@ class Exchange:
 
     async def passthrough(self, backend: Backend) -> web.StreamResponse:
         """Forward the client's own bytes; stream the engine's bytes back untouched."""
-        backend.inflight += 1
+        backend.begin(self)
         resp: RawResponse | None = None
         try:
-            resp, error, connect_failed = await raw_request(
+            resp = await raw_request(
                 backend.pool, backend, self.req.path, self.req.raw, first_byte=self.first_byte
             )
-            if resp is None:
-                raise UpstreamFailed(backend, error or "failed", connect_failed=connect_failed)
             if resp.status >= 300:
                 body = await resp.read_all()
                 raise UpstreamFailed(backend, f"HTTP {resp.status}", status=resp.status, body=body)
@@ -307,7 +322,7 @@ class Exchange:
         finally:
             if resp is not None:
                 resp.finish()
-            backend.inflight -= 1
+            backend.end(self)
 
     async def _pump(self, resp: RawResponse) -> web.StreamResponse:
         """Stream the engine's SSE payloads to the client. The first token goes through here
@@ -366,7 +381,7 @@ class Exchange:
         body["stream_options"] = {"include_usage": True}
         finish: str | None = None
         buffer = bytearray()
-        backend.inflight += 1
+        backend.begin(self)
         try:
             async with post(
                 backend, self.req.path, json.dumps(body).encode(), first_byte=self.first_byte
@@ -388,7 +403,7 @@ class Exchange:
         except ValueError:
             raise UpstreamFailed(backend, "malformed stream chunk") from None
         finally:
-            backend.inflight -= 1
+            backend.end(self)
         if finish is None:
             raise UpstreamFailed(backend, "stream ended without a finish reason")
         backend.record_success()
@@ -405,11 +420,11 @@ class Exchange:
     async def _prefill_on_gpu(self, body: dict[str, Any]) -> Any:
         """One non-streaming prefill request on the GPU engine, counted as in flight there."""
         gpu = self.deployment.gpu
-        gpu.inflight += 1
+        gpu.begin(self)
         try:
             data = await post_json(gpu, self.req.path, body, first_byte=self.first_byte)
         finally:
-            gpu.inflight -= 1
+            gpu.end(self)
         gpu.record_success()
         return data
 

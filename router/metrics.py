@@ -8,6 +8,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from router.upstream import FAILURE_REASONS
+
 _LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -72,6 +74,15 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+        self.failovers = Counter(
+            "syshax_router_failovers",
+            "Requests moved to another replica of their model before any output, by why "
+            "the engine before could not serve them (connect, http, timeout, broken, removed)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in FAILURE_REASONS:
+            self.failovers.labels(reason)  # exported at 0 from the start, for rate()
         self.chunks = Counter(
             "syshax_router_decode_chunks",
             "Decode segments by device",
@@ -211,6 +222,9 @@ class RouterMetrics:
     def kv_transfer(self, outcome: str) -> None:
         self._child(self.kv_transfers, outcome).inc()
         self.kv_counts[outcome] = self.kv_counts.get(outcome, 0) + 1
+
+    def failover(self, reason: str) -> None:
+        self._child(self.failovers, reason).inc()
 
     def fallback(self, kind: str) -> None:
         self._child(self.fallbacks, kind).inc()

@@ -33,7 +33,7 @@ import aiohttp
 from router.backends import Backend
 from router.decide import Decision, Route, cpu_allowed, decide_next_chunk, token_limit
 from router.sse import event_data, split_events
-from router.upstream import UpstreamFailed, iter_body, post
+from router.upstream import UpstreamFailed, iter_body, post, session_of
 
 if TYPE_CHECKING:
     from router.flow import Exchange
@@ -245,7 +245,7 @@ class VllmPd:
         usage: dict[str, Any] | None = None
         received = 0
         buffer = bytearray()
-        target.inflight += 1
+        target.begin(ex)
         try:
             async with post(target, COMPLETIONS, body, first_byte=ex.first_byte) as resp:
                 async for data in iter_body(resp, target, ex.first_byte):
@@ -295,7 +295,7 @@ class VllmPd:
         except ValueError:
             raise UpstreamFailed(target, "malformed stream chunk") from None
         finally:
-            target.inflight -= 1
+            target.end(ex)
             if transfer is not None and usage is None:
                 ex.metrics.kv_transfer("unverified")
         if finish is None:
@@ -369,12 +369,10 @@ def _chunks(buffer: bytearray, backend: Backend) -> Iterator[dict[str, Any]]:
 
 async def _tokenize(backend: Backend, body: dict[str, Any]) -> list[int]:
     """Token ids from the engine's own ``/tokenize`` (vLLM's tokenizer and chat template)."""
-    assert backend.session is not None
+    session = session_of(backend)
     limit = aiohttp.ClientTimeout(total=backend.timeouts.first_byte)
     try:
-        async with backend.session.post(
-            backend.url + "/tokenize", json=body, timeout=limit
-        ) as resp:
+        async with session.post(backend.url + "/tokenize", json=body, timeout=limit) as resp:
             if resp.status != 200:
                 raise UpstreamFailed(backend, f"/tokenize answered HTTP {resp.status}")
             data = await resp.json()

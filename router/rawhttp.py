@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Protocol, cast
 from urllib.parse import urlsplit
 
-from router.upstream import UpstreamFailed
+from router.upstream import BackendRemoved, UpstreamFailed
 from router.watchdog import WATCHDOG
 
 if TYPE_CHECKING:
@@ -208,9 +208,12 @@ class RawPool:
         self.prefix = parts.path.rstrip("/").encode()
         self.connect_timeout = connect_timeout
         self.idle: list[Conn] = []
+        self.closed = False  # the engine left the deployment set: no new connections
 
     async def acquire(self) -> tuple[Conn, bool]:
         """A connection and whether it was reused (a reused one may have been closed)."""
+        if self.closed:
+            raise ConnectionRefusedError("the engine left the deployment set")
         while self.idle:
             conn = self.idle.pop()
             if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
@@ -223,9 +226,14 @@ class RawPool:
         return conn, False
 
     def release(self, conn: Conn) -> None:
-        self.idle.append(conn)
+        if self.closed:
+            conn.close()
+        else:
+            self.idle.append(conn)
 
     def close(self) -> None:
+        """Close the idle connections and take no new ones; those in use finish first."""
+        self.closed = True
         for conn in self.idle:
             conn.close()
         self.idle.clear()
@@ -264,8 +272,11 @@ class RawResponse:
         try:
             result = await self.conn.next()
         except _Broken as exc:
-            message = f"silent for {self._limit:g}s" if self._watch.fired else str(exc)
-            raise UpstreamFailed(self.backend, message) from None
+            if self._watch.fired:
+                raise UpstreamFailed(
+                    self.backend, f"silent for {self._limit:g}s", timed_out=True
+                ) from None
+            raise UpstreamFailed(self.backend, str(exc)) from None
         self._limit = self._idle
         return result
 
@@ -331,9 +342,9 @@ def _field(fields: bytes, name: bytes) -> bytes:
 
 async def request(
     pool: RawPool, backend: Backend, path: str, body: bytes, *, first_byte: float
-) -> tuple[RawResponse | None, str | None, bool]:
-    """POST ``body``; returns (response, error, connect_failed). Retries once when a pooled
-    keep-alive connection turns out to be closed by the engine."""
+) -> RawResponse:
+    """POST ``body`` and return the response once its head arrived; raises ``UpstreamFailed``.
+    Retries once when a pooled keep-alive connection turns out to be closed by the engine."""
     head = (
         b"POST "
         + pool.prefix
@@ -349,7 +360,9 @@ async def request(
         try:
             conn, reused = await pool.acquire()
         except (OSError, TimeoutError) as exc:
-            return None, f"connect failed: {exc!r}", True
+            if pool.closed:
+                raise BackendRemoved(backend) from None
+            raise UpstreamFailed(backend, f"connect failed: {exc!r}", connect_failed=True) from None
         # The shared watchdog, not a timer per request, enforces the first-byte timeout: it
         # closes the socket, which ends the wait below.
         watch = WATCHDOG.watch(conn, loop.time() + first_byte)
@@ -360,10 +373,12 @@ async def request(
         except _Broken as exc:
             conn.close()
             if watch.fired:
-                return None, f"no response within {first_byte:g}s", False
+                raise UpstreamFailed(
+                    backend, f"no response within {first_byte:g}s", timed_out=True
+                ) from None
             if reused and attempt == 0:
                 continue
-            return None, f"request failed: {exc}", False
+            raise UpstreamFailed(backend, f"request failed: {exc}") from None
         except BaseException:
             # Cancelled (the client left): closing the socket makes the engine abort.
             conn.close()
@@ -376,7 +391,7 @@ async def request(
         status = int(first_line.split(b" ", 2)[1])
     except (IndexError, ValueError):
         conn.close()
-        return None, f"malformed status line {first_line[:40]!r}", False
+        raise UpstreamFailed(backend, f"malformed status line {first_line[:40]!r}") from None
     # Only four fields matter; look them up in the lower-cased block, not line by line.
     fields = b"\r\n" + fields.lower()
     chunked = b"chunked" in _field(fields, b"transfer-encoding")
@@ -385,15 +400,11 @@ async def request(
         length = int(length_field) if length_field and not chunked else None
     except ValueError:
         conn.close()
-        return None, f"bad content-length {length_field[:20]!r}", False
+        raise UpstreamFailed(backend, f"bad content-length {length_field[:20]!r}") from None
     keep_alive = b"close" not in _field(fields, b"connection")
     content_type = _field(fields, b"content-type").split(b";")[0].decode("latin-1")
     content_type = content_type or "application/json"
     if not chunked and length is None:
         keep_alive = False  # body ends when the engine closes
     conn.start_body(chunked, length)
-    return (
-        RawResponse(pool, conn, status, keep_alive, content_type, backend, first_byte),
-        None,
-        False,
-    )
+    return RawResponse(pool, conn, status, keep_alive, content_type, backend, first_byte)

@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -20,7 +21,7 @@ from router.flow import ClientGone, ClientRequest, Exchange
 from router.metrics import RouterMetrics
 from router.pd_vllm import spliceable
 from router.state import Deployment, RouterState
-from router.upstream import UpstreamFailed
+from router.upstream import BackendRemoved, UpstreamFailed
 from router.validate import check_request, parse_body
 from router.watchdog import WATCHDOG, CancelTask
 from syshax.policy_schema import MODES, PolicyKnobs
@@ -97,10 +98,15 @@ def forced_knobs(base: PolicyKnobs, header: str | None) -> PolicyKnobs | None:
     )
 
 
+# Other replicas of the model a request may be moved to after failing before any output.
+MAX_REPLICA_FAILOVERS = 2
+
+
 def _fallback(
     router: Router, deployment: Deployment, failed: Route, req: ClientRequest
 ) -> Decision | None:
-    """The next route after ``failed`` could not be served, or None when nothing is left."""
+    """The next route on the same deployment after ``failed`` could not be served, or None
+    when nothing is left there."""
     # Read live: the policy may have changed while the failed route was being tried.
     knobs = router.state.knobs_for(deployment, req.knobs)
     now = time.monotonic()
@@ -115,6 +121,57 @@ def _fallback(
     return None
 
 
+def _plan(
+    router: Router, req: ClientRequest, deployment: Deployment
+) -> tuple[Decision, PolicyKnobs]:
+    """The route for ``req`` on ``deployment``, and the knobs it was decided with."""
+    base = router.state.policy_for(deployment).knobs
+    if router.config.allow_mode_header:
+        req.knobs = forced_knobs(base, req.mode_header)
+    knobs = req.knobs or base
+    decision = decide(knobs, deployment.loads(time.monotonic()))
+    if decision.route is Route.PD and (req.body.get("n") or 1) > 1:
+        # Splicing several choices across engines is not worth it; the GPU serves n > 1.
+        decision = Decision(Route.GPU_ONLY, reason="n > 1")
+    if decision.route is Route.PD and deployment.cpu is None:
+        decision = Decision(Route.GPU_ONLY, reason="deployment has no CPU engine")
+    if decision.route is Route.PD and deployment.spec.pd_protocol == "vllm":
+        why = spliceable(req.body)
+        if why is not None:
+            decision = Decision(Route.GPU_ONLY, reason=why)
+    return decision, knobs
+
+
+def _other_replica(
+    router: Router, req: ClientRequest, tried: set[int]
+) -> tuple[Deployment, Decision] | None:
+    """The least-loaded replica of the request's model not yet tried that would take it.
+    A replica that would turn it away (down, saturated) is skipped; the PD pair of the one
+    chosen is again that deployment's own two engines."""
+    while True:
+        candidate = router.state.choose(req.model, exclude=tried)
+        if candidate is None:
+            return None
+        tried.add(candidate.spec.id)
+        decision, _ = _plan(router, req, candidate)
+        if decision.route is not Route.REJECTED:
+            return candidate, decision
+
+
+def _handed_over(exchange: Exchange, task: asyncio.Task[Any]) -> BackendRemoved | None:
+    """The failure to serve elsewhere when this cancellation is the one that
+    ``Exchange.backend_removed`` asked for; None when the task is (also) cancelled for
+    another reason - the client left, or the request deadline passed."""
+    backend = exchange.removed_from
+    if backend is None:
+        return None
+    exchange.removed_from = None
+    task.uncancel()
+    if task.cancelling():
+        return None
+    return BackendRemoved(backend)
+
+
 async def _serve(
     router: Router,
     http: web.Request,
@@ -124,15 +181,16 @@ async def _serve(
     knobs: PolicyKnobs,
 ) -> web.StreamResponse:
     metrics = router.metrics
-    exchange = Exchange(
-        http, req, router.state, deployment, metrics, router.config.timeouts.first_byte
-    )
-    label = decision.route.value
-    outcome = "error"
+    first_byte = router.config.timeouts.first_byte
     # The request deadline is one entry in the shared watchdog (which cancels this task),
     # not a timer armed and cancelled per request.
     task = asyncio.current_task()
     assert task is not None
+    exchange = Exchange(http, req, router.state, deployment, metrics, first_byte, task)
+    tried = {deployment.spec.id}
+    failovers = 0
+    label = decision.route.value
+    outcome = "error"
     deadline = asyncio.get_running_loop().time() + knobs.request_timeout_seconds
     guard = WATCHDOG.watch(CancelTask(task), deadline)
     try:
@@ -141,6 +199,7 @@ async def _serve(
                 if decision.fallback:
                     metrics.fallback(f"to-{decision.route.value}")
                 label = exchange.decision_label = decision.route.value
+                failure: UpstreamFailed
                 try:
                     if decision.route is Route.PD:
                         await exchange.run_pd(decision)
@@ -154,23 +213,48 @@ async def _serve(
                     outcome = "ok" if response.status < 400 else "error"
                     return response
                 except UpstreamFailed as exc:
-                    if exc.client_error and not exchange.started_output:
-                        outcome = "client_error"
-                        return web.Response(
-                            status=exc.status or 400,
-                            body=exc.body or b"",
-                            content_type="application/json",
-                        )
-                    exchange.record_failure(exc)
-                    if exchange.started_output:
-                        return await exchange.abort_stream(str(exc), client_gone_ok=True)
-                    nxt = _fallback(router, deployment, decision.route, req)
-                    if nxt is None:
-                        raise unavailable(
-                            f"{exc}; no other engine can serve this request",
-                            retry_after=retry_after_seconds(knobs),
-                        ) from None
+                    failure = exc
+                except asyncio.CancelledError:
+                    removed = _handed_over(exchange, task)
+                    if removed is None:
+                        raise
+                    failure = removed
+                if failure.client_error and not exchange.started_output:
+                    outcome = "client_error"
+                    return web.Response(
+                        status=failure.status or 400,
+                        body=failure.body or b"",
+                        content_type="application/json",
+                    )
+                exchange.record_failure(failure)
+                if exchange.started_output:
+                    return await exchange.abort_stream(str(failure), client_gone_ok=True)
+                nxt = _fallback(router, deployment, decision.route, req)
+                if nxt is not None:
                     decision = nxt
+                    continue
+                # Nothing was sent yet: another replica of the model may serve it whole.
+                replica = (
+                    _other_replica(router, req, tried)
+                    if failovers < MAX_REPLICA_FAILOVERS
+                    else None
+                )
+                if replica is None:
+                    raise unavailable(
+                        f"{failure}; no other engine can serve this request"
+                        + (f" ({failovers + 1} replicas tried)" if failovers else ""),
+                        retry_after=retry_after_seconds(knobs),
+                    ) from None
+                failovers += 1
+                deployment, decision = replica
+                metrics.failover(failure.reason)
+                log.info(
+                    "request moves to deployment %s (%s): %s",
+                    deployment.spec.name,
+                    decision.route.value,
+                    failure,
+                )
+                exchange = Exchange(http, req, router.state, deployment, metrics, first_byte, task)
         except asyncio.CancelledError:
             if not guard.fired:
                 raise
@@ -222,21 +306,9 @@ async def completions(http: web.Request) -> web.StreamResponse:
         include_usage=include_usage,
         max_tokens=max_tokens,
         received_at=received,
+        mode_header=http.headers.get(MODE_HEADER) if router.config.allow_mode_header else None,
     )
-    base = router.state.policy_for(deployment).knobs
-    if router.config.allow_mode_header:
-        req.knobs = forced_knobs(base, http.headers.get(MODE_HEADER))
-    knobs = req.knobs or base
-    decision = decide(knobs, deployment.loads(time.monotonic()))
-    if decision.route is Route.PD and (body.get("n") or 1) > 1:
-        # Splicing several choices across engines is not worth it; the GPU serves n > 1.
-        decision = Decision(Route.GPU_ONLY, reason="n > 1")
-    if decision.route is Route.PD and deployment.cpu is None:
-        decision = Decision(Route.GPU_ONLY, reason="deployment has no CPU engine")
-    if decision.route is Route.PD and deployment.spec.pd_protocol == "vllm":
-        why = spliceable(body)
-        if why is not None:
-            decision = Decision(Route.GPU_ONLY, reason=why)
+    decision, knobs = _plan(router, req, deployment)
     if decision.route is Route.REJECTED:
         raise router.record_rejection(decision)
     return await _serve(router, http, req, deployment, decision, knobs)
@@ -311,6 +383,10 @@ async def health(http: web.Request) -> web.Response:
         "mode": policy.knobs.mode,
         "algorithm": policy.knobs.algorithm,
         "backends": [_backend_view(b, now) for b in backends],
+        # Backends that left the deployment set and still carry streams; closed after them.
+        "closing": [
+            {"url": b.url, "role": b.role, "inflight": b.inflight} for b in router.state.closing
+        ],
     }
     return web.json_response(body, status=200 if serving else 503)
 

@@ -6,13 +6,19 @@ already read them keeps a consistent view while an update lands.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from router.backends import Backend, Timeouts
 from router.decide import Loads
 from syshax.policy_schema import PolicyError, PolicyKnobs, validate_knobs
+
+log = logging.getLogger("syshax.router")
 
 PD_PROTOCOLS = ("syshax", "vllm")
 
@@ -141,7 +147,9 @@ class RouterState:
         self.deployments: list[Deployment] = []
         self.by_model: dict[str, list[Deployment]] = {}
         self.backends: dict[str, Backend] = {}
+        # Backends that left the set, until their last stream ends (then they are closed).
         self.closing: list[Backend] = []
+        self._closers: set[asyncio.Task[None]] = set()
 
     def policy_for(self, deployment: Deployment | None) -> PolicyRecord:
         name = deployment.spec.policy if deployment is not None else "default"
@@ -180,16 +188,52 @@ class RouterState:
                 cpu = self._backend(spec.cpu_url, "cpu")
                 backends[cpu.url] = cpu
             deployments.append(Deployment(spec, gpu, cpu))
-        self.closing.extend(b for url, b in self.backends.items() if url not in backends)
+        removed = [b for url, b in self.backends.items() if url not in backends]
         by_model: dict[str, list[Deployment]] = {}
         for deployment in deployments:
             by_model.setdefault(deployment.spec.model, []).append(deployment)
         self.backends = backends
         self.deployments = deployments
         self.by_model = by_model
+        # After the new set is in place, so that requests handed over find the other replicas.
+        for backend in removed:
+            self._retire(backend)
 
-    def choose(self, model: str) -> Deployment | None:
+    def _retire(self, backend: Backend) -> None:
+        """A backend left the set: its requests without output go elsewhere now, and it is
+        closed once its last stream ends - not only when the router stops."""
+        requests = backend.inflight
+        handed_over = backend.retire()
+        log.warning(
+            "%s backend %s left the deployment set: %d of its %d requests had sent no output "
+            "and move to other engines",
+            backend.role,
+            backend.url,
+            handed_over,
+            requests,
+        )
+        self.closing.append(backend)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no event loop, so nothing in flight: closed with the state
+        closer = loop.create_task(self._close_when_idle(backend))
+        self._closers.add(closer)
+        closer.add_done_callback(self._closers.discard)
+
+    async def _close_when_idle(self, backend: Backend) -> None:
+        assert backend.drained is not None
+        await backend.drained.wait()
+        self.closing.remove(backend)
+        await backend.close()
+        log.info("%s backend %s closed", backend.role, backend.url)
+
+    def choose(self, model: str, exclude: Collection[int] = ()) -> Deployment | None:
+        """The least-loaded replica of ``model``, skipping the deployment ids in ``exclude``
+        (those a request already failed on)."""
         replicas = self.by_model.get(model)
+        if replicas and exclude:
+            replicas = [d for d in replicas if d.spec.id not in exclude]
         if not replicas:
             return None
         if len(replicas) == 1:
@@ -203,5 +247,9 @@ class RouterState:
         return any(b is not backend and b.available(now) for b in self.backends.values())
 
     async def close(self) -> None:
+        for closer in list(self._closers):
+            closer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await closer
         for backend in list(self.backends.values()) + self.closing:
             await backend.close()

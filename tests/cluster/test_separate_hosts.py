@@ -6,7 +6,7 @@ listen on their own machine's address, and the router reaches them there.
 One node's machine is lost (everything on it killed, its namespace deleted): after the grace
 period it is offline, its deployment unknown, and the router serves from the other two with
 no client error (before it has dropped the lost engine, a request on that engine as it dies
-gets a prompt 503). The machine comes back with the same address: online again, nothing
+moves to another replica). The machine comes back with the same address: online again, nothing
 registered or started twice, and once redeployed its engine serves again.
 """
 
@@ -299,9 +299,9 @@ def lose_n3(
         f"{dropped_after:.2f} s; requests in between: {dict(window)}, after: {dict(late)}; "
         f"failures: {failures}; nodes reaped: {lost}; n1/n2 heartbeat gaps: {gaps}"
     )
-    # In between, a request on n3's engine as it dies fails, promptly, with a 503: the router
-    # falls back to the same deployment's engines only (docs/cluster-tests.md, "Findings").
-    assert set(window) <= {"ok", "503"}, window
+    # In between too: a request on n3's engine as it dies moves to another replica of the
+    # model before any output reached the client (docs/router.md, "Replicas").
+    assert set(window) <= {"ok"}, window
     assert late and set(late) == {"ok"}, late
 
 
