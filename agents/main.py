@@ -234,6 +234,10 @@ class Agent:
                 if failures:
                     log.info("control plane is back after %d failed beat(s)", failures)
                     self.reconcile()
+                elif any(self.outbox.glob("*.json")):
+                    # A result refused earlier (a 5xx, a blip shorter than a beat): deliver it
+                    # now rather than at the next command's report.
+                    self.flush_outbox()
                 failures = 0
                 self.online = True
                 delay = self.interval
@@ -242,7 +246,13 @@ class Agent:
                 self.online = False
                 delay = max(
                     0.2,
-                    backoff_delay(failures, base=self.interval / 2, cap=self.config.backoff_cap),
+                    # At most one interval: a node silent past the grace period is marked
+                    # lost, so heartbeats keep their pace (jittered) through an outage.
+                    backoff_delay(
+                        failures,
+                        base=self.interval / 2,
+                        cap=min(self.config.backoff_cap, self.interval),
+                    ),
                 )
                 log.warning(
                     "heartbeat failed (%s); engines keep running; retry in %.1fs", exc, delay

@@ -3,6 +3,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import models
 from django.utils import timezone
 from rest_framework import authentication, exceptions
@@ -16,13 +17,14 @@ from controlplane.access.models import (
 )
 from controlplane.access.principal import MachinePrincipal
 
-# last_used_at is informative; writing it on every request would double the write load.
-_LAST_USED_RESOLUTION = timedelta(seconds=60)
-
 
 def _note_use(model: type[models.Model], pk: Any, last_used_at: Any) -> None:
+    # last_used_at is informative: written at most once per TOKEN_LAST_USED_SECONDS a token.
+    # Every request would double the write load; even once a minute, 5,000 agents would add
+    # 80 writes a second to their 500 heartbeats (docs/scale.md).
     now = timezone.now()
-    if last_used_at is None or now - last_used_at > _LAST_USED_RESOLUTION:
+    resolution = timedelta(seconds=settings.TOKEN_LAST_USED_SECONDS)
+    if last_used_at is None or now - last_used_at > resolution:
         model._default_manager.filter(pk=pk).update(last_used_at=now)
 
 

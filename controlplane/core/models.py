@@ -34,3 +34,14 @@ class AuditEntry(models.Model):
 
     def __str__(self) -> str:
         return f"{self.action} {self.object_type}:{self.object_id}"
+
+
+class Clock(models.Model):
+    """A named instant the control plane keeps for itself, e.g. when the offline reaper last
+    ran (inventory.services.mark_lost_nodes)."""
+
+    name = models.CharField(max_length=64, primary_key=True)
+    at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.name} at {self.at.isoformat()}"

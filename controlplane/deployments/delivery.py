@@ -38,20 +38,23 @@ log = logging.getLogger(__name__)
 MAX_COMMANDS_PER_FETCH = 10
 _DB_POLL_SECONDS = 0.5
 _WAKE_TTL_SECONDS = 120
-_redis_client: Any = None
+_redis_clients: dict[bool, Any] = {}
 
 
-def _redis() -> Any:
-    """A Redis client when REDIS_URL is set, else None (created once per process)."""
-    global _redis_client
+def _redis(*, blocking: bool = False) -> Any:
+    """A Redis client when REDIS_URL is set, else None (one per kind, per process). Calls give
+    up after a second (the blocking one: after its longest BLPOP), so a frozen Redis costs a
+    fetch one slice and a dispatch one second, never a hung thread."""
     url = getattr(settings, "REDIS_URL", "")
     if not url:
         return None
-    if _redis_client is None:
+    if blocking not in _redis_clients:
         import redis
 
-        _redis_client = redis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=2)
-    return _redis_client
+        _redis_clients[blocking] = redis.Redis.from_url(
+            url, socket_timeout=8.0 if blocking else 1.0, socket_connect_timeout=1.0
+        )
+    return _redis_clients[blocking]
 
 
 def _wake_key(node_id: int) -> str:
@@ -78,7 +81,7 @@ def wake(node_id: int) -> None:
 
 
 def _block(node_id: int, seconds: float) -> None:
-    client = _redis()
+    client = _redis(blocking=True)
     if client is not None:
         try:
             # BLPOP takes whole seconds on old servers; 1 s slices keep the deadline honest.

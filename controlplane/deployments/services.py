@@ -449,6 +449,18 @@ def reconcile_returning_node(node_id: int) -> int:
                 set_state(locked, DeploymentState.STOPPED, "")
                 locked.save()
                 add_event(locked, "node-back", "node is back; engines are stopped")
+            elif locked.step:
+                # Lost in the middle of its workflow: carry on from the step it waited on
+                # (its command is still queued for the agent, or done and recorded).
+                resumed = (
+                    DeploymentState.DEPLOYING
+                    if locked.desired_state == DesiredState.RUNNING
+                    else DeploymentState.STOPPING
+                )
+                set_state(locked, resumed, f"node is back; resuming at {locked.step}")
+                locked.save()
+                add_event(locked, "node-back", locked.state_reason)
+                _queue_advance(locked.pk)
             else:
                 continue
             settled += 1

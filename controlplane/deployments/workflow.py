@@ -202,6 +202,14 @@ def record_command_result(
             status=status, detail=detail[:10000], output=output, completed_at=timezone.now()
         )
         if not updated:
+            # A repeat: the agent sends a result again when its first answer was an error,
+            # which may mean the advance queued with it never reached the broker (Redis
+            # down). advance is idempotent, so queue it again rather than wait for beat.
+            if command.deployment_id is not None:
+                deployment_id = command.deployment_id
+                from controlplane.deployments import tasks
+
+                transaction.on_commit(lambda: tasks.advance_deployment.delay(deployment_id))
             return False
         command.refresh_from_db()
         if command.deployment_id is not None:

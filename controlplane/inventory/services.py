@@ -7,8 +7,7 @@ import json
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import transaction
-from django.db.models import Case, F, Value, When
+from django.db import connection, transaction
 from django.utils import timezone
 
 from controlplane.core import audit
@@ -108,27 +107,40 @@ def record_heartbeat(node: Node, payload: dict[str, Any]) -> Node:
 
 
 def _store_readings(node: Node, readings: list[dict[str, Any]]) -> None:
-    """Every card's live readings in one UPDATE (a CASE on the card's uuid per column)."""
+    """Every card's live readings in one UPDATE joined to a VALUES list.
+
+    The ORM's form of this (a CASE per column and card, or ``bulk_update``) costs several
+    milliseconds of CPU to compile on every heartbeat; this statement costs none, and runs on
+    PostgreSQL and SQLite (3.33+) alike.
+    """
     by_uuid = {reading["uuid"]: reading for reading in readings}
     if not by_uuid:
         return
-
-    def per_card(name: str, default: Any) -> Case:
-        column = Accelerator._meta.get_field(name)
-        return Case(
-            *(
-                When(uuid=uuid, then=Value(reading.get(name, default), output_field=column))
-                for uuid, reading in by_uuid.items()
-            ),
-            default=F(name),
-            output_field=column,
-        )
-
-    Accelerator.objects.filter(node=node, uuid__in=list(by_uuid)).update(
-        utilization_percent=per_card("utilization_percent", 0.0),
-        memory_used_bytes=per_card("memory_used_bytes", 0),
-        temperature_c=per_card("temperature_c", None),
+    quote = connection.ops.quote_name
+    column = {
+        name: quote(str(Accelerator._meta.get_field(name).column))  # type: ignore[union-attr]
+        for name in ("node", "uuid", *_READINGS)
+    }
+    row = "(%s, CAST(%s AS DOUBLE PRECISION), CAST(%s AS BIGINT), CAST(%s AS DOUBLE PRECISION))"
+    params: list[Any] = []
+    for uuid, reading in by_uuid.items():
+        params += [uuid, *(reading.get(name, default) for name, default in _READINGS.items())]
+    sql = (
+        f"UPDATE {quote(Accelerator._meta.db_table)} SET "
+        + ", ".join(f"{column[name]} = reading.column{i}" for i, name in enumerate(_READINGS, 2))
+        + f" FROM (VALUES {', '.join([row] * len(by_uuid))}) AS reading"
+        f" WHERE {column['node']} = %s AND {column['uuid']} = reading.column1"
     )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*params, node.pk])
+
+
+# The live readings a heartbeat carries per card, with their defaults, in the VALUES order.
+_READINGS: dict[str, Any] = {
+    "utilization_percent": 0.0,
+    "memory_used_bytes": 0,
+    "temperature_c": None,
+}
 
 
 def _mark_seen(node: Node, now: datetime) -> bool:
@@ -162,9 +174,32 @@ def _node_came_back(node_id: int) -> None:
     deployment_tasks.reconcile_node.delay(node_id)
 
 
+def _listening_long_enough(now: datetime, grace: timedelta) -> bool:
+    """Whether the control plane has been up to hear heartbeats for a whole grace period.
+
+    The reaper runs every heartbeat interval. A gap longer than the grace period since its last
+    run means the control plane itself was away (its worker or beat down, or everything): the
+    nodes could not be heard, so each gets a fresh grace period from now before it is judged.
+    An agent that backed off while we were down (up to 30 s) is not marked lost for our outage.
+    """
+    from controlplane.core.models import Clock
+
+    last = Clock.objects.filter(name="reaper-ran").values_list("at", flat=True).first()
+    Clock.objects.update_or_create(name="reaper-ran", defaults={"at": now})
+    if last is None or now - last > grace:
+        Clock.objects.update_or_create(name="reaper-resumed", defaults={"at": now})
+        return False
+    resumed = Clock.objects.filter(name="reaper-resumed").values_list("at", flat=True).first()
+    return resumed is None or now - resumed >= grace
+
+
 def mark_lost_nodes() -> list[int]:
-    """Mark nodes offline whose last heartbeat is older than the grace period."""
-    cutoff = timezone.now() - Node.heartbeat_grace()
+    """Mark nodes offline whose last heartbeat is older than the grace period, once the
+    control plane has itself been listening for that long."""
+    now = timezone.now()
+    if not _listening_long_enough(now, Node.heartbeat_grace()):
+        return []
+    cutoff = now - Node.heartbeat_grace()
     lost: list[int] = []
     candidates = Node.objects.filter(status=NodeStatus.ONLINE, last_heartbeat_at__lt=cutoff)
     for node_id in candidates.values_list("pk", flat=True):

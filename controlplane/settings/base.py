@@ -178,8 +178,16 @@ BENCHMARK_ALLOWED_TARGETS = env_list("BENCHMARK_ALLOWED_TARGETS", [])
 ROUTER_API_KEY = env_str("ROUTER_API_KEY", "") or ""
 
 # Throttle counts (access/throttling.py): shared through Redis when there is one.
+# A frozen Redis must not hang every request: each cache call gives up after a second, and
+# the throttle then lets the request through.
 CACHES = (
-    {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_CACHE}}
+    {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_CACHE,
+            "OPTIONS": {"socket_timeout": 1.0, "socket_connect_timeout": 1.0},
+        }
+    }
     if (REDIS_CACHE := env_str("REDIS_URL"))
     else {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 )

@@ -142,3 +142,18 @@ def _short_command_fetch_wait(settings) -> None:
     """An agent's command fetch waits at most a second here (20 s by default), so a test or
     the API fuzzer calling it with an agent token is not held."""
     settings.AGENT_COMMAND_WAIT_SECONDS = 1.0
+
+
+@pytest.fixture(autouse=True)
+def _reaper_has_been_listening(db: Any) -> None:
+    """The offline reaper judges nodes only once the control plane has been up to hear them
+    for a grace period; here it has been, for an hour (test_inventory tests the rule)."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from controlplane.core.models import Clock
+
+    now = timezone.now()
+    Clock.objects.update_or_create(name="reaper-ran", defaults={"at": now})
+    Clock.objects.update_or_create(name="reaper-resumed", defaults={"at": now - timedelta(hours=1)})

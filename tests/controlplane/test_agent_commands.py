@@ -199,3 +199,22 @@ def test_a_token_revoked_during_its_long_poll_is_handed_nothing(make_node) -> No
     answer = fetch(_client_with_bearer(token), wait="5")
     assert answer.status_code == 200 and answer.json() == {"commands": []}
     assert AgentCommand.objects.get(node=node).attempts == 0
+
+
+def test_a_repeated_result_queues_the_workflow_again(
+    make_deployment, node, agent_client, django_capture_on_commit_callbacks
+) -> None:
+    deployment = make_deployment(node=node, state="deploying", desired_state="running")
+    command = issue(node, deployment=deployment)
+    url = f"/api/v1/commands/{command.dispatch_id}/result"
+    with django_capture_on_commit_callbacks() as first:
+        assert agent_client.post(url, {"status": "succeeded"}, format="json").json() == {
+            "accepted": True,
+            "duplicate": False,
+        }
+    # The agent repeats a result when its first answer was an error (the broker down when
+    # the workflow's next step was queued): the repeat queues that step again.
+    with django_capture_on_commit_callbacks() as again:
+        answer = agent_client.post(url, {"status": "succeeded"}, format="json").json()
+    assert answer == {"accepted": True, "duplicate": True}
+    assert len(first) == len(again) == 1

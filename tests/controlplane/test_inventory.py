@@ -90,6 +90,23 @@ def test_a_heartbeat_writes_one_row_and_brings_the_node_online(node, agent_clien
     assert (accelerator.utilization_percent, accelerator.temperature_c) == (61.0, 55.0)
 
 
+def test_the_control_plane_s_own_outage_is_not_counted_against_the_nodes(
+    node, agent_client, settings
+) -> None:
+    from controlplane.core.models import Clock
+
+    settings.HEARTBEAT_INTERVAL_SECONDS = 1.0
+    settings.HEARTBEAT_TOLERANCE = 3.0
+    agent_client.post(f"/api/v1/nodes/{node.pk}/heartbeat", {}, format="json")
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=timezone.now() - timedelta(seconds=60))
+    # The reaper last ran 60 s ago: the control plane was down, and could not hear the node.
+    Clock.objects.filter(name="reaper-ran").update(at=timezone.now() - timedelta(seconds=60))
+    assert services.mark_lost_nodes() == []
+    assert services.mark_lost_nodes() == []  # listening again, for less than the grace period
+    Clock.objects.filter(name="reaper-resumed").update(at=timezone.now() - timedelta(seconds=3.5))
+    assert services.mark_lost_nodes() == [node.pk]  # a whole grace period heard nothing
+
+
 def test_a_silent_node_goes_offline_its_deployments_unknown_and_it_comes_back(
     node, agent_client, make_deployment, settings
 ) -> None:
@@ -155,3 +172,22 @@ def test_node_returning_settles_unknown_deployments_from_reported_containers(
         == 200
     )
     assert Deployment.objects.get(pk=deployment.pk).state == "running"
+
+
+def test_a_deploy_interrupted_by_a_lost_node_resumes_when_the_node_returns(
+    node, make_deployment, django_capture_on_commit_callbacks
+) -> None:
+    from controlplane.deployments import services as deployment_services
+
+    deployment = make_deployment(
+        node=node, state="deploying", desired_state="running", generation=1, step="start-gpu"
+    )
+    deployment_services.mark_node_deployments_unknown(node)
+    deployment.refresh_from_db()
+    assert deployment.state == "unknown"
+    with django_capture_on_commit_callbacks() as queued:
+        deployment_services.sync_containers(node, [])  # the agent is back, nothing running yet
+    deployment.refresh_from_db()
+    assert (deployment.state, deployment.step) == ("deploying", "start-gpu")
+    assert deployment.state_reason == "node is back; resuming at start-gpu"
+    assert queued  # advance queued: the workflow carries on from its step
