@@ -10,8 +10,19 @@ from django.utils import timezone
 
 from controlplane.core import audit
 from controlplane.deployments import delivery, placing
-from controlplane.deployments.choices import DeploymentState, DesiredState, EventLevel
-from controlplane.deployments.models import Deployment, DeploymentEvent, DeploymentProfile
+from controlplane.deployments.choices import (
+    CommandAction,
+    CommandStatus,
+    DeploymentState,
+    DesiredState,
+    EventLevel,
+)
+from controlplane.deployments.models import (
+    AgentCommand,
+    Deployment,
+    DeploymentEvent,
+    DeploymentProfile,
+)
 from controlplane.deployments.placement import PlacementError, check_placement
 from controlplane.inventory.models import Node
 from controlplane.policy.models import SchedulingPolicy
@@ -109,14 +120,13 @@ def create_deployment(
     )
     how = "pinned by its operator"
     if node is None:
-        choice = placing.choose(draft)
-        node = Node.objects.get(name=choice.node)
-        how = f"chosen by the scheduler ({choice.reason})"
-    draft.node = node
-    plan = placement_plan(profile, node, draft)
+        how = f"chosen by the scheduler ({_place_draft(draft).reason})"
+    else:
+        draft.node = node
+        draft.affinity_plan = placement_plan(profile, node, draft)
+    node = draft.node
     user, _ = audit.split_actor(acting_user)
     with transaction.atomic():
-        draft.affinity_plan = plan
         draft.policy = policy or ensure_default_policy()
         draft.created_by = user
         draft.save(force_insert=True)
@@ -129,6 +139,15 @@ def create_deployment(
         if start:
             request_deploy(deployment, acting_user=acting_user)
     return deployment
+
+
+def _place_draft(draft: Deployment) -> placing.Choice:
+    """A deployment not yet saved, on the node the scheduler chooses, its CPU engine planned
+    there (nothing claimed: cards are claimed when it deploys)."""
+    choice = placing.choose(draft)
+    draft.node = Node.objects.get(name=choice.node)
+    draft.affinity_plan = placement_plan(draft.profile, draft.node, draft)
+    return choice
 
 
 def replica_name(first: Deployment, index: int) -> str:
@@ -156,9 +175,7 @@ def _sync_replicas(first: Deployment, *, acting_user: Any) -> None:
             created_by=first.created_by,
             **{f: getattr(first, f) for f in PLACEMENT_FIELDS},
         )
-        choice = placing.choose(replica)
-        replica.node = Node.objects.get(name=choice.node)
-        replica.affinity_plan = placement_plan(replica.profile, replica.node, replica)
+        choice = _place_draft(replica)
         replica.save(force_insert=True)
         add_event(
             replica,
@@ -204,11 +221,7 @@ def request_deploy(deployment: Deployment, *, acting_user: Any, follow: bool = T
     with transaction.atomic():
         locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
         _place(locked)
-        locked.generation += 1
-        locked.desired_state = DesiredState.RUNNING
-        locked.step = ""
-        set_state(locked, DeploymentState.DEPLOYING, "deploy requested")
-        locked.save()
+        _begin_generation(locked, "deploy requested")
         add_event(locked, "deploy", f"deploy of generation {locked.generation} requested")
         audit.record(
             "deployment.deploy",
@@ -216,7 +229,6 @@ def request_deploy(deployment: Deployment, *, acting_user: Any, follow: bool = T
             acting_user=acting_user,
             detail={"generation": locked.generation},
         )
-        _queue_advance(locked.pk)
         if follow:  # after the first replica, which keeps its node; the others spread
             for replica in locked.replica_set.filter(retiring=False).order_by("replica_index"):
                 try:
@@ -227,6 +239,16 @@ def request_deploy(deployment: Deployment, *, acting_user: Any, follow: bool = T
                     ) from None
     deployment.refresh_from_db()
     return deployment
+
+
+def _begin_generation(locked: Deployment, reason: str) -> None:
+    """A new generation of the (locked, placed) deployment starts deploying, GPU first."""
+    locked.generation += 1
+    locked.desired_state = DesiredState.RUNNING
+    locked.step = ""
+    set_state(locked, DeploymentState.DEPLOYING, reason)
+    locked.save()
+    _queue_advance(locked.pk)
 
 
 def _place(locked: Deployment, *, avoid: frozenset[str] = frozenset()) -> str:
@@ -328,11 +350,8 @@ def reschedule(deployment_id: int) -> str:
                 locked.save(update_fields=["state_reason", "updated_at"])
                 add_event(locked, "reschedule", reason, level=EventLevel.WARNING)
             return ""
-        locked.generation += 1
-        locked.step = ""
         reason = f"node {lost.name} lost; placed again on node {locked.node.name}"
-        set_state(locked, DeploymentState.DEPLOYING, reason)
-        locked.save()
+        _begin_generation(locked, reason)
         add_event(locked, "reschedule", reason, level=EventLevel.WARNING)
         audit.record(
             "deployment.rescheduled",
@@ -340,16 +359,12 @@ def reschedule(deployment_id: int) -> str:
             acting_user="scheduler",
             detail={"from": lost.name, "to": locked.node.name, "generation": locked.generation},
         )
-        _queue_advance(locked.pk)
         return locked.node.name
 
 
 def stop_moved_away(node: Node, deployment_ids: set[int]) -> int:
     """Engines a returning node still runs for deployments placed elsewhere since: one stop
     command each (all generations), unless one is already queued."""
-    from controlplane.deployments.choices import CommandAction, CommandStatus
-    from controlplane.deployments.models import AgentCommand
-
     issued = 0
     for deployment in Deployment.objects.filter(pk__in=deployment_ids).exclude(node=node):
         pending = AgentCommand.objects.filter(
