@@ -18,6 +18,7 @@ from router.engine_metrics import (
     DeviceLoad,
     EngineSample,
     derive_load,
+    device_load,
     parse_metrics_text,
 )
 from router.rawhttp import RawPool
@@ -189,16 +190,7 @@ class Backend:
             # Scrapes keep timing out: the last sample says too little about the engine now.
             # The router's own in-flight count is all that is left, and it stays routable.
             return DeviceLoad(True, self.inflight, 0, 0.0, 0.0, None)
-        scraped_running = int(sample.running) if sample else 0
-        return DeviceLoad(
-            available=True,
-            # Between scrapes the router's own count is fresher than the engine's gauge.
-            running=max(scraped_running, self.inflight),
-            waiting=int(sample.waiting) if sample else 0,
-            kv_usage_perc=100.0 * sample.kv_usage if sample else 0.0,
-            throughput_tps=self.throughput_tps,
-            itl_ms=self.itl_ms,
-        )
+        return device_load(sample, self.inflight, self.throughput_tps, self.itl_ms)
 
     def scrape_view(self, now: float) -> ScrapeView:
         sample = self.sample

@@ -32,6 +32,8 @@ class Decision:
     fallback: bool = False
     # For REJECTED: 429 (saturated, retry soon) or 503 (no engine can serve).
     status: int = 0
+    # A short stable label of the reason, for the decisions metric (the reason has numbers).
+    code: str = ""
 
 
 # Relative ITL growth per extra sequence when too few batch sizes were seen to fit a slope.
@@ -64,20 +66,18 @@ def fit_itl_slope(samples: list[tuple[float, float]]) -> float | None:
 
 
 def projected_itl_ms(load: DeviceLoad, slope_ms: float | None, extra: int = 1) -> float | None:
-    """ITL the device would have with ``extra`` more sequences, or None if never measured."""
+    """ITL the device would have with ``extra`` more sequences than it runs now, or None if
+    never measured.
+
+    The ITL was measured at the scraped batch (``itl_batch``); sequences the router sent
+    since that scrape (``running`` counts them) are projected along the slope too, so a burst
+    of arrivals between two scrapes does not all see the same stale latency.
+    """
     if load.itl_ms is None:
         return None
     slope = slope_ms if slope_ms is not None else load.itl_ms * DEFAULT_ITL_SLOPE_FRACTION
-    return load.itl_ms + slope * extra
-
-
-def marginal_tps(load: DeviceLoad, slope_ms: float | None, unknown_itl_ms: float) -> float:
-    """Decode tokens/s the device gains from one more sequence: (b+1)/itl(b+1) - b/itl(b)."""
-    b = load.running
-    now = load.itl_ms if load.itl_ms is not None else unknown_itl_ms
-    after = projected_itl_ms(load, slope_ms)
-    after = after if after is not None else now
-    return 1000.0 * ((b + 1) / after - (b / now if b else 0.0))
+    since_scrape = max(0.0, load.running - load.itl_batch) if load.itl_batch is not None else 0.0
+    return load.itl_ms + slope * (since_scrape + extra)
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,13 @@ class Loads:
     cpu_itl_slope_ms: float | None = None
     # The CPU engine's own --max-num-seqs (None: unknown); it admits no more than that.
     cpu_max_num_seqs: int | None = None
+    # The node's readings from the agents' heartbeats, via the control plane (None: unknown).
+    gpu_temperature_c: float | None = None
+    host_memory_percent: float | None = None
+
+
+# Sequences an idle, never-measured CPU engine takes before its first ITL is scraped.
+CPU_PROBE_BATCH = 4
 
 
 def cpu_batch_limit(knobs: PolicyKnobs, loads: Loads) -> tuple[int, str]:
@@ -99,29 +106,73 @@ def cpu_batch_limit(knobs: PolicyKnobs, loads: Loads) -> tuple[int, str]:
     return knobs.cpu_max_batch_size, "cpu_max_batch_size"
 
 
-def gpu_room(knobs: PolicyKnobs, loads: Loads) -> tuple[bool, str]:
+def cpu_slo_batch(knobs: PolicyKnobs, loads: Loads) -> int | None:
+    """The largest CPU batch whose projected ITL stays within ``cpu_decode_slo_ms``, from the
+    measured ITL and its slope against batch size; None when the CPU was never measured."""
+    cpu = loads.cpu
+    if cpu.itl_ms is None:
+        return None
+    slope = loads.cpu_itl_slope_ms
+    if slope is None:
+        slope = cpu.itl_ms * DEFAULT_ITL_SLOPE_FRACTION
+    batch = cpu.itl_batch if cpu.itl_batch is not None else float(cpu.running)
+    if slope <= 0:
+        return 1_000_000 if cpu.itl_ms <= knobs.cpu_decode_slo_ms else int(batch)
+    return max(0, int(batch + (knobs.cpu_decode_slo_ms - cpu.itl_ms) / slope))
+
+
+def gpu_saturation(knobs: PolicyKnobs, loads: Loads) -> tuple[str, str]:
+    """Why the GPU is saturated: (code, reason), or ("", reason) when it has room.
+
+    Saturated means one more sequence would not be served at the GPU's best: it runs
+    ``max_num_seqs``, its KV cache is past ``gpu_cache_threshold``, requests wait in its
+    queue, its token latency would pass the knee ``gpu_decode_slo_ms``, or its node reports it
+    at ``gpu_max_temperature_c``.
+    """
     gpu = loads.gpu
+    hot = loads.gpu_temperature_c
+    if hot is not None and hot >= knobs.gpu_max_temperature_c:
+        return "gpu-hot", f"GPU at {hot:g} C >= {knobs.gpu_max_temperature_c:g} C"
     if gpu.running >= knobs.max_num_seqs:
-        return False, f"GPU running {gpu.running} >= max_num_seqs {knobs.max_num_seqs}"
-    if gpu.kv_usage_perc >= knobs.gpu_cache_threshold:
-        return False, f"GPU KV {gpu.kv_usage_perc:.1f}% >= {knobs.gpu_cache_threshold:g}%"
+        return "gpu-max-seqs", f"GPU running {gpu.running} >= max_num_seqs {knobs.max_num_seqs}"
+    cache = knobs.gpu_cache_threshold
+    if gpu.kv_usage_perc >= cache:
+        return "gpu-kv-full", f"GPU KV {gpu.kv_usage_perc:.1f}% >= {cache:g}%"
+    if gpu.waiting > 0:
+        return "gpu-queue", f"GPU has {gpu.waiting} requests waiting"
+    knee = knobs.gpu_decode_slo_ms
     itl = projected_itl_ms(gpu, loads.gpu_itl_slope_ms)
-    if itl is not None and itl > knobs.gpu_decode_slo_ms:
-        return False, f"GPU ITL would be {itl:.1f} ms > knee {knobs.gpu_decode_slo_ms:g} ms"
-    return True, "GPU below its KV and latency knee"
+    if itl is not None and itl > knee:
+        return "gpu-knee", f"GPU ITL would be {itl:.1f} ms > knee {knee:g} ms"
+    return "", "GPU below its limits"
+
+
+def gpu_room(knobs: PolicyKnobs, loads: Loads) -> tuple[bool, str]:
+    code, why = gpu_saturation(knobs, loads)
+    return not code, why
 
 
 def cpu_room(knobs: PolicyKnobs, loads: Loads) -> tuple[bool, str]:
+    """Whether the CPU takes one more decode: below its batch caps, and the resulting batch
+    within ``cpu_decode_slo_ms`` by the CPU's measured latency."""
     cpu = loads.cpu
     if not cpu.available:
         return False, "CPU engine unavailable"
+    host = loads.host_memory_percent
+    if host is not None and host >= knobs.cpu_max_memory_percent:
+        return False, f"host memory {host:g}% >= {knobs.cpu_max_memory_percent:g}%"
     limit, name = cpu_batch_limit(knobs, loads)
     if cpu.running >= limit:
         return False, f"CPU running {cpu.running} >= {name} {limit}"
-    itl = projected_itl_ms(cpu, loads.cpu_itl_slope_ms)
-    if itl is not None and itl > knobs.cpu_decode_slo_ms:
-        return False, f"CPU ITL would be {itl:.1f} ms > SLO {knobs.cpu_decode_slo_ms:g} ms"
-    return True, "CPU within cpu_max_batch_size and its latency SLO"
+    slo_batch = cpu_slo_batch(knobs, loads)
+    if slo_batch is None:
+        if cpu.running >= CPU_PROBE_BATCH:
+            return False, f"CPU not yet measured, running its probe batch of {CPU_PROBE_BATCH}"
+    elif cpu.running + 1 > slo_batch:
+        itl = projected_itl_ms(cpu, loads.cpu_itl_slope_ms)
+        shown = f"{itl:.1f}" if itl is not None else "?"
+        return False, f"CPU ITL would be {shown} ms > SLO {knobs.cpu_decode_slo_ms:g} ms"
+    return True, "CPU within its batch caps and its latency SLO"
 
 
 def cpu_allowed(knobs: PolicyKnobs) -> bool:
@@ -138,21 +189,33 @@ def decide(knobs: PolicyKnobs, loads: Loads) -> Decision:
     gpu, cpu = loads.gpu, loads.cpu
     if knobs.mode == "cpu-only":
         if cpu.available:
-            return Decision(Route.CPU_ONLY, reason="mode cpu-only")
+            return Decision(Route.CPU_ONLY, reason="mode cpu-only", code="mode")
         return Decision(
-            Route.REJECTED, reason="mode cpu-only and the CPU engine is down", status=503
+            Route.REJECTED,
+            reason="mode cpu-only and the CPU engine is down",
+            status=503,
+            code="cpu-down",
         )
     if not gpu.available:
         if cpu_allowed(knobs) and cpu.available:
-            return Decision(Route.CPU_ONLY, reason="GPU engine down", fallback=True)
-        return Decision(Route.REJECTED, reason="GPU engine down", status=503)
+            return Decision(
+                Route.CPU_ONLY, reason="GPU engine down", fallback=True, code="gpu-down"
+            )
+        return Decision(Route.REJECTED, reason="GPU engine down", status=503, code="gpu-down")
     if not cpu_allowed(knobs):
-        return Decision(Route.GPU_ONLY, reason=f"mode {knobs.mode}, CPU offload off")
+        return Decision(
+            Route.GPU_ONLY, reason=f"mode {knobs.mode}, CPU offload off", code="offload-off"
+        )
     chunk = token_limit(knobs, cpu.throughput_tps)
     if knobs.mode == "forced-pd":
         if cpu.available:
-            return Decision(Route.PD, token_limit=0, reason="mode forced-pd")
-        return Decision(Route.GPU_ONLY, reason="forced-pd but CPU engine down", fallback=True)
+            return Decision(Route.PD, token_limit=0, reason="mode forced-pd", code="mode")
+        return Decision(
+            Route.GPU_ONLY,
+            reason="forced-pd but CPU engine down",
+            fallback=True,
+            code="cpu-down",
+        )
     if knobs.algorithm == "syshax-threshold":
         return syshax_threshold(knobs, loads)
     return capacity(knobs, loads, chunk)
@@ -162,78 +225,92 @@ def syshax_threshold(knobs: PolicyKnobs, loads: Loads) -> Decision:
     """sysHAX's decider: offload on GPU concurrency or KV pressure, gated by CPU throughput."""
     gpu, cpu = loads.gpu, loads.cpu
     if gpu.running >= knobs.max_num_seqs:
-        why = f"GPU running {gpu.running} reached max_num_seqs {knobs.max_num_seqs}"
+        why, code = (
+            f"GPU running {gpu.running} reached max_num_seqs {knobs.max_num_seqs}",
+            "gpu-max-seqs",
+        )
     elif gpu.kv_usage_perc > knobs.gpu_cache_threshold:
         why = f"GPU KV usage {gpu.kv_usage_perc:.1f}% > {knobs.gpu_cache_threshold:g}%"
+        code = "gpu-kv-full"
     else:
-        return Decision(Route.GPU_ONLY, reason="GPU below max_num_seqs and cache threshold")
+        return Decision(
+            Route.GPU_ONLY, reason="GPU below max_num_seqs and cache threshold", code="gpu-room"
+        )
     if not cpu.available:
-        return Decision(Route.GPU_ONLY, reason=f"{why}; CPU engine down", fallback=True)
+        return Decision(
+            Route.GPU_ONLY, reason=f"{why}; CPU engine down", fallback=True, code="cpu-down"
+        )
     slow = cpu.throughput_tps < knobs.cpu_throughput_threshold
     if slow and cpu.running >= 1:
-        return Decision(Route.REJECTED, reason=f"{why}; CPU busy and slow", status=429)
+        return Decision(
+            Route.REJECTED, reason=f"{why}; CPU busy and slow", status=429, code="cpu-slow"
+        )
     # sysHAX caps the CPU at max_num_seqs; the documents' cpu_max_batch_size is the tighter cap.
     if not slow and cpu.running >= min(knobs.max_num_seqs, cpu_batch_limit(knobs, loads)[0]):
-        return Decision(Route.REJECTED, reason=f"{why}; CPU at its batch limit", status=429)
+        return Decision(
+            Route.REJECTED, reason=f"{why}; CPU at its batch limit", status=429, code="cpu-full"
+        )
     return Decision(
-        Route.PD, token_limit=token_limit(knobs, cpu.throughput_tps), reason=f"{why}; PD offload"
+        Route.PD,
+        token_limit=token_limit(knobs, cpu.throughput_tps),
+        reason=f"{why}; PD offload",
+        code=code,
     )
 
 
 def capacity(knobs: PolicyKnobs, loads: Loads, chunk: int) -> Decision:
-    """Capacity-aware: keep the GPU under its knee, offload while the CPU meets its SLO.
+    """Capacity-aware: the GPU serves while it has room; past any of its limits the decode
+    goes to the CPU while the CPU's resulting batch meets its latency SLO.
 
-    Among devices with room, the one whose marginal decode throughput is higher takes the
-    sequence; an unmeasured CPU is assumed to run exactly at its SLO, so an idle GPU wins.
+    A new request has the most tokens left of any sequence, so offloading it frees the most
+    GPU KV for the queue. With neither device free, the request waits in the GPU's queue up
+    to ``max_queue_size``.
     """
-    gpu_ok, gpu_why = gpu_room(knobs, loads)
+    code, gpu_why = gpu_saturation(knobs, loads)
+    if not code:
+        return Decision(Route.GPU_ONLY, reason=gpu_why, code="gpu-room")
     cpu_ok, cpu_why = cpu_room(knobs, loads)
-    if gpu_ok and cpu_ok:
-        gpu_gain = marginal_tps(loads.gpu, loads.gpu_itl_slope_ms, unknown_itl_ms=1.0)
-        cpu_gain = marginal_tps(loads.cpu, loads.cpu_itl_slope_ms, knobs.cpu_decode_slo_ms)
-        if cpu_gain > gpu_gain:
-            return Decision(
-                Route.PD,
-                token_limit=chunk,
-                reason=f"CPU gains {cpu_gain:.0f} > GPU {gpu_gain:.0f} tok/s",
-            )
-        return Decision(Route.GPU_ONLY, reason=gpu_why)
-    if gpu_ok:
-        return Decision(Route.GPU_ONLY, reason=f"{gpu_why}; {cpu_why}")
     if cpu_ok:
-        if loads.gpu.waiting > 0 and loads.gpu.kv_usage_perc >= knobs.gpu_cache_threshold:
-            # The GPU cannot even admit a prefill: KV is full and requests queue.
-            return Decision(Route.CPU_ONLY, reason=f"{gpu_why}; GPU queueing, CPU prefill")
-        return Decision(Route.PD, token_limit=chunk, reason=f"{gpu_why}; offload decode")
+        return Decision(Route.PD, token_limit=chunk, reason=f"{gpu_why}; offload decode", code=code)
     if loads.gpu.waiting < knobs.max_queue_size:
-        return Decision(Route.GPU_ONLY, reason=f"{gpu_why}; {cpu_why}; queued on GPU")
+        return Decision(
+            Route.GPU_ONLY, reason=f"{gpu_why}; {cpu_why}; queued on GPU", code="both-busy"
+        )
     return Decision(
-        Route.REJECTED, reason=f"{gpu_why}; {cpu_why}; GPU queue at max_queue_size", status=429
+        Route.REJECTED,
+        reason=f"{gpu_why}; {cpu_why}; GPU queue at max_queue_size",
+        status=429,
+        code="queue-full",
     )
 
 
 def decide_next_chunk(knobs: PolicyKnobs, loads: Loads) -> Decision:
     """After a CPU chunk: keep decoding on the CPU (PD) or move the sequence to the GPU.
 
-    ``loads.cpu`` must not count this sequence (its chunk just ended).
+    ``loads.cpu`` must not count this sequence (its chunk just ended). Under the capacity
+    algorithm a sequence moves back only to an idle GPU (nothing running or waiting): the move
+    costs the GPU a prefill of the whole context (no KV goes back), which delays every other
+    sequence on a busy GPU and measured worse than staying there (docs/benchmarks.md,
+    "Goodput at SLO").
     """
     chunk = token_limit(knobs, loads.cpu.throughput_tps)
     if not loads.cpu.available:
-        return Decision(Route.GPU_ONLY, reason="CPU engine down", fallback=True)
+        return Decision(Route.GPU_ONLY, reason="CPU engine down", fallback=True, code="cpu-down")
     pinned = knobs.mode in {"cpu-only", "forced-pd"} or knobs.algorithm == "syshax-threshold"
     if pinned or not loads.gpu.available:
         # sysHAX sends continuations straight back to the CPU.
-        return Decision(Route.PD, token_limit=chunk, reason="continue on CPU")
+        return Decision(Route.PD, token_limit=chunk, reason="continue on CPU", code="stay")
     if not cpu_allowed(knobs):
-        return Decision(Route.GPU_ONLY, reason=f"policy now {knobs.mode}, CPU offload off")
-    gpu_ok, gpu_why = gpu_room(knobs, loads)
-    if gpu_ok:
-        cpu_ok, _cpu_why = cpu_room(knobs, loads)
-        gpu_gain = marginal_tps(loads.gpu, loads.gpu_itl_slope_ms, unknown_itl_ms=1.0)
-        cpu_gain = marginal_tps(loads.cpu, loads.cpu_itl_slope_ms, knobs.cpu_decode_slo_ms)
-        if not cpu_ok or gpu_gain >= cpu_gain:
-            return Decision(Route.GPU_ONLY, reason=f"back to GPU: {gpu_why}")
-    return Decision(Route.PD, token_limit=chunk, reason="GPU still at its knee; stay on CPU")
+        return Decision(
+            Route.GPU_ONLY,
+            reason=f"policy now {knobs.mode}, CPU offload off",
+            code="offload-off",
+        )
+    gpu = loads.gpu
+    if gpu.running == 0 and gpu.waiting == 0 and not gpu_saturation(knobs, loads)[0]:
+        # An idle GPU delays nobody by recomputing this context, and decodes it faster.
+        return Decision(Route.GPU_ONLY, reason="back to the idle GPU", code="back")
+    return Decision(Route.PD, token_limit=chunk, reason="stay on CPU", code="stay")
 
 
 def retry_after_seconds(knobs: PolicyKnobs) -> float:

@@ -46,9 +46,28 @@ class DeviceLoad:
     kv_usage_perc: float  # 0..100, like sysHAX's gpu_cache_usage * 100
     throughput_tps: float  # generation tokens/s over the last scrape interval
     itl_ms: float | None  # mean inter-token latency over the last interval, None if unknown
+    # Sequences running when ``itl_ms`` was measured (the scraped gauge), None if unknown.
+    itl_batch: float | None = None
 
 
 UNAVAILABLE = DeviceLoad(False, 0, 0, 0.0, 0.0, None)
+
+
+def device_load(
+    sample: EngineSample | None, inflight: int, throughput_tps: float, itl_ms: float | None
+) -> DeviceLoad:
+    """What a decider sees of an available engine: its last scrape, with the router's own
+    in-flight count where that is higher (it is fresher between scrapes)."""
+    scraped_running = int(sample.running) if sample else 0
+    return DeviceLoad(
+        available=True,
+        running=max(scraped_running, inflight),
+        waiting=int(sample.waiting) if sample else 0,
+        kv_usage_perc=100.0 * sample.kv_usage if sample else 0.0,
+        throughput_tps=throughput_tps,
+        itl_ms=itl_ms,
+        itl_batch=sample.running if sample else None,
+    )
 
 
 def parse_metrics_text(text: str, at: float) -> EngineSample:

@@ -501,6 +501,7 @@ class Exchange:
             knobs = self.state.knobs_for(self.deployment, self.req.knobs)
             loads = self.deployment.loads(time.monotonic())
             nxt = decide_next_chunk(knobs, loads)
+            self.metrics.decision("chunk", nxt.route.value, nxt.code)
             if nxt.route is Route.PD:
                 limit = nxt.token_limit
             else:

@@ -83,6 +83,13 @@ class RouterMetrics:
         )
         for reason in FAILURE_REASONS:
             self.failovers.labels(reason)  # exported at 0 from the start, for rate()
+        self.decision_reasons = Counter(
+            "syshax_router_decisions",
+            "Scheduling decisions by stage (new: a request arrives; chunk: a CPU decode chunk "
+            "ended), route and reason (the decider's code, docs/router.md)",
+            ["stage", "route", "reason"],
+            registry=r,
+        )
         self.chunks = Counter(
             "syshax_router_decode_chunks",
             "Decode segments by device",
@@ -215,6 +222,9 @@ class RouterMetrics:
 
     def ejection(self, url: str, role: str) -> None:
         self._child(self.ejections, url, role).inc()
+
+    def decision(self, stage: str, route: str, reason: str) -> None:
+        self._child(self.decision_reasons, stage, route, reason or "other").inc()
 
     def chunk(self, device: str) -> None:
         self._child(self.chunks, device).inc()

@@ -279,6 +279,7 @@ class VllmPd:
                         nxt = decide_next_chunk(knobs, ex.deployment.loads(time.monotonic()))
                     finally:
                         target.inflight += 1
+                    ex.metrics.decision("chunk", nxt.route.value, nxt.code)
                     if nxt.route is Route.PD:
                         limit = nxt.token_limit
                         continue

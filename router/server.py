@@ -132,13 +132,14 @@ def _plan(
     decision = decide(knobs, deployment.loads(time.monotonic()))
     if decision.route is Route.PD and (req.body.get("n") or 1) > 1:
         # Splicing several choices across engines is not worth it; the GPU serves n > 1.
-        decision = Decision(Route.GPU_ONLY, reason="n > 1")
+        decision = Decision(Route.GPU_ONLY, reason="n > 1", code="n-above-1")
     if decision.route is Route.PD and deployment.cpu is None:
-        decision = Decision(Route.GPU_ONLY, reason="deployment has no CPU engine")
+        decision = Decision(Route.GPU_ONLY, reason="deployment has no CPU engine", code="no-cpu")
     if decision.route is Route.PD and deployment.spec.pd_protocol == "vllm":
         why = spliceable(req.body)
         if why is not None:
-            decision = Decision(Route.GPU_ONLY, reason=why)
+            decision = Decision(Route.GPU_ONLY, reason=why, code="not-spliceable")
+    router.metrics.decision("new", decision.route.value, decision.code)
     return decision, knobs
 
 

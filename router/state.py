@@ -44,6 +44,9 @@ class DeploymentSpec:
     cpu_url: str | None
     # The CPU engine's --max-num-seqs; None when the control plane does not say (older ones).
     cpu_max_num_seqs: int | None = None
+    # The node's readings the deciders treat as limits (None: not reported).
+    gpu_temperature_c: float | None = None
+    host_memory_percent: float | None = None
 
     @classmethod
     def from_api(cls, data: dict[str, Any]) -> DeploymentSpec:
@@ -70,6 +73,18 @@ class DeploymentSpec:
             not isinstance(cpu_limit, int) or isinstance(cpu_limit, bool) or cpu_limit < 1
         ):
             raise ValueError("deployment field 'cpu_max_num_seqs' must be a positive integer")
+        telemetry = data.get("telemetry") or {}
+        if not isinstance(telemetry, dict):
+            raise ValueError("deployment field 'telemetry' must be an object")
+
+        def reading(key: str) -> float | None:
+            value = telemetry.get(key)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"deployment telemetry {key!r} must be a number")
+            return float(value)
+
         return cls(
             id=ident,
             name=text("name") or "",
@@ -79,6 +94,8 @@ class DeploymentSpec:
             gpu_url=text("gpu_url") or "",
             cpu_url=text("cpu_url", required=False),
             cpu_max_num_seqs=cpu_limit,
+            gpu_temperature_c=reading("gpu_temperature_c"),
+            host_memory_percent=reading("host_memory_percent"),
         )
 
     def as_api(self) -> dict[str, Any]:
@@ -91,6 +108,10 @@ class DeploymentSpec:
             "gpu_url": self.gpu_url,
             "cpu_url": self.cpu_url,
             "cpu_max_num_seqs": self.cpu_max_num_seqs,
+            "telemetry": {
+                "gpu_temperature_c": self.gpu_temperature_c,
+                "host_memory_percent": self.host_memory_percent,
+            },
         }
 
 
@@ -109,6 +130,8 @@ class Deployment:
             gpu_itl_slope_ms=self.gpu.itl_slope_ms,
             cpu_itl_slope_ms=self.cpu.itl_slope_ms if self.cpu is not None else None,
             cpu_max_num_seqs=self.spec.cpu_max_num_seqs,
+            gpu_temperature_c=self.spec.gpu_temperature_c,
+            host_memory_percent=self.spec.host_memory_percent,
         )
 
     def pressure(self, now: float) -> float:

@@ -110,7 +110,13 @@ def corpus() -> list[str]:
     return lines
 
 
-def build(out: Path, *, seed: int = 0) -> None:
+# --kv-heavy: the same tokenizer and size class, but 64 KiB of KV per token (4 layers x 32 KV
+# heads x 128 x 2 x bf16), so 1 GiB of VLLM_CPU_KVCACHE_SPACE holds 16k tokens and a modest
+# load runs the engine out of KV (scripts/pressure_compare.py).
+KV_HEAVY = {"num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 32}
+
+
+def build(out: Path, *, seed: int = 0, kv_heavy: bool = False) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -136,14 +142,19 @@ def build(out: Path, *, seed: int = 0) -> None:
     fast.save_pretrained(out)
 
     torch.manual_seed(seed)
+    shape: dict[str, int] = {
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,  # head_dim 64, grouped-query attention as in real models
+    }
+    if kv_heavy:
+        shape = {**KV_HEAVY, "head_dim": 128}
     config = LlamaConfig(
         vocab_size=len(fast),
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # head_dim 64, grouped-query attention as in real models
         max_position_embeddings=4096,
+        **shape,
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=1,
@@ -159,8 +170,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-heavy", action="store_true", help="64 KiB of KV per token")
     args = parser.parse_args()
-    build(args.out, seed=args.seed)
+    build(args.out, seed=args.seed, kv_heavy=args.kv_heavy)
     print(args.out)
 
 

@@ -53,7 +53,7 @@ def main() -> None:
     step("ruff", [PY, "-m", "ruff", "check", "."])
     step("ruff format", [PY, "-m", "ruff", "format", "--check", "--quiet", "."])
     step(
-        "mypy --strict (agents, router, simulator, load generator)",
+        "mypy --strict (agents, router, simulator, load generator, virtual deployment)",
         [
             PY,
             "-m",
@@ -64,6 +64,7 @@ def main() -> None:
             "router",
             "syshax/sim",
             "syshax/loadgen",
+            "syshax/hetero",
             "syshax/policy_schema.py",
             "syshax/cli.py",
             "syshax/supervisor.py",

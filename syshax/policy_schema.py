@@ -125,6 +125,24 @@ KNOBS: tuple[Knob, ...] = (
         meaning="capacity decider: GPU token latency treated as the batch's latency knee",
     ),
     Knob(
+        "gpu_max_temperature_c",
+        float,
+        90.0,
+        0.0,
+        150.0,
+        meaning="capacity decider: a GPU/NPU at or past this temperature (the agents' "
+        "heartbeats) is treated as saturated and new decodes go to the CPU",
+    ),
+    Knob(
+        "cpu_max_memory_percent",
+        float,
+        95.0,
+        0.0,
+        100.0,
+        meaning="capacity decider: host RAM use (%) at or past which the CPU engine takes no "
+        "new decode (its KV cache lives in host RAM)",
+    ),
+    Knob(
         "max_queue_size",
         int,
         200,
@@ -166,6 +184,8 @@ class PolicyKnobs:
     cpu_max_batch_size: int = 8
     cpu_decode_slo_ms: float = 100.0
     gpu_decode_slo_ms: float = 50.0
+    gpu_max_temperature_c: float = 90.0
+    cpu_max_memory_percent: float = 95.0
     max_queue_size: int = 200
     request_timeout_seconds: float = 600.0
     metrics_interval_seconds: float = 1.0

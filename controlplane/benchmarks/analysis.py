@@ -9,6 +9,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from syshax.loadgen.goodput import GoodputSearch
+
 # (name, how to read it from a row's summary, higher is better)
 FIGURES: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("throughput_tok_s", ("output_throughput",), True),
@@ -99,6 +101,97 @@ POLICY_FOR_MODE: dict[str, dict[str, Any]] = {
     "cpu": {"mode": "cpu-only", "enable_auto_pd_offload": False},
 }
 GOALS = ("latency", "throughput", "slo")
+# Hetero must sustain this much more than GPU-only at the SLO before it is recommended: below
+# it the gain is within what repeated sweeps of one mode differ by.
+GOODPUT_GAIN = 1.02
+
+
+def _same_slo(config: Mapping[str, Any], ttft_ms: float | None, tpot_ms: float | None) -> bool:
+    slo = config.get("slo_ms") or {}
+    return slo.get("ttft") == ttft_ms and slo.get("tpot") == tpot_ms
+
+
+def sweeps_at_slo(
+    summaries: Iterable[Mapping[str, Any]], ttft_slo_ms: float | None, tpot_slo_ms: float | None
+) -> dict[str, GoodputSearch] | None:
+    """The newest stored goodput sweep with GPU and hetero rows, measured at exactly this SLO.
+
+    ``summaries`` come oldest first, as ``services.advisor_summaries`` returns them."""
+    for summary in reversed(list(summaries)):
+        sweeps = summary.get("sweeps")
+        if not isinstance(sweeps, Mapping) or not _same_slo(
+            summary.get("config") or {}, ttft_slo_ms, tpot_slo_ms
+        ):
+            continue
+        try:
+            found = {mode: GoodputSearch.from_dict(dict(data)) for mode, data in sweeps.items()}
+        except (KeyError, TypeError, ValueError):
+            continue
+        if "gpu" in found and "hetero" in found:
+            return found
+    return None
+
+
+def crossover_rate(gpu: GoodputSearch, hetero: GoodputSearch) -> float | None:
+    """The lowest rate both measured above which hetero's goodput stays above GPU-only's by
+    ``GOODPUT_GAIN`` up to hetero's max goodput: where hetero starts to pay."""
+    top = hetero.max_goodput_rate
+    shared = sorted({p.rate for p in gpu.points} & {p.rate for p in hetero.points})
+    crossing = None
+    for rate in shared:
+        if top is not None and rate > top:
+            break
+        h, g = hetero.goodput_at(rate), gpu.goodput_at(rate)
+        if h is None or g is None:
+            continue
+        crossing = (rate if crossing is None else crossing) if h > g * GOODPUT_GAIN else None
+    return crossing
+
+
+def _goodput_advice(
+    sweeps: dict[str, GoodputSearch], goal: str, cpu_max_batch_size: int | None
+) -> Recommendation:
+    gpu, hetero = sweeps["gpu"], sweeps["hetero"]
+    best = {mode: s.max_goodput_rate for mode, s in sweeps.items()}
+    figures = {
+        mode: {
+            "max_goodput_rps": best[mode],
+            "best_attainment_percent": s.best_attainment,
+            "crossover_rps": crossover_rate(gpu, hetero) if mode == "hetero" else None,
+        }
+        for mode, s in sweeps.items()
+    }
+    considered = [m for m in MODES if m in sweeps]
+    g, h = best["gpu"], best["hetero"]
+    if h is not None and (g is None or h > g * GOODPUT_GAIN):
+        crossing = crossover_rate(gpu, hetero)
+        gain = f"+{(h / g - 1) * 100:.0f} %" if g else "GPU-only meets it at no rate"
+        where = f"; hetero pays above {crossing:g} req/s" if crossing is not None else ""
+        return _recommend(
+            "hetero",
+            goal,
+            f"goodput at the SLO: hetero sustains {h:g} req/s, GPU-only {g or 0:g} ({gain}){where}",
+            figures,
+            considered,
+            cpu_max_batch_size,
+        )
+    if g is None:
+        return Recommendation(
+            None,
+            goal,
+            "no measured rate meets the SLO in GPU or hetero mode; relax it or add capacity",
+            figures=figures,
+            considered=considered,
+        )
+    return _recommend(
+        "gpu",
+        goal,
+        f"goodput at the SLO: GPU-only sustains {g:g} req/s and hetero "
+        f"{h if h is not None else 0:g}: the CPU adds no goodput here",
+        figures,
+        considered,
+        cpu_max_batch_size,
+    )
 
 
 def best_rows(summaries: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
@@ -124,10 +217,19 @@ def advise(
 ) -> Recommendation:
     """MISSION.md's guidance, decided from measured runs instead of a fixed table:
     lowest latency -> the mode with the lowest TTFT (then TPOT); highest throughput -> the mode
-    with the highest output throughput; an SLO -> the highest throughput among modes whose
-    p99 TTFT and TPOT meet it. No GPU measured -> CPU mode."""
+    with the highest output throughput; an SLO -> from a goodput sweep at exactly that SLO,
+    hetero when it sustains more than GPU-only (naming the crossover rate), else GPU; without
+    one, the highest throughput among the non-hetero modes whose p99 TTFT and TPOT meet it.
+    No GPU measured -> CPU mode."""
     if goal not in GOALS:
         raise ValueError(f"goal must be one of {', '.join(GOALS)}; got {goal!r}")
+    summaries = list(summaries)
+    if goal == "slo":
+        if ttft_slo_ms is None and tpot_slo_ms is None:
+            raise ValueError("the slo goal needs ttft_slo_ms or tpot_slo_ms")
+        sweeps = sweeps_at_slo(summaries, ttft_slo_ms, tpot_slo_ms)
+        if sweeps is not None:
+            return _goodput_advice(sweeps, goal, cpu_max_batch_size)
     figures = best_rows(summaries)
     considered = sorted(figures, key=MODES.index) if figures else []
     if not figures:
@@ -165,26 +267,25 @@ def advise(
             f"at concurrency {int(value(mode, 'concurrency', 0))}"
         )
     else:
-        if ttft_slo_ms is None and tpot_slo_ms is None:
-            raise ValueError("the slo goal needs ttft_slo_ms or tpot_slo_ms")
         meeting = [
             m
             for m in considered
             if (ttft_slo_ms is None or value(m, "ttft_p99_ms", float("inf")) <= ttft_slo_ms)
             and (tpot_slo_ms is None or value(m, "tpot_p99_ms", float("inf")) <= tpot_slo_ms)
         ]
-        if not meeting:
-            return Recommendation(
-                None,
-                goal,
-                "no measured mode meets the SLO at p99; relax it or add capacity",
-                figures=figures,
-                considered=considered,
-            )
-        mode = max(meeting, key=lambda m: value(m, "throughput_tok_s", 0.0))
+        # Hetero is recommended for an SLO only from a goodput sweep at that SLO (above).
+        unswept = " (hetero is recommended for an SLO only from a goodput sweep at it)"
+        offered = [m for m in meeting if m != "hetero"]
+        if not offered:
+            why = "no measured mode meets the SLO at p99; relax it or add capacity"
+            if meeting:
+                why = "only hetero meets the SLO at p99 in these runs" + unswept
+            return Recommendation(None, goal, why, figures=figures, considered=considered)
+        mode = max(offered, key=lambda m: value(m, "throughput_tok_s", 0.0))
         reason = (
             f"meets the SLO at p99 ({', '.join(meeting)} do) with the highest throughput: "
             f"{value(mode, 'throughput_tok_s', 0):.1f} tok/s"
+            + (unswept if "hetero" in meeting else "")
         )
     return _recommend(mode, goal, reason, figures, considered, cpu_max_batch_size)
 

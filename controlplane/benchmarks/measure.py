@@ -13,9 +13,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from syshax.loadgen.client import StreamClient, discover_model, make_session
+from syshax.loadgen.goodput import GoodputSearch
 from syshax.loadgen.report import Row
 from syshax.loadgen.runner import LoadSpec, run_load
 from syshax.loadgen.stats import summarize
+from syshax.loadgen.sweeping import SweepPlan, sweep_target
 from syshax.loadgen.targets import Target, plan_targets
 from syshax.loadgen.wire import ConnectionPool
 from syshax.loadgen.workload import build_requests
@@ -39,21 +41,30 @@ class Plan:
     output_tokens: int
     timeout_s: float = 600.0
     api_key: str = ""  # sent as 'Authorization: Bearer' (a router's key; empty: none)
+    sweep: SweepPlan | None = None  # a goodput sweep instead of the concurrency levels
 
     def targets(self) -> list[Target]:
         return plan_targets(self.mode, self.url, {})
 
     @property
     def total_requests(self) -> int:
+        if self.sweep is not None:
+            return self.sweep.most_requests(len(self.targets()))
         return self.iterations * len(self.levels) * len(self.targets())
 
 
 Report = Callable[[int, int], Awaitable[bool]]  # (done, total) -> keep going?
 
 
-async def measure(plan: Plan, report: Report, interval_s: float = 1.0) -> list[Row]:
-    """Every (level, mode) row of the plan. ``report`` is awaited about once a second; when
-    it returns False the run stops with ``Cancelled``."""
+async def measure(
+    plan: Plan,
+    report: Report,
+    interval_s: float = 1.0,
+    sweeps: dict[str, GoodputSearch] | None = None,
+) -> list[Row]:
+    """Every (level, mode) row of the plan, or every (mode, rate) row of its sweep, whose
+    searches go into ``sweeps``. ``report`` is awaited about once a second; when it returns
+    False the run stops with ``Cancelled``."""
     done = 0
     total = plan.total_requests
     rows: list[Row] = []
@@ -75,6 +86,26 @@ async def measure(plan: Plan, report: Report, interval_s: float = 1.0) -> list[R
             async with make_session() as session:
                 auth = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
                 model = await discover_model(session, plan.url, auth)
+                if plan.sweep is not None:
+                    for target in plan.targets():
+                        client = StreamClient(
+                            pool,
+                            target.url,
+                            model,
+                            headers={**target.headers, **auth},
+                            timeout_s=plan.timeout_s,
+                        )
+                        search, target_rows = await sweep_target(
+                            client,
+                            target,
+                            model,
+                            plan.sweep,
+                            progress=lambda _mode, _rate, _n: (count, None),
+                        )
+                        if sweeps is not None:
+                            sweeps[target.mode] = search
+                        rows.extend(target_rows)
+                    return
                 for level in plan.levels:
                     seed = plan.seed * 1_000_003 + level
                     specs = build_requests(

@@ -62,6 +62,23 @@ class BenchmarkRun(models.Model):
         max_length=8, choices=BenchmarkMode.choices, default=BenchmarkMode.HETERO
     )
     concurrency = models.JSONField(default=default_concurrency, help_text="list of levels")
+    # A goodput sweep (docs/benchmarks.md, "Goodput at SLO") when request_rates is not empty.
+    request_rates = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="ascending requests/s; a non-empty list makes the run a goodput sweep "
+        "(open loop, the concurrency levels unused)",
+    )
+    slo_ttft_ms = models.FloatField(null=True, blank=True, validators=[MinValueValidator(0.001)])
+    slo_tpot_ms = models.FloatField(null=True, blank=True, validators=[MinValueValidator(0.001)])
+    slo_attainment = models.FloatField(
+        default=90.0,
+        validators=[MinValueValidator(0.001), MaxValueValidator(100)],
+        help_text="percent of requests that must meet the SLOs for a rate to count",
+    )
+    find_max_goodput = models.BooleanField(
+        default=False, help_text="bisect between the last rate meeting the target and the next"
+    )
     iterations = models.PositiveIntegerField(
         default=100, validators=[MinValueValidator(1), MaxValueValidator(100000)]
     )
@@ -132,6 +149,8 @@ class BenchmarkSample(models.Model):
     run = models.ForeignKey(BenchmarkRun, on_delete=models.CASCADE, related_name="samples")
     mode = models.CharField(max_length=8, choices=BenchmarkMode.choices)
     concurrency = models.PositiveIntegerField()
+    # The offered rate of a goodput sweep's point; 0 for a run by concurrency levels.
+    request_rate = models.FloatField(default=0.0)
     index = models.PositiveIntegerField()
     ok = models.BooleanField(default=True)
     error = models.TextField(blank=True)
@@ -143,10 +162,11 @@ class BenchmarkSample(models.Model):
     started_at = models.FloatField(default=0.0, help_text="seconds since the run began")
 
     class Meta:
-        ordering = ["run", "mode", "concurrency", "index"]
+        ordering = ["run", "mode", "concurrency", "request_rate", "index"]
         constraints = [
             models.UniqueConstraint(
-                fields=["run", "mode", "concurrency", "index"], name="sample_unique_index"
+                fields=["run", "mode", "concurrency", "request_rate", "index"],
+                name="sample_unique_index",
             )
         ]
 

@@ -87,13 +87,29 @@ def _finish(run_id: int, status: str, **fields: Any) -> None:
 
 def execute(run_id: int) -> str:
     from controlplane.benchmarks.measure import Cancelled, Plan, measure
+    from syshax.loadgen.goodput import DEFAULT_BISECTIONS, GoodputSearch
     from syshax.loadgen.report import to_json
+    from syshax.loadgen.stats import SLO
+    from syshax.loadgen.sweeping import SweepPlan
 
     if not claim(run_id):
         return BenchmarkRun.objects.get(pk=run_id).status
     run = BenchmarkRun.objects.select_related("scenario", "deployment").get(pk=run_id)
     try:
         url = target_url(run)
+        sweep = None
+        if run.request_rates:
+            sweep = SweepPlan(
+                rates=tuple(float(rate) for rate in run.request_rates),
+                slo=SLO(run.slo_ttft_ms, run.slo_tpot_ms),
+                iterations=run.iterations,
+                input_tokens=run.scenario.input_tokens,
+                output_tokens=run.scenario.output_tokens,
+                attainment=run.slo_attainment,
+                bisections=DEFAULT_BISECTIONS if run.find_max_goodput else 0,
+                warmup=run.warmup,
+                seed=run.seed,
+            )
         plan = Plan(
             url=url,
             mode=run.mode,
@@ -104,6 +120,7 @@ def execute(run_id: int) -> str:
             input_tokens=run.scenario.input_tokens,
             output_tokens=run.scenario.output_tokens,
             api_key=router_api_key(url),
+            sweep=sweep,
         )
     except (RunError, ValueError) as exc:
         _finish(run_id, RunStatus.FAILED, error=str(exc))
@@ -115,10 +132,11 @@ def execute(run_id: int) -> str:
         return not BenchmarkRun.objects.filter(pk=run_id, cancel_requested=True).exists()
 
     started = timezone.now()
+    sweeps: dict[str, GoodputSearch] = {}
 
     async def measure_then_close() -> list[Any]:
         try:
-            return await measure(plan, report)
+            return await measure(plan, report, sweeps=sweeps)
         finally:
             # report() ran in asgiref's shared thread, which keeps its own connection open;
             # close it so a long-lived worker holds none between runs.
@@ -150,7 +168,13 @@ def execute(run_id: int) -> str:
     }
     if run.deployment is not None:
         attach_resources(rows, run.deployment.node_id)
+    if sweep is not None:
+        config["request_rates"] = list(sweep.rates)
+        config["slo_ms"] = {"ttft": run.slo_ttft_ms, "tpot": run.slo_tpot_ms}
+        config["slo_attainment"] = run.slo_attainment
     summary = to_json(config, rows, samples=False)
+    if sweeps:
+        summary["sweeps"] = {mode: search.to_dict() for mode, search in sweeps.items()}
     sent = [record.sent_at for row in rows for record in row.records if record.sent_at]
     origin = min(sent) if sent else 0.0
     with transaction.atomic():
@@ -160,6 +184,7 @@ def execute(run_id: int) -> str:
                 run_id=run_id,
                 mode=row.mode,
                 concurrency=row.concurrency,
+                request_rate=row.rate or 0.0,
                 index=position,
                 ok=record.ok,
                 error=record.error or "",

@@ -54,6 +54,12 @@ class SchedulingPolicy(TimeStampedModel):
     )
     cpu_decode_slo_ms = models.FloatField(default=100.0, validators=_range("cpu_decode_slo_ms"))
     gpu_decode_slo_ms = models.FloatField(default=50.0, validators=_range("gpu_decode_slo_ms"))
+    gpu_max_temperature_c = models.FloatField(
+        default=90.0, validators=_range("gpu_max_temperature_c")
+    )
+    cpu_max_memory_percent = models.FloatField(
+        default=95.0, validators=_range("cpu_max_memory_percent")
+    )
     max_queue_size = models.PositiveIntegerField(default=200, validators=_range("max_queue_size"))
     request_timeout_seconds = models.FloatField(
         default=600.0, validators=_range("request_timeout_seconds")

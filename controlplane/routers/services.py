@@ -5,11 +5,13 @@ import json
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Max, OuterRef, Subquery
 from django.utils import timezone
 
 from controlplane.access.models import MachineCredential
 from controlplane.deployments.choices import DeploymentState
 from controlplane.deployments.models import Deployment
+from controlplane.inventory.models import Heartbeat
 from controlplane.routers.models import RouterInstance, RouterStatsSample
 from syshax.errors import FieldError
 
@@ -54,10 +56,36 @@ def record_stats(router: RouterInstance, stats: dict[str, Any]) -> None:
         )
 
 
+# Telemetry goes to routers in steps of this many degrees or percent, so a reading that
+# wanders by a degree does not change the payload (and its ETag) on every heartbeat.
+TELEMETRY_STEP = 5.0
+
+
+def _step(value: float | None) -> float | None:
+    return None if value is None else TELEMETRY_STEP * (value // TELEMETRY_STEP)
+
+
+def _telemetry(d: Deployment) -> dict[str, float | None]:
+    """The node readings the deciders treat as limits (docs/router.md): the hottest card the
+    deployment holds, and host RAM use from the node's latest heartbeat, both stepped."""
+    used, total = d.host_memory_used, d.host_memory_total  # type: ignore[attr-defined]
+    host = 100.0 * used / total if used is not None and total else None
+    return {
+        "gpu_temperature_c": _step(d.gpu_temperature),  # type: ignore[attr-defined]
+        "host_memory_percent": _step(host),
+    }
+
+
 def routable_deployments() -> list[dict[str, Any]]:
+    latest = Heartbeat.objects.filter(node=OuterRef("node")).order_by("-received_at")
     rows = (
         Deployment.objects.filter(state=DeploymentState.RUNNING)
         .select_related("profile", "policy")
+        .annotate(
+            gpu_temperature=Max("accelerator_claims__accelerator__temperature_c"),
+            host_memory_used=Subquery(latest.values("memory_used_bytes")[:1]),
+            host_memory_total=Subquery(latest.values("memory_total_bytes")[:1]),
+        )
         .order_by("pk")
     )
     return [
@@ -75,6 +103,7 @@ def routable_deployments() -> list[dict[str, Any]]:
             "cpu_max_num_seqs": d.profile.cpu_max_batch_size
             if d.profile.enable_cpu_engine
             else None,
+            "telemetry": _telemetry(d),
         }
         for d in rows
     ]

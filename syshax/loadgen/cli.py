@@ -15,12 +15,22 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from syshax.loadgen.chart import sweep_svg
 from syshax.loadgen.client import (
     APIS,
     StreamClient,
     TargetUnavailable,
     discover_model,
     make_session,
+)
+from syshax.loadgen.goodput import (
+    DEFAULT_ATTAINMENT,
+    DEFAULT_BISECTIONS,
+    GoodputSearch,
+    check_attainment,
+    format_sweeps,
+    parse_rates,
+    ratio_line,
 )
 from syshax.loadgen.progress import ProgressBar
 from syshax.loadgen.report import (
@@ -34,6 +44,7 @@ from syshax.loadgen.report import (
 from syshax.loadgen.runner import LoadSpec, run_async, run_load, use_realtime_priority
 from syshax.loadgen.scenarios import SCENARIOS, Scenario, parse_concurrency, resolve_scenario
 from syshax.loadgen.stats import SLO, summarize
+from syshax.loadgen.sweeping import Closer, OnDone, SweepPlan, sweep_target
 from syshax.loadgen.targets import BENCHMARK_MODES, MODE_CHOICES, Target, plan_targets
 from syshax.loadgen.wire import ConnectionPool
 from syshax.loadgen.workload import build_requests
@@ -63,9 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     shape.add_argument(
         "--request-rate",
-        type=float,
-        default=math.inf,
-        help="requests/s with gamma-distributed gaps; inf = closed loop at the concurrency",
+        default="inf",
+        help="requests/s with gamma-distributed gaps; inf = closed loop at the concurrency; "
+        "an ascending list 1,2,4,8 sweeps the rates for goodput at the SLOs",
     )
     shape.add_argument(
         "--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier"
@@ -102,6 +113,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT bound")
     out.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT bound")
     out.add_argument("--slo-e2e-ms", type=float, help="goodput: end-to-end bound")
+    out.add_argument(
+        "--slo-attainment",
+        type=float,
+        default=DEFAULT_ATTAINMENT,
+        help="percent of requests that must meet the SLOs for a rate to count (sweeps)",
+    )
+    out.add_argument(
+        "--find-max-goodput",
+        action="store_true",
+        help="after the sweep, bisect between the last rate meeting the target and the first "
+        "missing it",
+    )
+    out.add_argument("--chart", type=Path, help="write the sweep's SVG chart here")
     out.add_argument(
         "--sim-speed",
         type=float,
@@ -158,9 +182,16 @@ def run(args: argparse.Namespace) -> int:
         per_mode = {mode: getattr(args, f"target_{mode}") for mode in BENCHMARK_MODES}
         targets = plan_targets(args.mode, args.target, per_mode)
         slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
-        LoadSpec(levels[0], args.request_rate, args.burstiness, args.seed)
+        rates = parse_rates(args.request_rate)
+        check_attainment(args.slo_attainment)
+        sweeping = len(rates) > 1 or args.find_max_goodput or args.chart is not None
+        if sweeping:
+            _check_sweep(args, rates, slo)
+        cap = (levels[0] if args.concurrency else None) if sweeping else levels[0]
+        LoadSpec(cap, rates[0], args.burstiness, args.seed)
     except ValueError as exc:
         return _fail(str(exc))
+    args.request_rate = rates[0]
     if args.iterations < 1:
         return _fail("--iterations must be at least 1")
     if args.sim_speed <= 0:
@@ -171,8 +202,12 @@ def run(args: argparse.Namespace) -> int:
         problem = use_realtime_priority()
         if problem:
             print(f"syshax benchmark: {problem}; timing at ordinary priority", file=sys.stderr)
+    sweeps: dict[str, GoodputSearch] = {}
     try:
-        rows = run_async(_benchmark(args, scenario, levels, targets, slo))
+        if sweeping:
+            rows = run_async(_sweep(args, scenario, rates, cap, targets, slo, sweeps))
+        else:
+            rows = run_async(_benchmark(args, scenario, levels, targets, slo))
     except TargetUnavailable as exc:
         return _fail(f"{exc} (a target must be up before the run starts)")
     if args.deployment:
@@ -198,9 +233,22 @@ def run(args: argparse.Namespace) -> int:
     errors = format_errors(rows)
     if errors:
         print("\nfailed requests:\n" + errors)
+    if sweeps:
+        print("\ngoodput at the SLOs:\n" + format_sweeps(sweeps))
+        for baseline in ("gpu", "cpu"):
+            line = ratio_line(sweeps, "hetero", baseline)
+            if line:
+                print(line)
+    if args.chart is not None and sweeps:
+        args.chart.write_text(sweep_svg(sweeps, f"scenario {scenario.name}"))
+        print(f"\nwrote {args.chart}")
     if args.json:
         config = _config(args, scenario, levels, targets, slo)
+        config["request_rates"] = list(rates) if sweeping else None
+        config["slo_attainment"] = args.slo_attainment
         document = to_json(config, rows, samples=args.samples)
+        if sweeps:
+            document["sweeps"] = {mode: search.to_dict() for mode, search in sweeps.items()}
         args.json.write_text(json.dumps(document, indent=2) + "\n")
         print(f"\nwrote {args.json}")
     return 1 if any(row.summary.failed for row in rows) else 0
@@ -279,6 +327,85 @@ async def _benchmark(
                             window=(began, time.time()),
                         )
                     )
+        finally:
+            pool.close()
+    return rows
+
+
+def _check_sweep(args: argparse.Namespace, rates: tuple[float, ...], slo: SLO) -> None:
+    if any(math.isinf(rate) for rate in rates):
+        raise ValueError("--request-rate: a goodput sweep needs finite rates, not inf")
+    if slo.empty:
+        raise ValueError(
+            "a goodput sweep needs an SLO: --slo-ttft-ms, --slo-tpot-ms or --slo-e2e-ms"
+        )
+    if args.concurrency and len(parse_concurrency(args.concurrency)) > 1:
+        raise ValueError(
+            "--concurrency: a rate sweep takes at most one level (the cap on requests in "
+            "flight); sweep either rates or concurrency levels"
+        )
+
+
+async def _sweep(
+    args: argparse.Namespace,
+    scenario: Scenario,
+    rates: tuple[float, ...],
+    cap: int | None,
+    targets: list[Target],
+    slo: SLO,
+    sweeps: dict[str, GoodputSearch],
+) -> list[Row]:
+    """Every target through every rate (then the bisection), one row per (mode, rate)."""
+    rows: list[Row] = []
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    plan = SweepPlan(
+        rates=rates,
+        slo=slo,
+        iterations=args.iterations,
+        input_tokens=scenario.input_tokens,
+        output_tokens=scenario.output_tokens,
+        cap=cap,
+        attainment=args.slo_attainment,
+        bisections=DEFAULT_BISECTIONS if args.find_max_goodput else 0,
+        warmup=args.warmup if args.warmup is not None else 1,
+        seed=args.seed,
+        burstiness=args.burstiness,
+        sim_speed=args.sim_speed,
+    )
+
+    def progress(mode: str, rate: float, count: int) -> tuple[OnDone | None, Closer | None]:
+        if args.no_progress:
+            return None, None
+        bar = ProgressBar(count, f"{mode:>6} r={rate:<5g}", live=None)
+        return bar.update, bar.close
+
+    pool = ConnectionPool()
+    async with make_session() as session:
+        models = {}
+        for target in targets:
+            if target.url not in models:
+                models[target.url] = args.model or await discover_model(session, target.url, auth)
+        try:
+            for target in targets:
+                client = StreamClient(
+                    pool,
+                    target.url,
+                    models[target.url],
+                    api=args.api,
+                    headers={**target.headers, **auth},
+                    timeout_s=args.timeout,
+                )
+                search, target_rows = await sweep_target(
+                    client,
+                    target,
+                    models[target.url],
+                    plan,
+                    progress=progress,
+                    busy_poll=args.busy_poll,
+                )
+                sweeps[target.mode] = search
+                rows += target_rows
         finally:
             pool.close()
     return rows

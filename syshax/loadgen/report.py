@@ -27,11 +27,14 @@ class Row:
     # Epoch seconds the measured phase began and ended; resource use of the node, if known.
     window: tuple[float, float] | None = None
     resources: dict[str, float | None] | None = None
+    # The offered request rate of a goodput sweep's row (None: the run's one --request-rate).
+    rate: float | None = None
 
     def to_dict(self, *, samples: bool) -> dict[str, object]:
         row: dict[str, object] = {
             "mode": self.mode,
             "concurrency": self.concurrency,
+            "rate": self.rate,
             "url": self.url,
             "model": self.model,
             "summary": self.summary.to_dict(),
@@ -64,12 +67,15 @@ def _times(value: float | None) -> str:
 
 def format_table(rows: Sequence[Row]) -> str:
     """A Markdown table with one line per (mode, concurrency)."""
-    header = ["mode", "concurrency", "ok / failed"] + [label for label, _, _ in _METRICS]
+    rated = any(row.rate is not None for row in rows)
+    header = ["mode", "rate (req/s)" if rated else "concurrency", "ok / failed"]
+    header += [label for label, _, _ in _METRICS]
     header += ["TTFT p99 (ms)", "goodput (req/s)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         s = row.summary
-        cells = [row.mode, str(row.concurrency), f"{s.completed} / {s.failed}"]
+        level = f"{row.rate:g}" if rated and row.rate is not None else str(row.concurrency)
+        cells = [row.mode, level, f"{s.completed} / {s.failed}"]
         cells += [_fmt(figure(s)) for _, figure, _ in _METRICS]
         cells += [_fmt(s.ttft.p99), _fmt(s.goodput, 2)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -77,7 +83,10 @@ def format_table(rows: Sequence[Row]) -> str:
 
 
 def ratio_rows(rows: Sequence[Row]) -> list[dict[str, object]]:
-    """hetero/CPU and hetero/GPU of every metric, per concurrency level that has hetero."""
+    """hetero/CPU and hetero/GPU of every metric, per concurrency level that has hetero.
+
+    A goodput sweep's rows (``rate`` set) compare through their sweeps instead."""
+    rows = [row for row in rows if row.rate is None]
     by_key = {(row.mode, row.concurrency): row.summary for row in rows}
     levels = sorted({row.concurrency for row in rows if row.mode == "hetero"})
     out: list[dict[str, object]] = []

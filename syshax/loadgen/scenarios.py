@@ -51,6 +51,14 @@ SCENARIOS: dict[str, Scenario] = {
     "short": Scenario("short", 128, 256, 1, 16, "chat"),
     "medium": Scenario("medium", 512, 1024, 1, 8, "generation"),
     "long": Scenario("long", 2048, 512, 1, 4, "long context"),
+    # The two regimes where CPU decode can pay (docs/benchmarks.md, "Goodput at SLO"): sized
+    # so the GPU of either benchmark pair is saturated; ``syshax.hetero.derive`` prints why.
+    "decode-heavy": Scenario(
+        "decode-heavy", 256, 4096, 16, 256, "long outputs: the GPU's KV cache fills first"
+    ),
+    "prefill-interference": Scenario(
+        "prefill-interference", 1536, 768, 4, 64, "long prompts arrive while others decode"
+    ),
 }
 
 MAX_CONCURRENCY = 4096

@@ -107,13 +107,67 @@ def test_the_advisor_follows_the_guidance_table_from_measured_figures() -> None:
     assert best.mode == "hetero"
     assert best.policy == {"mode": "auto", "enable_auto_pd_offload": True, "cpu_max_batch_size": 8}
     assert "217.8 tok/s" in best.reason
-    assert analysis.advise([DOCUMENTED], "slo", ttft_slo_ms=250, tpot_slo_ms=8).mode == "hetero"
+    # Hetero's higher throughput at p99 is not a goodput gain: an SLO needs a sweep for it.
+    unswept = analysis.advise([DOCUMENTED], "slo", ttft_slo_ms=250, tpot_slo_ms=8)
+    assert unswept.mode is None
+    assert unswept.reason == (
+        "only hetero meets the SLO at p99 in these runs "
+        "(hetero is recommended for an SLO only from a goodput sweep at it)"
+    )
+    looser = analysis.advise([DOCUMENTED], "slo", ttft_slo_ms=250, tpot_slo_ms=20)
+    assert looser.mode == "gpu" and "only from a goodput sweep" in looser.reason
     assert analysis.advise([DOCUMENTED], "slo", ttft_slo_ms=100).mode is None
     only_cpu = summary(("cpu", 4, 30.0, 900, 31, 5000))
     assert analysis.advise([only_cpu], "latency").mode == "cpu"
     assert analysis.advise([], "throughput").mode is None
     with pytest.raises(ValueError, match="goal must be one of"):
         analysis.advise([DOCUMENTED], "cheapest")
+
+
+def sweep_summary(gpu: dict[float, float], hetero: dict[float, float], slo: dict) -> dict:
+    """A stored goodput sweep: per mode, {rate: attainment %} of 100 requests each."""
+
+    def points(attainment: dict[float, float]) -> list[dict]:
+        return [
+            {"rate": r, "requests": 100, "good": round(a), "duration_s": 100 / r,
+             "output_tokens": 1000, "bisection": False}
+            for r, a in attainment.items()
+        ]  # fmt: skip
+
+    return {
+        "config": {"slo_ms": slo},
+        "rows": [],
+        "sweeps": {
+            "gpu": {"target": 90.0, "points": points(gpu)},
+            "hetero": {"target": 90.0, "points": points(hetero)},
+        },
+    }
+
+
+def test_the_advisor_recommends_hetero_only_from_a_goodput_gain_at_that_slo() -> None:
+    slo = {"ttft": 5000.0, "tpot": 150.0}
+    gain = sweep_summary(
+        {1.0: 100, 2.0: 95, 3.0: 60, 4.0: 20}, {1.0: 100, 2.0: 99, 3.0: 93, 4.0: 50}, slo
+    )
+    advice = analysis.advise([gain], "slo", ttft_slo_ms=5000.0, tpot_slo_ms=150.0)
+    assert advice.mode == "hetero"
+    assert "hetero sustains 3 req/s, GPU-only 2 (+50 %)" in advice.reason
+    assert "hetero pays above 2 req/s" in advice.reason  # 99 % vs 95 % at 2 req/s
+    assert advice.figures["hetero"]["crossover_rps"] == 2.0
+    assert advice.figures["gpu"]["max_goodput_rps"] == 2.0
+    # A tie is no reason to run a second engine.
+    tie = sweep_summary({1.0: 100, 2.0: 95, 3.0: 60}, {1.0: 100, 2.0: 96, 3.0: 61}, slo)
+    same = analysis.advise([tie], "slo", ttft_slo_ms=5000.0, tpot_slo_ms=150.0)
+    assert same.mode == "gpu" and "the CPU adds no goodput here" in same.reason
+    # A sweep at another SLO says nothing about this one; the newest sweep at it decides.
+    elsewhere = analysis.advise([gain], "slo", ttft_slo_ms=5000.0, tpot_slo_ms=100.0)
+    assert elsewhere.mode is None and "crossover" not in str(elsewhere.figures)
+    assert analysis.advise([gain, tie], "slo", ttft_slo_ms=5000.0, tpot_slo_ms=150.0).mode == (
+        "gpu"
+    )
+    nothing = sweep_summary({1.0: 10}, {1.0: 20}, slo)
+    none = analysis.advise([nothing], "slo", ttft_slo_ms=5000.0, tpot_slo_ms=150.0)
+    assert none.mode is None and "no measured rate meets the SLO" in none.reason
 
 
 def test_compare_and_advisor_endpoints(admin_client, make_deployment) -> None:
@@ -259,6 +313,74 @@ def test_a_run_measures_a_real_engine_and_stores_summary_and_samples(
     assert run.summary["rows"][0]["resources"]["cpu_percent_mean"] == 12.0
     # The node's heartbeat inside the first row's window is that row's resource use.
     assert run.summary["rows"][0]["resources"]["cpu_percent_mean"] == 12.0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_sweep_run_stores_every_rate_and_the_search(
+    simulated_gpu, admin_client, admin_user, client
+) -> None:
+    Scenario.objects.create(name="tiny-sweep", input_tokens=16, output_tokens=16)
+    body = {
+        "scenario": "tiny-sweep",
+        "target_url": simulated_gpu,
+        "mode": "gpu",
+        "request_rates": "4,8",
+        "slo_ttft_ms": 60000,
+        "iterations": 5,
+    }
+    created = admin_client.post("/api/v1/benchmark-runs/", body, content_type="application/json")
+    assert created.status_code == 201, created.content
+    run_id = created.json()["id"]
+    assert created.json()["request_rates"] == [4.0, 8.0]
+    assert runner.execute(run_id) == "succeeded", BenchmarkRun.objects.get(pk=run_id).error
+    run = BenchmarkRun.objects.get(pk=run_id)
+    sweep = run.summary["sweeps"]["gpu"]
+    assert [p["rate"] for p in sweep["points"]] == [4.0, 8.0]
+    assert sweep["max_goodput_rate"] == 8.0 and not sweep["saturated"]
+    assert run.summary["config"]["slo_ms"] == {"ttft": 60000.0, "tpot": None}
+    assert [row["rate"] for row in run.summary["rows"]] == [4.0, 8.0]
+    rates = sorted(
+        set(BenchmarkSample.objects.filter(run=run).values_list("request_rate", flat=True))
+    )
+    assert rates == [4.0, 8.0]
+    assert BenchmarkSample.objects.filter(run=run).count() == 10
+    client.force_login(admin_user)
+    page = client.get(f"/benchmarks/{run_id}/")
+    assert page.status_code == 200
+    assert b"<svg" in page.content and b"max goodput" in page.content
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        ({"request_rates": "8,4"}, "request_rates", "strictly ascending"),
+        ({"request_rates": [0, 1]}, "request_rates", "must be positive"),
+        ({"request_rates": "1,2", "slo_ttft_ms": None}, "slo_ttft_ms", "needs slo_ttft_ms"),
+        ({"slo_attainment": 0}, "slo_attainment", "greater than or equal to 0.001"),
+        ({"slo_attainment": 101}, "slo_attainment", "less than or equal to 100"),
+        (
+            {"request_rates": "1,2", "iterations": 100000, "find_max_goodput": True},
+            "iterations",
+            "6 rates",
+        ),
+    ],
+)
+def test_bad_sweeps_are_refused_naming_the_field(
+    admin_client, change: dict, field: str, words: str
+) -> None:
+    body = {
+        "scenario": "short",
+        "target_url": "http://127.0.0.1:9",
+        "mode": "all",
+        "request_rates": "1,2",
+        "slo_ttft_ms": 1000,
+        **change,
+    }
+    body = {k: v for k, v in body.items() if v is not None}
+    answer = admin_client.post("/api/v1/benchmark-runs/", body, content_type="application/json")
+    assert answer.status_code == 400, answer.content
+    message = answer.json()["error"]["message"]
+    assert field in message and words in message, message
 
 
 @pytest.mark.django_db(transaction=True)

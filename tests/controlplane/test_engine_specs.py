@@ -259,7 +259,8 @@ def test_the_routing_payload_carries_the_cpu_engines_limit_and_the_router_caps_a
     full_gpu = DeviceLoad(True, 16, 0, 50.0, 0.0, None)
 
     def route(cpu_running: int, limit: int | None) -> tuple[Route, str]:
-        cpu = DeviceLoad(True, cpu_running, 0, 0.0, 0.0, None)
+        # A measured CPU well inside its latency SLO: only the batch caps bind.
+        cpu = DeviceLoad(True, cpu_running, 0, 0.0, 0.0, 20.0, itl_batch=float(cpu_running))
         decision = decide(knobs, Loads(full_gpu, cpu, cpu_max_num_seqs=limit))
         return decision.route, decision.reason
 
@@ -268,6 +269,31 @@ def test_the_routing_payload_carries_the_cpu_engines_limit_and_the_router_caps_a
     assert capped is Route.GPU_ONLY and "CPU running 4 >= the CPU engine's max_num_seqs 4" in reason
     assert route(4, None)[0] is Route.PD  # unknown engine limit: the policy's 8 alone
     assert route(8, None)[1].count("cpu_max_batch_size 8") == 1
+
+
+def test_the_routing_payload_carries_node_telemetry_in_steps(
+    router_client, make_deployment, node
+) -> None:
+    from controlplane.deployments.models import AcceleratorClaim
+    from controlplane.inventory.models import Accelerator, Heartbeat
+
+    deployment = make_deployment(node=node, state="running", gpu_endpoint="http://127.0.0.1:7001")
+    (entry,) = router_client.get("/api/v1/routing/deployments").json()["deployments"]
+    assert entry["telemetry"] == {"gpu_temperature_c": None, "host_memory_percent": None}
+    for index, temperature in enumerate((71.0, 87.3)):
+        card = Accelerator.objects.create(
+            node=node, kind="gpu", index=90 + index, uuid=f"T-{index}", temperature_c=temperature
+        )
+        AcceleratorClaim.objects.create(accelerator=card, deployment=deployment)
+    Heartbeat.objects.create(node=node, memory_used_bytes=10, memory_total_bytes=100)
+    Heartbeat.objects.create(node=node, memory_used_bytes=96, memory_total_bytes=100)
+    (entry,) = router_client.get("/api/v1/routing/deployments").json()["deployments"]
+    # The hottest card it holds and the latest heartbeat, each in steps of 5.
+    assert entry["telemetry"] == {"gpu_temperature_c": 85.0, "host_memory_percent": 95.0}
+    spec = DeploymentSpec.from_api(entry)
+    assert (spec.gpu_temperature_c, spec.host_memory_percent) == (85.0, 95.0)
+    with pytest.raises(ValueError, match="telemetry 'gpu_temperature_c' must be a number"):
+        DeploymentSpec.from_api({**entry, "telemetry": {"gpu_temperature_c": "hot"}})
 
 
 def test_the_migration_rounds_kv_space_up_and_moves_syshax_protocol_vllm_to_syshax_v0(

@@ -141,3 +141,54 @@ def test_a_dead_target_stops_the_run_before_the_first_row() -> None:
     done = benchmark("--target", f"http://127.0.0.1:{free_port()}", "--concurrency", "1")
     assert done.returncode == 2
     assert "a target must be up" in done.stderr
+
+
+def test_rate_sweep_finds_max_goodput_and_draws_it(fast_sim: str, tmp_path: Path) -> None:
+    out, chart = tmp_path / "sweep.json", tmp_path / "sweep.svg"
+    done = benchmark(
+        "--scenario", "custom", "--input-tokens", "16", "--output-tokens", "8",
+        "--request-rate", "2,4", "--iterations", "8", "--warmup", "0",
+        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--find-max-goodput",
+        "--target-gpu", fast_sim, "--json", str(out), "--chart", str(chart), "--samples",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "| gpu | 2 | 8 / 0 |" in done.stdout and "| gpu | 4 | 8 / 0 |" in done.stdout
+    assert "gpu: every rate met the 90% target: max goodput is at least 4" in done.stdout
+    document = json.loads(out.read_text())
+    assert document["config"]["request_rates"] == [2.0, 4.0]
+    sweep = document["sweeps"]["gpu"]
+    assert [p["rate"] for p in sweep["points"]] == [2.0, 4.0]
+    assert all(p["attainment"] == 100.0 for p in sweep["points"])
+    assert [row["rate"] for row in document["rows"]] == [2.0, 4.0]
+    assert all(len(row["requests"]) == 8 for row in document["rows"])
+    assert chart.read_text().startswith("<svg")
+
+
+def test_a_sweep_no_rate_meets_says_so(fast_sim: str) -> None:
+    done = benchmark(
+        "--scenario", "custom", "--input-tokens", "16", "--output-tokens", "8",
+        "--request-rate", "2,4", "--iterations", "4", "--warmup", "0",
+        "--slo-ttft-ms", "0.001", "--target-gpu", fast_sim,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "gpu: no rate met the 90% target (best attainment 0.0%)" in done.stdout
+
+
+def test_bad_sweeps_are_refused_naming_the_flag() -> None:
+    base = ["--target", "http://127.0.0.1:9", "--model", "m", "--slo-ttft-ms", "100"]
+    cases = {
+        ("--request-rate", "4,2"): "--request-rate: rates must be strictly ascending",
+        ("--request-rate", "0,2"): "--request-rate: every rate must be positive",
+        ("--request-rate", "-1"): "--request-rate: every rate must be positive",
+        ("--request-rate", "1,2", "--slo-attainment", "0"): "--slo-attainment must be in",
+        ("--request-rate", "1,2", "--slo-attainment", "101"): "--slo-attainment must be in",
+        ("--request-rate", "1,2", "--concurrency", "1-4"): "--concurrency: a rate sweep",
+        ("--request-rate", "1,2", "--slo-ttft-ms", "-3"): "SLO ttft_ms must be positive",
+    }
+    for extra, message in cases.items():
+        done = benchmark(*base, *extra)
+        assert done.returncode == 2, (extra, done.stdout)
+        assert message in done.stderr, (extra, done.stderr)
+        assert "Traceback" not in done.stderr
+    no_slo = benchmark("--target", "http://127.0.0.1:9", "--model", "m", "--request-rate", "1,2")
+    assert no_slo.returncode == 2 and "a goodput sweep needs an SLO" in no_slo.stderr

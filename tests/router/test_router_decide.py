@@ -7,12 +7,13 @@ from dataclasses import replace
 import pytest
 
 from router.decide import (
+    CPU_PROBE_BATCH,
     Loads,
     Route,
+    cpu_slo_batch,
     decide,
     decide_next_chunk,
     fit_itl_slope,
-    marginal_tps,
     projected_itl_ms,
     token_limit,
 )
@@ -97,10 +98,52 @@ def test_capacity_rejects_when_everything_is_saturated() -> None:
     assert d.route is Route.REJECTED and d.status == 429
 
 
-def test_capacity_goes_cpu_only_when_gpu_kv_is_full_and_queueing() -> None:
+def test_capacity_offloads_the_decode_when_gpu_kv_is_full_and_queueing() -> None:
+    # The prefill stays on the GPU (a CPU prefill would stall every CPU decode); the decode,
+    # the most tokens left of any sequence, goes to the CPU.
     gpu = replace(IDLE_GPU, running=5, waiting=4, kv_usage_perc=99.0)
     d = decide(knobs(), Loads(gpu, IDLE_CPU))
-    assert d.route is Route.CPU_ONLY
+    assert d.route is Route.PD and d.code == "gpu-kv-full"
+
+
+def test_capacity_offloads_when_the_gpu_has_a_waiting_queue() -> None:
+    gpu = replace(IDLE_GPU, running=5, waiting=1, kv_usage_perc=40.0)
+    d = decide(knobs(), Loads(gpu, IDLE_CPU))
+    assert d.route is Route.PD and d.code == "gpu-queue"
+    assert "1 requests waiting" in d.reason
+
+
+def test_capacity_keeps_an_unsaturated_gpu_even_when_the_cpu_is_idle() -> None:
+    # No marginal-throughput gamble: below every GPU limit the GPU serves (no harm).
+    gpu = replace(IDLE_GPU, running=30, itl_ms=30.0, kv_usage_perc=60.0)
+    d = decide(knobs(), Loads(gpu, IDLE_CPU, gpu_itl_slope_ms=0.5))
+    assert d.route is Route.GPU_ONLY and d.code == "gpu-room"
+
+
+def test_cpu_admission_comes_from_its_measured_latency_and_the_slo() -> None:
+    saturated = replace(IDLE_GPU, waiting=2)
+    k = knobs(cpu_decode_slo_ms=100.0, cpu_max_batch_size=64)
+    cpu = replace(IDLE_CPU, running=4, itl_ms=80.0, itl_batch=4.0)
+    loads = Loads(saturated, cpu, cpu_itl_slope_ms=5.0)
+    assert cpu_slo_batch(k, loads) == 8  # 4 + (100 - 80) / 5
+    assert decide(k, Loads(saturated, replace(cpu, running=7), cpu_itl_slope_ms=5.0)).route is (
+        Route.PD
+    )
+    full = decide(k, Loads(saturated, replace(cpu, running=8), cpu_itl_slope_ms=5.0))
+    assert full.route is Route.GPU_ONLY and full.code == "both-busy"
+    assert "SLO 100 ms" in full.reason
+    # The engine's own max_num_seqs caps it whatever the SLO allows.
+    capped = Loads(saturated, replace(cpu, running=6), cpu_itl_slope_ms=5.0, cpu_max_num_seqs=6)
+    assert "max_num_seqs" in decide(k, capped).reason
+
+
+def test_an_unmeasured_cpu_takes_only_its_probe_batch() -> None:
+    saturated = replace(IDLE_GPU, waiting=2)
+    k = knobs(cpu_max_batch_size=64)
+    below = replace(IDLE_CPU, running=CPU_PROBE_BATCH - 1)
+    assert decide(k, Loads(saturated, below)).route is Route.PD
+    at = decide(k, Loads(saturated, replace(IDLE_CPU, running=CPU_PROBE_BATCH)))
+    assert at.route is Route.GPU_ONLY and "probe batch" in at.reason
 
 
 def test_modes_pin_the_route() -> None:
@@ -125,10 +168,18 @@ def test_engine_down_fallbacks() -> None:
     assert both.route is Route.REJECTED and both.status == 503
 
 
-def test_next_chunk_moves_back_to_gpu_once_it_has_room() -> None:
-    busy = Loads(replace(IDLE_GPU, running=8), IDLE_CPU)
-    assert decide_next_chunk(knobs(max_num_seqs=8), busy).route is Route.PD
-    assert decide_next_chunk(knobs(max_num_seqs=64), busy).route is Route.GPU_ONLY
+def test_next_chunk_moves_back_only_to_an_idle_gpu() -> None:
+    cpu = replace(IDLE_CPU, running=3, itl_ms=60.0, itl_batch=3.0)
+    back = decide_next_chunk(knobs(), Loads(IDLE_GPU, cpu))
+    assert back.route is Route.GPU_ONLY and back.code == "back"
+    # One sequence on the GPU is enough to stay: the recompute would delay it.
+    busy = Loads(replace(IDLE_GPU, running=1), cpu)
+    stay = decide_next_chunk(knobs(max_num_seqs=64), busy)
+    assert stay.route is Route.PD and stay.code == "stay"
+    queued = Loads(replace(IDLE_GPU, waiting=1), cpu)
+    assert decide_next_chunk(knobs(), queued).route is Route.PD
+    hot = Loads(IDLE_GPU, cpu, gpu_temperature_c=95.0)
+    assert decide_next_chunk(knobs(gpu_max_temperature_c=90.0), hot).route is Route.PD
 
 
 def test_next_chunk_under_threshold_stays_on_cpu_like_syshax() -> None:
@@ -149,9 +200,22 @@ def test_itl_slope_fit() -> None:
     assert fit_itl_slope([(1, 10.0), (3, 8.0)]) == 0.0
 
 
-def test_marginal_throughput_shrinks_near_the_knee() -> None:
+def test_projected_itl_counts_sequences_sent_since_the_scrape() -> None:
     light = DeviceLoad(True, 1, 0, 0.0, 0.0, 10.0)
-    heavy = DeviceLoad(True, 40, 0, 0.0, 0.0, 50.0)
-    assert marginal_tps(light, 0.5, 1.0) > marginal_tps(heavy, 5.0, 1.0)
     assert projected_itl_ms(light, None) == pytest.approx(10.5)
     assert projected_itl_ms(replace(light, itl_ms=None), 1.0) is None
+    # Measured at batch 2; the router has sent 3 more since: (3 + 1) x 1 ms on top.
+    burst = DeviceLoad(True, 5, 0, 0.0, 0.0, 10.0, itl_batch=2.0)
+    assert projected_itl_ms(burst, 1.0) == pytest.approx(14.0)
+
+
+def test_a_hot_gpu_counts_as_saturated_and_a_full_host_stops_offload() -> None:
+    k = knobs(gpu_max_temperature_c=85.0, cpu_max_memory_percent=95.0)
+    hot = decide(k, Loads(IDLE_GPU, IDLE_CPU, gpu_temperature_c=85.0))
+    assert hot.route is Route.PD and hot.code == "gpu-hot"
+    assert decide(k, Loads(IDLE_GPU, IDLE_CPU, gpu_temperature_c=80.0)).code == "gpu-room"
+    full_host = decide(
+        k, Loads(IDLE_GPU, IDLE_CPU, gpu_temperature_c=90.0, host_memory_percent=95.0)
+    )
+    assert full_host.route is Route.GPU_ONLY and full_host.code == "both-busy"
+    assert "host memory 95% >= 95%" in full_host.reason

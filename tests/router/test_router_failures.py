@@ -35,6 +35,7 @@ def test_cpu_killed_mid_stream_resumes_on_gpu(
     assert metric(router, "syshax_router_fallbacks_total", kind="cpu-decode-to-gpu") == 1
     assert metric(router, "syshax_router_decode_chunks_total", device="gpu") == 1
     assert metric(router, "syshax_router_requests_total", decision="pd", outcome="ok") == 1
+    assert metric(router, "syshax_router_decisions_total", stage="new", route="pd", reason="mode")
 
 
 def test_stalled_cpu_hits_the_idle_timeout_and_gpu_finishes(

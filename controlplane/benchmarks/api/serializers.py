@@ -6,6 +6,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.benchmarks.models import MAX_CONCURRENCY, BenchmarkRun, BenchmarkSample, Scenario
+from syshax.loadgen.goodput import DEFAULT_BISECTIONS, parse_rates
 
 MAX_REQUESTS_PER_RUN = 1_000_000  # every request is stored as a sample row
 
@@ -97,13 +98,41 @@ class ConcurrencyField(serializers.Field):  # type: ignore[type-arg]
         return value
 
 
+@extend_schema_field({"type": "array", "items": {"type": "number"}})
+class RatesField(serializers.Field):  # type: ignore[type-arg]
+    """Request rates of a goodput sweep: a list of numbers or ``"1,2,4"``, strictly ascending."""
+
+    def to_internal_value(self, data: Any) -> list[float]:
+        if isinstance(data, list):
+            if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in data):
+                raise serializers.ValidationError("give a list of numbers or '1,2,4'")
+            text = ",".join(repr(float(x)) for x in data)
+        elif isinstance(data, str):
+            text = data
+        else:
+            raise serializers.ValidationError("give a list of numbers or '1,2,4'")
+        if not text.strip():
+            return []
+        try:
+            rates = parse_rates(text, "request_rates")
+        except ValueError as exc:
+            raise serializers.ValidationError(str(exc)) from None
+        if any(rate == float("inf") for rate in rates):
+            raise serializers.ValidationError("request_rates: a sweep needs finite rates")
+        return list(rates)
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
 class BenchmarkRunSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
     scenario = serializers.SlugRelatedField(
         slug_field="name",
         queryset=Scenario.objects.all(),
         error_messages={"does_not_exist": "unknown scenario {value!r}"},
     )
-    concurrency = ConcurrencyField()
+    concurrency = ConcurrencyField(required=False)
+    request_rates = RatesField(required=False)
 
     class Meta:
         model = BenchmarkRun
@@ -115,6 +144,11 @@ class BenchmarkRunSerializer(serializers.ModelSerializer):  # type: ignore[type-
             "target_url",
             "mode",
             "concurrency",
+            "request_rates",
+            "slo_ttft_ms",
+            "slo_tpot_ms",
+            "slo_attainment",
+            "find_max_goodput",
             "iterations",
             "warmup",
             "seed",
@@ -151,14 +185,24 @@ class BenchmarkRunSerializer(serializers.ModelSerializer):  # type: ignore[type-
                 {"target_url": "give a deployment or a target URL to benchmark"}
             )
         levels = attrs.get("concurrency") or []
+        rates = attrs.get("request_rates") or []
         iterations = attrs.get("iterations", 0) + attrs.get("warmup", 0)
         modes = 3 if attrs.get("mode") == "all" else 1
-        total = iterations * len(levels) * modes
+        if rates:
+            if attrs.get("slo_ttft_ms") is None and attrs.get("slo_tpot_ms") is None:
+                raise serializers.ValidationError(
+                    {"slo_ttft_ms": "a goodput sweep needs slo_ttft_ms or slo_tpot_ms"}
+                )
+            points = len(rates) + (DEFAULT_BISECTIONS if attrs.get("find_max_goodput") else 0)
+            total = iterations * points * modes
+            shape = f"(iterations + warmup) x {points} rates x {modes} modes"
+        else:
+            total = iterations * len(levels) * modes
+            shape = f"(iterations + warmup) x {len(levels)} levels x {modes} modes"
         if total > MAX_REQUESTS_PER_RUN:
             raise serializers.ValidationError(
                 {
-                    "iterations": f"the run would send {total:,} requests "
-                    f"((iterations + warmup) x {len(levels)} levels x {modes} modes); "
+                    "iterations": f"the run would send {total:,} requests ({shape}); "
                     f"the limit is {MAX_REQUESTS_PER_RUN:,}"
                 }
             )
@@ -171,6 +215,7 @@ class BenchmarkSampleSerializer(serializers.ModelSerializer):  # type: ignore[ty
         fields = [
             "mode",
             "concurrency",
+            "request_rate",
             "index",
             "ok",
             "error",

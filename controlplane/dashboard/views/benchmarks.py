@@ -16,6 +16,7 @@ from controlplane.dashboard import benchdata, charts
 from controlplane.dashboard import services as reads
 from controlplane.dashboard.forms import BenchmarkRunForm
 from controlplane.dashboard.views.common import require_perm
+from syshax.loadgen.goodput import GoodputSearch
 
 COMPARE_LIMIT = 4
 
@@ -74,8 +75,45 @@ def benchmark_create(request: HttpRequest) -> HttpResponse:
     return render(request, "dashboard/benchmark_form.html", {"form": form}, status=status)
 
 
+def sweep_context(run: BenchmarkRun) -> dict[str, Any]:
+    """A goodput sweep's charts (attainment and goodput against rate, per mode) and each
+    mode's max goodput; empty for a run by concurrency levels."""
+    stored = run.summary.get("sweeps") if isinstance(run.summary, dict) else None
+    searches: dict[str, GoodputSearch] = {}
+    for mode, data in (stored or {}).items() if isinstance(stored, dict) else ():
+        try:
+            searches[mode] = GoodputSearch.from_dict(dict(data))
+        except (KeyError, TypeError, ValueError):
+            continue
+    if not searches:
+        return {"sweeps": []}
+    return {
+        "sweeps": [
+            (mode, search.max_goodput_rate, search.verdict()) for mode, search in searches.items()
+        ],
+        "attainment_chart": charts.line_chart(
+            {m: [(p.rate, p.attainment) for p in s.points] for m, s in searches.items()},
+            title=f"SLO attainment against request rate per mode, run {run.pk}",
+            x_label="request rate (req/s)",
+            y_label="SLO attainment (%)",
+        ),
+        "goodput_chart": charts.line_chart(
+            {m: [(p.rate, p.goodput) for p in s.points] for m, s in searches.items()},
+            title=f"Goodput against request rate per mode, run {run.pk}",
+            x_label="request rate (req/s)",
+            y_label="goodput (req/s)",
+        ),
+    }
+
+
 def chart_context(run: BenchmarkRun) -> dict[str, Any]:
     """The charts of one run; empty charts are left out and the template says why."""
+    sweep = sweep_context(run)
+    if sweep["sweeps"]:
+        # Every row of a sweep has the same concurrency cap: the sweep charts replace the
+        # charts against concurrency.
+        figures, source = reads.run_figures(run)
+        return {"run": run, "figures": figures, "source": source, "level": None, **sweep}
     figures, source = reads.run_figures(run)
     level = max((f.concurrency for f in figures), default=None)
     latencies = reads.latency_by_mode(run)
@@ -114,6 +152,7 @@ def chart_context(run: BenchmarkRun) -> dict[str, Any]:
             )
             for mode, values in sorted(latencies.items())
         ],
+        "sweeps": [],
     }
 
 

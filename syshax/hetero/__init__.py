@@ -1,0 +1,1 @@
+"""A heterogeneous deployment in virtual time: two simulated engines and the router's decider."""

@@ -1,0 +1,87 @@
+"""The default (capacity) decider on the real engines: it keeps an unsaturated GPU alone,
+offloads the decode once the GPU is saturated, and the offloaded answer is the GPU's own,
+token for token. Runs on both engine kinds (vLLM 0.32 and the simulator)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import httpx
+
+from tests.realengine.conftest import FORCED_PD, Pair
+from tests.realengine.test_pd import _body, ask
+from tests.router.router_procs import Proc, metric, wait_for
+
+# The GPU counts as saturated at one running sequence: the router's own in-flight count
+# says so at once, with no scrape timing in the test.
+CAPACITY = {
+    "mode": "auto",
+    "algorithm": "capacity",
+    "max_num_seqs": 1,
+    "cpu_max_batch_size": 4,
+    "token_limit_min": 16,
+    "token_limit_max": 16,
+}
+
+
+def _apply(router: Proc, policy: dict[str, Any]) -> None:
+    router.policy.write_text(json.dumps(policy))  # type: ignore[attr-defined]
+    wait_for(lambda: router.get("/health").json()["mode"] == policy["mode"], timeout=10)
+
+
+def _gpu_scraped_running(router: Proc) -> int | None:
+    backends = router.get("/health").json()["backends"]
+    return next(b["scrape"]["running"] for b in backends if b["role"] == "gpu")
+
+
+def test_capacity_offloads_only_when_the_gpu_is_saturated(engines: Pair, router: Proc) -> None:
+    _apply(router, CAPACITY)
+    try:
+        before = metric(
+            router, "syshax_router_decisions_total", stage="new", route="pd", reason="gpu-max-seqs"
+        )
+        idle = ask(router.url, _body(chat=False, stream=False, max_tokens=24))
+        assert idle["route"] == "gpu-only"
+        # A long stream holds the GPU's one slot while the next request arrives (1800
+        # tokens take the tiny model seconds; the next request goes at its first token).
+        started = threading.Event()
+        first: dict[str, Any] = {"tokens": 0}
+
+        def long_stream() -> None:
+            body = _body(chat=False, stream=True, max_tokens=1800)
+            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=300) as r:
+                first["route"] = r.headers.get("x-syshax-route")
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        started.set()
+                        for choice in json.loads(line[6:]).get("choices") or []:
+                            first["tokens"] += len(choice.get("token_ids") or [])
+
+        holder = threading.Thread(target=long_stream)
+        holder.start()
+        try:
+            assert started.wait(120)
+            offloaded = ask(router.url, _body(chat=False, stream=True, max_tokens=48))
+            still_streaming = holder.is_alive()
+        finally:
+            holder.join(300)
+        assert still_streaming  # the GPU's slot was taken when the second request came
+        assert first == {"route": "gpu-only", "tokens": 1800}
+        assert offloaded["route"] == "pd"
+        gpu_only = ask(router.url, _body(chat=False, stream=True, max_tokens=48), mode="gpu-only")
+        assert offloaded["ids"] == gpu_only["ids"]
+        assert offloaded["usage"]["completion_tokens"] == 48
+        after = metric(
+            router, "syshax_router_decisions_total", stage="new", route="pd", reason="gpu-max-seqs"
+        )
+        assert after == before + 1
+        kept = {"stage": "new", "route": "gpu-only", "reason": "gpu-room"}
+        assert metric(router, "syshax_router_decisions_total", **kept) >= 2
+        # With the GPU free again (scraped so: the router reads the engine's own gauge), a
+        # new request stays on it.
+        wait_for(lambda: _gpu_scraped_running(router) == 0, timeout=10)
+        assert ask(router.url, _body(chat=False, stream=False, max_tokens=8))["route"] == "gpu-only"
+    finally:
+        _apply(router, FORCED_PD)
