@@ -10,7 +10,7 @@ engines (policy mode ``cpu-only``, ``gpu-only``, and ``--hetero-policy`` for het
 
 ``--direct`` skips the routers and benchmarks the CPU and GPU engines themselves (no hetero).
 The simulators run ``--speed`` times faster than real time and the benchmark reports in
-simulated time (``--sim-speed``); the routers' time-based knobs are scaled to match. Extra
+simulated time (``--sim-speed``); the routers' own clocks are scaled to match. Extra
 arguments after ``--`` go to ``syshax benchmark``.
 """
 
@@ -21,28 +21,25 @@ import contextlib
 import subprocess
 import sys
 
-from syshax.loadgen.simproc import DEFAULT_MODEL, running_router, running_sim
+from syshax.loadgen.simproc import (
+    DEFAULT_MODEL,
+    SPEED_SCALED_KNOBS,
+    knob_flags_for_speed,
+    running_router,
+    running_sim,
+)
 from syshax.policy_schema import PolicyKnobs
 
 SYSHAX = ("--syshax-compat",)  # the router's PD speaks sysHAX's protocol
 
 
 def scaled_knobs(speed: float) -> list[str]:
-    """Router flags for engines running ``speed`` times faster than real time.
-
-    The router's thresholds are in wall time; a simulator at speed X shows it latencies X
-    times shorter and throughputs X times higher, so the thresholds scale the same way.
-    """
+    """The default policy's router flags for engines at ``speed`` (``knob_flags_for_speed``:
+    the latency knobs compare with the engines' simulated-time metrics and stay as they are;
+    the router's own clocks and throughput scale)."""
     if speed == 1.0:
         return []
-    knobs = PolicyKnobs()
-    return [
-        "--cpu-decode-slo-ms", f"{knobs.cpu_decode_slo_ms / speed:g}",
-        "--gpu-decode-slo-ms", f"{knobs.gpu_decode_slo_ms / speed:g}",
-        "--cpu-throughput-threshold", f"{knobs.cpu_throughput_threshold * speed:g}",
-        "--metrics-interval-seconds", f"{max(knobs.metrics_interval_seconds / speed, 0.1):g}",
-        "--request-timeout-seconds", f"{knobs.request_timeout_seconds / speed:g}",
-    ]  # fmt: skip
+    return knob_flags_for_speed(PolicyKnobs(), speed, only=SPEED_SCALED_KNOBS)
 
 
 def main() -> int:

@@ -11,9 +11,56 @@ from typing import Any
 
 import aiohttp
 
+from syshax.policy_schema import PolicyKnobs
 from syshax.supervisor import ChildStartError, ReadyChild, python_argv
 
 DEFAULT_MODEL = "deepseek-r1-distill-qwen-32b"
+
+
+# The knobs that change with the speed (below); the rest mean the same at any speed.
+SPEED_SCALED_KNOBS = (
+    "metrics_interval_seconds",
+    "request_timeout_seconds",
+    "cpu_throughput_threshold",
+)
+
+
+def knob_flags_for_speed(
+    knobs: PolicyKnobs, speed: float, *, only: Collection[str] | None = None
+) -> list[str]:
+    """Router flags setting ``knobs`` for engines that run ``speed`` times faster than real
+    time.
+
+    Three kinds of knob meet a simulator differently:
+
+    - latencies the router reads from the engine's own metrics (``cpu_decode_slo_ms`` and
+      ``gpu_decode_slo_ms`` against the ITL histogram) are in simulated seconds already, as
+      every duration the simulator reports is: they are not scaled;
+    - the router's own clocks (``metrics_interval_seconds``, ``request_timeout_seconds``)
+      run in wall time: divided by the speed;
+    - throughput the router measures itself, as tokens between two scrapes over wall time
+      (``cpu_throughput_threshold``): multiplied by the speed.
+
+    ``only`` restricts the flags to those knobs.
+    """
+    flags: list[str] = []
+    for name, value in knobs.as_dict().items():
+        if only is not None and name not in only:
+            continue
+        if speed != 1.0 and name == "metrics_interval_seconds":
+            value = max(value / speed, 0.1)
+        elif speed != 1.0 and name == "request_timeout_seconds":
+            value = value / speed
+        elif speed != 1.0 and name == "cpu_throughput_threshold":
+            value = value * speed
+        if isinstance(value, bool):
+            text = str(value).lower()
+        elif isinstance(value, str):
+            text = value
+        else:
+            text = f"{value:g}"
+        flags += ["--" + name.replace("_", "-"), text]
+    return flags
 
 
 # The simulator (or router) exited or did not report its port in time.

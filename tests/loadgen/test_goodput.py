@@ -127,3 +127,23 @@ def test_ratio_and_chart_of_two_modes() -> None:
     assert "hetero: max goodput 2 req/s" in text and "test <run>" in text
     lines = [e for e in root.iter() if e.tag.endswith("polyline")]
     assert len(lines) == 4  # attainment and throughput, per mode
+
+
+def test_router_knobs_for_fast_simulators_scale_only_the_routers_own_clocks() -> None:
+    from syshax.loadgen.simproc import SPEED_SCALED_KNOBS, knob_flags_for_speed
+    from syshax.policy_schema import PolicyKnobs
+
+    flags = knob_flags_for_speed(PolicyKnobs(cpu_decode_slo_ms=90.0), 4.0)
+    pairs = dict(zip(flags[::2], flags[1::2], strict=True))
+    # The simulator reports ITL in simulated seconds: the latency knobs are left alone.
+    assert pairs["--cpu-decode-slo-ms"] == "90" and pairs["--gpu-decode-slo-ms"] == "50"
+    assert pairs["--metrics-interval-seconds"] == "0.25"
+    assert pairs["--request-timeout-seconds"] == "150"
+    assert pairs["--cpu-throughput-threshold"] == "40"  # tokens per wall second
+    assert pairs["--mode"] == "auto" and pairs["--enable-auto-pd-offload"] == "true"
+    only = knob_flags_for_speed(PolicyKnobs(), 4.0, only=SPEED_SCALED_KNOBS)
+    assert only[::2] == [
+        "--cpu-throughput-threshold",
+        "--request-timeout-seconds",
+        "--metrics-interval-seconds",
+    ]
