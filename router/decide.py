@@ -263,14 +263,23 @@ def capacity(knobs: PolicyKnobs, loads: Loads, chunk: int) -> Decision:
     goes to the CPU while the CPU's resulting batch meets its latency SLO.
 
     A new request has the most tokens left of any sequence, so offloading it frees the most
-    GPU KV for the queue. With neither device free, the request waits in the GPU's queue up
-    to ``max_queue_size``.
+    GPU KV for the queue. A GPU whose KV is full with requests already waiting for blocks
+    cannot even prefill soon, so the request is served whole on the CPU. With neither device
+    free, the request waits in the GPU's queue up to ``max_queue_size``.
     """
     code, gpu_why = gpu_saturation(knobs, loads)
     if not code:
         return Decision(Route.GPU_ONLY, reason=gpu_why, code="gpu-room")
     cpu_ok, cpu_why = cpu_room(knobs, loads)
     if cpu_ok:
+        if code == "gpu-kv-full" and loads.gpu.waiting > 0:
+            # The GPU cannot even admit a prefill: its KV is full and requests already wait
+            # for blocks. The request is served whole on the CPU rather than queue for a TTFT.
+            return Decision(
+                Route.CPU_ONLY,
+                reason=f"{gpu_why} and {loads.gpu.waiting} waiting; served on the CPU",
+                code="gpu-kv-blocked",
+            )
         return Decision(Route.PD, token_limit=chunk, reason=f"{gpu_why}; offload decode", code=code)
     if loads.gpu.waiting < knobs.max_queue_size:
         return Decision(

@@ -13,7 +13,7 @@ from django import forms
 from django.core.exceptions import ValidationError
 from rest_framework import serializers
 
-from controlplane.benchmarks.api.serializers import ConcurrencyField
+from controlplane.benchmarks.api.serializers import ConcurrencyField, RatesField
 from controlplane.benchmarks.choices import BenchmarkMode
 from controlplane.benchmarks.models import Scenario
 from controlplane.deployments.models import Deployment, DeploymentProfile
@@ -128,6 +128,29 @@ class BenchmarkRunForm(forms.Form):
     concurrency = forms.CharField(initial="1,2,4,8", help_text="levels: 8, 1,2,4,8 or a range 1-8")
     iterations = forms.IntegerField(initial=100)
     warmup = forms.IntegerField(initial=0)
+    request_rates = forms.CharField(
+        required=False,
+        help_text="goodput sweep: ascending requests/s, e.g. 1,2,4,8 (then concurrency is "
+        "not used); needs an SLO",
+    )
+    slo_ttft_ms = forms.FloatField(required=False, min_value=0.001, label="SLO TTFT (ms)")
+    slo_tpot_ms = forms.FloatField(required=False, min_value=0.001, label="SLO TPOT (ms)")
+    find_max_goodput = forms.BooleanField(
+        required=False, help_text="bisect towards the highest rate meeting 90 % attainment"
+    )
+
+    def clean_request_rates(self) -> list[float]:
+        raw = self.cleaned_data.get("request_rates") or ""
+        try:
+            return list(RatesField().to_internal_value(raw.strip()))
+        except serializers.ValidationError as exc:
+            raise ValidationError([str(d) for d in exc.detail]) from None
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        if data.get("request_rates") and not (data.get("slo_ttft_ms") or data.get("slo_tpot_ms")):
+            self.add_error("slo_ttft_ms", "a goodput sweep needs an SLO TTFT or TPOT")
+        return data
 
     def clean_concurrency(self) -> list[int]:
         raw = self.cleaned_data["concurrency"].strip()
@@ -141,6 +164,7 @@ class BenchmarkRunForm(forms.Form):
     def run_fields(self) -> dict[str, Any]:
         data = dict(self.cleaned_data)
         data["target_url"] = data.get("target_url") or ""
+        data["request_rates"] = data.get("request_rates") or []
         return data
 
     def add_model_errors(self, exc: ValidationError) -> None:

@@ -349,6 +349,34 @@ def test_start_a_benchmark_run_through_the_service(operator_client, scenario) ->
     assert run.concurrency == [1, 2, 3, 4] and run.created_by.username == "operator"
 
 
+def test_start_a_goodput_sweep_from_the_form(operator_client, scenario) -> None:
+    form = {
+        "scenario": "short",
+        "target_url": "http://127.0.0.1:9/",
+        "mode": "all",
+        "concurrency": "1",
+        "iterations": "3",
+        "warmup": "0",
+        "request_rates": "1, 2,4",
+    }
+    no_slo = operator_client.post(reverse("dashboard:benchmark-create"), form)
+    assert no_slo.status_code == 400
+    assert b"a goodput sweep needs an SLO TTFT or TPOT" in no_slo.content
+    unsorted = operator_client.post(
+        reverse("dashboard:benchmark-create"), {**form, "request_rates": "4,2", "slo_tpot_ms": "50"}
+    )
+    assert unsorted.status_code == 400 and b"strictly ascending" in unsorted.content
+    assert not BenchmarkRun.objects.exists()
+    done = operator_client.post(
+        reverse("dashboard:benchmark-create"),
+        {**form, "slo_tpot_ms": "50", "find_max_goodput": "on"},
+    )
+    assert done.status_code == 302
+    run = BenchmarkRun.objects.get()
+    assert run.request_rates == [1.0, 2.0, 4.0] and run.slo_tpot_ms == 50.0
+    assert run.find_max_goodput and run.slo_ttft_ms is None
+
+
 def test_benchmark_form_errors_inline(operator_client, scenario) -> None:
     response = operator_client.post(
         reverse("dashboard:benchmark-create"),

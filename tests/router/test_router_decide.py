@@ -98,12 +98,15 @@ def test_capacity_rejects_when_everything_is_saturated() -> None:
     assert d.route is Route.REJECTED and d.status == 429
 
 
-def test_capacity_offloads_the_decode_when_gpu_kv_is_full_and_queueing() -> None:
-    # The prefill stays on the GPU (a CPU prefill would stall every CPU decode); the decode,
-    # the most tokens left of any sequence, goes to the CPU.
+def test_capacity_serves_on_the_cpu_when_the_gpu_cannot_admit_a_prefill() -> None:
+    # KV full and requests already waiting for blocks: a prefill would queue for its TTFT.
     gpu = replace(IDLE_GPU, running=5, waiting=4, kv_usage_perc=99.0)
     d = decide(knobs(), Loads(gpu, IDLE_CPU))
-    assert d.route is Route.PD and d.code == "gpu-kv-full"
+    assert d.route is Route.CPU_ONLY and d.code == "gpu-kv-blocked"
+    assert "4 waiting" in d.reason
+    # KV full but nothing waiting yet: the GPU still prefills, the decode goes to the CPU.
+    full = decide(knobs(), Loads(replace(gpu, waiting=0), IDLE_CPU))
+    assert full.route is Route.PD and full.code == "gpu-kv-full"
 
 
 def test_capacity_offloads_when_the_gpu_has_a_waiting_queue() -> None:
