@@ -62,13 +62,14 @@ class AcceleratorPreset:
     memory_bytes: int
 
 
-# Presets for --simulate-accelerator. The first three are the simulator's device presets
+# Presets for --simulate-accelerator. The first four are the simulator's device presets
 # (syshax/sim/presets.py), so `syshax sim --device <preset>` models the same card; t4-16gb and
 # l40s-48gb exist for inventory and placement demos only (t4 is under the 20 GB per-card floor).
 SIMULATED_PRESETS: dict[str, AcceleratorPreset] = {
     "a100-80gb": AcceleratorPreset("NVIDIA", "A100-SXM4-80GB", "gpu", 80 * GIB),
     "h100-80gb": AcceleratorPreset("NVIDIA", "H100-SXM5-80GB", "gpu", 80 * GIB),
     "ascend-910b": AcceleratorPreset("Huawei", "Ascend 910B", "npu", 64 * GIB),
+    "a10-24gb": AcceleratorPreset("NVIDIA", "A10", "gpu", 24 * GIB),
     "l40s-48gb": AcceleratorPreset("NVIDIA", "L40S", "gpu", 48 * GIB),
     "t4-16gb": AcceleratorPreset("NVIDIA", "Tesla T4", "gpu", 16 * GIB),
 }
