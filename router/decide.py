@@ -117,6 +117,7 @@ def cpu_slo_batch(knobs: PolicyKnobs, loads: Loads) -> int | None:
         slope = cpu.itl_ms * DEFAULT_ITL_SLOPE_FRACTION
     batch = cpu.itl_batch if cpu.itl_batch is not None else float(cpu.running)
     if slope <= 0:
+        # A flat slope: the SLO sets no batch limit while the ITL meets it (the caps bind).
         return 1_000_000 if cpu.itl_ms <= knobs.cpu_decode_slo_ms else int(batch)
     return max(0, int(batch + (knobs.cpu_decode_slo_ms - cpu.itl_ms) / slope))
 
@@ -145,11 +146,6 @@ def gpu_saturation(knobs: PolicyKnobs, loads: Loads) -> tuple[str, str]:
     if itl is not None and itl > knee:
         return "gpu-knee", f"GPU ITL would be {itl:.1f} ms > knee {knee:g} ms"
     return "", "GPU below its limits"
-
-
-def gpu_room(knobs: PolicyKnobs, loads: Loads) -> tuple[bool, str]:
-    code, why = gpu_saturation(knobs, loads)
-    return not code, why
 
 
 def cpu_room(knobs: PolicyKnobs, loads: Loads) -> tuple[bool, str]:

@@ -70,21 +70,16 @@ def main() -> int:
         shm.mkdir()
         out = Path(tmp) / "live.json"
         with contextlib.ExitStack() as stack:
-            gpu = stack.enter_context(
-                running_sim(
-                    pair.gpu.device.name,
-                    pair.gpu.model.name,
-                    speed=args.speed,
-                    extra_args=engine_args(pair, "gpu", shm),
+            gpu, cpu = (
+                stack.enter_context(
+                    running_sim(
+                        config.device.name,
+                        config.model.name,
+                        speed=args.speed,
+                        extra_args=engine_args(pair, role, shm),
+                    )
                 )
-            )
-            cpu = stack.enter_context(
-                running_sim(
-                    pair.cpu.device.name,
-                    pair.cpu.model.name,
-                    speed=args.speed,
-                    extra_args=engine_args(pair, "cpu", shm),
-                )
+                for role, config in (("gpu", pair.gpu), ("cpu", pair.cpu))
             )
             routers = {
                 mode: stack.enter_context(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -71,14 +72,14 @@ class Trace:
         return max((s[name] for s in self.samples), default=0.0)
 
     def preempted_while_full(self) -> bool:
-        for before, after in zip(self.samples, self.samples[1:], strict=False):
+        for before, after in itertools.pairwise(self.samples):
             grew = after["vllm:num_preemptions_total"] > before["vllm:num_preemptions_total"]
             if grew and max(before["vllm:kv_cache_usage_perc"], after[FAMILIES[2]]) >= 0.9:
                 return True
         return False
 
     def running_fell_while_waiting(self) -> bool:
-        for before, after in zip(self.samples, self.samples[1:], strict=False):
+        for before, after in itertools.pairwise(self.samples):
             if (
                 after["vllm:num_requests_running"] < before["vllm:num_requests_running"]
                 and after["vllm:num_requests_waiting"] > 0

@@ -20,9 +20,7 @@ from syshax.loadgen.stats import summarize
 from syshax.loadgen.sweeping import SweepPlan, sweep_target
 from syshax.loadgen.targets import Target, plan_targets
 from syshax.loadgen.wire import ConnectionPool
-from syshax.loadgen.workload import build_requests
-
-WARMUP_INDEX = 1_000_000
+from syshax.loadgen.workload import WARMUP_INDEX, build_requests
 
 
 class Cancelled(Exception):
@@ -86,15 +84,19 @@ async def measure(
             async with make_session() as session:
                 auth = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
                 model = await discover_model(session, plan.url, auth)
+
+                def client_for(target: Target) -> StreamClient:
+                    return StreamClient(
+                        pool,
+                        target.url,
+                        model,
+                        headers={**target.headers, **auth},
+                        timeout_s=plan.timeout_s,
+                    )
+
                 if plan.sweep is not None:
                     for target in plan.targets():
-                        client = StreamClient(
-                            pool,
-                            target.url,
-                            model,
-                            headers={**target.headers, **auth},
-                            timeout_s=plan.timeout_s,
-                        )
+                        client = client_for(target)
                         search, target_rows = await sweep_target(
                             client,
                             target,
@@ -119,13 +121,7 @@ async def measure(
                         first_index=WARMUP_INDEX,
                     )
                     for target in plan.targets():
-                        client = StreamClient(
-                            pool,
-                            target.url,
-                            model,
-                            headers={**target.headers, **auth},
-                            timeout_s=plan.timeout_s,
-                        )
+                        client = client_for(target)
                         began = time.time()
                         result = await run_load(
                             client,

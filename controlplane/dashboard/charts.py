@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from django.utils.html import escape, format_html
 from django.utils.safestring import SafeString, mark_safe
 
+from syshax.loadgen.chart import nice_ceiling  # one axis rule for the CLI's charts and these
+
 WIDTH, HEIGHT = 560, 260
 LEFT, RIGHT, TOP, BOTTOM = 56, 24, 30, 44
 # Colours by series position; modes keep stable colours through SERIES_ORDER.
@@ -38,18 +40,6 @@ class Frame:
 def _svg(template: str, *args: object) -> SafeString:
     """format_html with coordinates rounded to 0.1 px (format_html escapes, so it cannot)."""
     return format_html(template, *(f"{a:.1f}" if isinstance(a, float) else a for a in args))
-
-
-def nice_ceiling(value: float) -> float:
-    """The smallest 1, 2, 2.5 or 5 x 10^n at or above ``value`` (a readable axis maximum)."""
-    if value <= 0 or not math.isfinite(value):
-        return 1.0
-    exponent = math.floor(math.log10(value))
-    for step in (1.0, 2.0, 2.5, 5.0, 10.0):
-        candidate = step * 10**exponent
-        if candidate >= value * (1 - 1e-9):
-            return candidate
-    return 10.0 ** (exponent + 1)
 
 
 def ticks(maximum: float, count: int = 5) -> list[float]:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from syshax.hetero.virtual import RunStats, VirtualDeployment
+from syshax.hetero.virtual import Request, RunStats, VirtualDeployment
 from syshax.loadgen.goodput import GoodputSearch, RatePoint
 from syshax.loadgen.scenarios import Scenario
+from syshax.loadgen.stats import SLO
 from syshax.policy_schema import PolicyKnobs
 from syshax.sim.engine import EngineConfig, plan_capacity
 from syshax.sim.perfmodel import (
@@ -219,16 +220,9 @@ def measure(
     return point, stats
 
 
-def met(request: object, pair: Pair) -> bool:
-    from syshax.hetero.virtual import Request
-
-    assert isinstance(request, Request)
-    if not request.ok or request.ttft is None:
-        return False
-    if request.ttft * 1000 > pair.slo_ttft_ms:
-        return False
-    tpot = request.tpot
-    return tpot is None or tpot * 1000 <= pair.slo_tpot_ms
+def met(request: Request, pair: Pair) -> bool:
+    """Whether a request succeeded within the pair's TTFT and TPOT SLOs."""
+    return SLO(pair.slo_ttft_ms, pair.slo_tpot_ms).met_by(request)
 
 
 def sweep(

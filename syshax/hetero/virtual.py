@@ -32,7 +32,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from router.decide import Decision, Loads, Route, decide, decide_next_chunk, fit_itl_slope
-from router.engine_metrics import DeviceLoad, EngineSample, derive_load, device_load
+from router.engine_metrics import UNAVAILABLE, DeviceLoad, EngineSample, derive_load, device_load
 from syshax.loadgen.workload import arrival_offsets
 from syshax.policy_schema import PolicyKnobs
 from syshax.sim.engine import EngineConfig, build_scheduler, plan_capacity
@@ -55,7 +55,6 @@ class Request:
     error: str | None = None
     route: str = ""
     cpu_tokens: int = 0  # tokens the CPU engine decoded
-    moves_back: int = 0  # times a CPU-decoded sequence went back to the GPU
 
     @property
     def ok(self) -> bool:
@@ -67,8 +66,11 @@ class Request:
 
     @property
     def tpot(self) -> float | None:
-        if self.first_token_at is None or self.last_token_at is None or self.tokens < 2:
+        """As ``RequestRecord.tpot``: 0 for a one-token answer, as vLLM does."""
+        if self.first_token_at is None or self.last_token_at is None:
             return None
+        if self.tokens < 2:
+            return 0.0
         return (self.last_token_at - self.first_token_at) / (self.tokens - 1)
 
     @property
@@ -78,10 +80,11 @@ class Request:
 
 @dataclass
 class Leg:
-    """One request's stay on one engine."""
+    """One request's stay on one engine; a sequence carries its leg as its ``sink``."""
 
     request: Request
     kind: str  # "whole", "prefill" (PD: first token on the GPU) or "decode" (a CPU chunk)
+    chunk: int = 0  # a prefill's: the decode's token_limit on the CPU (0: to the end)
 
 
 class VirtualEngine:
@@ -172,16 +175,12 @@ class VirtualDeployment:
         self.knobs = knobs
         self.gpu = VirtualEngine(gpu, "gpu") if gpu is not None else None
         self.cpu = VirtualEngine(cpu, "cpu") if cpu is not None else None
-        self.legs: dict[int, Leg] = {}  # id(Sequence) -> leg
-        self.seqs: dict[int, Sequence] = {}
         self.decisions: Counter[str] = Counter()
         self._serial = 0
 
     # -- routing --------------------------------------------------------------------------
 
-    def _loads(self, leaving_cpu: bool = False) -> Loads:
-        from router.engine_metrics import UNAVAILABLE
-
+    def _loads(self) -> Loads:
         gpu = self.gpu.load() if self.gpu is not None else UNAVAILABLE
         cpu = self.cpu.load() if self.cpu is not None else UNAVAILABLE
         return Loads(
@@ -200,14 +199,17 @@ class VirtualDeployment:
     def _submit(
         self,
         engine: VirtualEngine,
-        req: Request,
-        kind: str,
+        leg: Leg,
         now: float,
         *,
         limit: int | None = None,
         imported: int = 0,
         ready_at: float = 0.0,
+        reserved: bool = False,
     ) -> None:
+        """Queue ``leg`` on ``engine``; counted in the router's in-flight count there unless
+        the router already counted it when it chose the engine (``reserved``)."""
+        req = leg.request
         self._serial += 1
         seq = Sequence(
             request_id=str(self._serial),
@@ -219,31 +221,30 @@ class VirtualDeployment:
             imported_tokens=imported,
             ready_at=ready_at,
             arrival=now,
+            sink=leg,
         )
-        self.legs[id(seq)] = Leg(req, kind)
-        self.seqs[id(seq)] = seq
         engine.sched.add(seq)
-        engine.inflight += 1
+        if not reserved:
+            engine.inflight += 1
 
     def arrive(self, req: Request, now: float) -> None:
         decision = decide(self.knobs, self._loads())
         self._count(decision)
         req.route = decision.route.value
         if decision.route is Route.GPU_ONLY and self.gpu is not None:
-            self._submit(self.gpu, req, "whole", now)
+            self._submit(self.gpu, Leg(req, "whole"), now)
         elif decision.route is Route.CPU_ONLY and self.cpu is not None:
-            self._submit(self.cpu, req, "whole", now)
+            self._submit(self.cpu, Leg(req, "whole"), now)
         elif decision.route is Route.PD and self.gpu is not None and self.cpu is not None:
-            self.pending_chunk[req.index] = decision.token_limit
             # The router counts the CPU decode from the moment it chose it.
             self.cpu.inflight += 1
-            self._submit(self.gpu, req, "prefill", now, limit=1)
+            self._submit(self.gpu, Leg(req, "prefill", decision.token_limit), now, limit=1)
         else:
             req.error = f"{decision.status or 503}: {decision.reason}"
 
-    pending_chunk: dict[int, int]
-
-    def _to_cpu(self, req: Request, now: float, export_bw: float | None, chunk: int) -> None:
+    def _to_cpu(
+        self, req: Request, now: float, export_bw: float | None, chunk: int, *, reserved: bool
+    ) -> None:
         """The decode of ``req`` on the CPU: after a handoff from the GPU (``export_bw``) its
         KV is copied through shared memory; a chunk that stays on the CPU keeps its KV (the
         same stream goes on, ``router/pd_vllm.py``)."""
@@ -257,18 +258,16 @@ class VirtualDeployment:
             )
         self._submit(
             self.cpu,
-            req,
-            "decode",
+            Leg(req, "decode"),
             now,
             limit=chunk or None,
             imported=context,
             ready_at=now + copy,
+            reserved=reserved,
         )
-        self.cpu.inflight -= 1  # _submit counted it again
 
     def _finished(self, engine: VirtualEngine, seq: Sequence, now: float) -> None:
-        leg = self.legs.pop(id(seq))
-        del self.seqs[id(seq)]
+        leg: Leg = seq.sink
         engine.inflight -= 1
         req = leg.request
         if req.tokens >= req.output_tokens or seq.finish_reason is not FinishReason.SCHEDULED:
@@ -277,20 +276,18 @@ class VirtualDeployment:
             return
         if leg.kind == "prefill":
             assert self.gpu is not None
-            chunk = self.pending_chunk.pop(req.index, 0)
-            self._to_cpu(req, now, self.gpu.config.device.kv_export_bandwidth, chunk)
+            bandwidth = self.gpu.config.device.kv_export_bandwidth
+            self._to_cpu(req, now, bandwidth, leg.chunk, reserved=True)
             return
         # A CPU chunk ended: decide where the rest goes.
         assert self.cpu is not None
         nxt = decide_next_chunk(self.knobs, self._loads())
         self.decisions[f"next:{nxt.route.value}:{nxt.code}"] += 1
         if nxt.route is Route.PD:
-            self.cpu.inflight += 1
-            self._to_cpu(req, now, None, nxt.token_limit)
+            self._to_cpu(req, now, None, nxt.token_limit, reserved=False)
         else:
             assert self.gpu is not None
-            req.moves_back += 1
-            self._submit(self.gpu, req, "whole", now)
+            self._submit(self.gpu, Leg(req, "whole"), now)
 
     # -- the event loop -------------------------------------------------------------------
 
@@ -304,7 +301,6 @@ class VirtualDeployment:
         burstiness: float = 1.0,
         seed: int = 0,
     ) -> RunStats:
-        self.pending_chunk = {}
         offsets = arrival_offsets(requests, rate, burstiness, seed)
         reqs = [Request(i, prompt_tokens, output_tokens, at) for i, at in enumerate(offsets)]
         engines = [e for e in (self.gpu, self.cpu) if e is not None]
@@ -351,7 +347,7 @@ class VirtualDeployment:
         engine.step_end = INF
         result = engine.sched.complete(step, now)
         for seq, _token in result.emitted:
-            req = self.legs[id(seq)].request
+            req = seq.sink.request
             times = seq.token_times
             at = times[-1]
             if len(times) > 1:

@@ -7,23 +7,26 @@ dashboard embeds the same markup on a run's page.
 
 from __future__ import annotations
 
+import math
 from html import escape
 
-from syshax.loadgen.goodput import GoodputSearch, rates_for_chart
+from syshax.loadgen.goodput import GoodputSearch
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 _W, _H = 360, 240  # one panel
 _PAD_L, _PAD_R, _PAD_T, _PAD_B = 56, 12, 28, 40
 
 
-def _nice_max(value: float) -> float:
-    if value <= 0:
+def nice_ceiling(value: float) -> float:
+    """The smallest 1, 2, 2.5 or 5 x 10^n at or above ``value`` (a readable axis maximum)."""
+    if value <= 0 or not math.isfinite(value):
         return 1.0
-    step: float = 10.0 ** (len(str(int(value))) - 1)
-    for factor in (1.0, 2.0, 2.5, 5.0, 10.0):
-        if value <= factor * step:
-            return factor * step
-    return 10.0 * step
+    exponent = math.floor(math.log10(value))
+    for step in (1.0, 2.0, 2.5, 5.0, 10.0):
+        candidate: float = step * 10.0**exponent
+        if candidate >= value * (1 - 1e-9):
+            return candidate
+    return 10.0 ** (exponent + 1)
 
 
 def _panel(
@@ -84,7 +87,7 @@ def _panel(
 
 def sweep_svg(searches: dict[str, GoodputSearch], title: str = "") -> str:
     """The chart of every mode's sweep as one SVG document."""
-    rates = rates_for_chart(searches.values())
+    rates = sorted({point.rate for search in searches.values() for point in search.points})
     colours = {mode: PALETTE[i % len(PALETTE)] for i, mode in enumerate(searches)}
     attainment = [
         (mode, colours[mode], [(p.rate, p.attainment) for p in search.points])
@@ -94,7 +97,7 @@ def sweep_svg(searches: dict[str, GoodputSearch], title: str = "") -> str:
         (mode, colours[mode], [(p.rate, p.throughput) for p in search.points])
         for mode, search in searches.items()
     ]
-    tp_max = _nice_max(max((y for _, _, pts in throughput for _, y in pts), default=1.0))
+    tp_max = nice_ceiling(max((y for _, _, pts in throughput for _, y in pts), default=1.0))
     target = next(iter(searches.values())).target if searches else None
     legend_y = _H + 8
     height = legend_y + 18 * ((len(searches) + 2) // 3) + (18 if title else 4)

@@ -47,14 +47,12 @@ from syshax.loadgen.stats import SLO, summarize
 from syshax.loadgen.sweeping import Closer, OnDone, SweepPlan, sweep_target
 from syshax.loadgen.targets import BENCHMARK_MODES, MODE_CHOICES, Target, plan_targets
 from syshax.loadgen.wire import ConnectionPool
-from syshax.loadgen.workload import build_requests
+from syshax.loadgen.workload import WARMUP_INDEX, build_requests
 
 CONTROL_PLANE_ENV = "SYSHAX_CONTROL_PLANE_URL"
 API_KEY_ENV = "SYSHAX_ROUTER_API_KEY"
 # Flags whose values are secrets: not copied into the JSON results.
 _SECRET_FLAGS = ("--token", "--api-key")
-# Warm-up requests get indexes from here on, so they never collide with measured ones.
-_WARMUP_INDEX = 1_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -254,6 +252,41 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(row.summary.failed for row in rows) else 0
 
 
+def _auth(args: argparse.Namespace) -> dict[str, str]:
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+async def _models(
+    args: argparse.Namespace, targets: list[Target], auth: dict[str, str]
+) -> dict[str, str]:
+    """Every target's model, asked before the first row, so a dead target stops the run at
+    once instead of after an hour of other rows."""
+    models: dict[str, str] = {}
+    async with make_session() as session:
+        for target in targets:
+            if target.url not in models:
+                models[target.url] = args.model or await discover_model(session, target.url, auth)
+    return models
+
+
+def _client(
+    args: argparse.Namespace,
+    pool: ConnectionPool,
+    target: Target,
+    model: str,
+    auth: dict[str, str],
+) -> StreamClient:
+    return StreamClient(
+        pool,
+        target.url,
+        model,
+        api=args.api,
+        headers={**target.headers, **auth},
+        timeout_s=args.timeout,
+    )
+
+
 async def _benchmark(
     args: argparse.Namespace,
     scenario: Scenario,
@@ -262,73 +295,59 @@ async def _benchmark(
     slo: SLO,
 ) -> list[Row]:
     rows: list[Row] = []
-    models: dict[str, str] = {}
-    key = args.api_key or os.environ.get(API_KEY_ENV)
-    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    auth = _auth(args)
+    models = await _models(args, targets, auth)
     pool = ConnectionPool()
-    async with make_session() as session:
-        # Ask every target for its model before the first row, so a dead target stops the
-        # run at once instead of after an hour of other rows.
-        for target in targets:
-            if target.url not in models:
-                models[target.url] = args.model or await discover_model(session, target.url, auth)
-        try:
-            for level in levels:
-                # The same prompts for every mode at a level, so the modes compare like for like.
-                seed = args.seed * 1_000_003 + level
-                specs = build_requests(
-                    args.iterations, scenario.input_tokens, scenario.output_tokens, seed
+    try:
+        for level in levels:
+            # The same prompts for every mode at a level, so the modes compare like for like.
+            seed = args.seed * 1_000_003 + level
+            specs = build_requests(
+                args.iterations, scenario.input_tokens, scenario.output_tokens, seed
+            )
+            warmup_count = level if args.warmup is None else args.warmup
+            warmup = build_requests(
+                warmup_count,
+                scenario.input_tokens,
+                scenario.output_tokens,
+                seed + 1,
+                first_index=WARMUP_INDEX,
+            )
+            for target in targets:
+                client = _client(args, pool, target, models[target.url], auth)
+                load = LoadSpec(level, args.request_rate, args.burstiness, args.seed)
+                bar = ProgressBar(
+                    len(specs),
+                    f"{target.mode:>6} c={level:<3}",
+                    live=None if not args.no_progress else False,
                 )
-                warmup_count = level if args.warmup is None else args.warmup
-                warmup = build_requests(
-                    warmup_count,
-                    scenario.input_tokens,
-                    scenario.output_tokens,
-                    seed + 1,
-                    first_index=_WARMUP_INDEX,
+                began = time.time()
+                result = await run_load(
+                    client,
+                    specs,
+                    load,
+                    warmup=warmup,
+                    on_done=None if args.no_progress else bar.update,
+                    busy_poll=args.busy_poll,
                 )
-                for target in targets:
-                    client = StreamClient(
-                        pool,
+                if not args.no_progress:
+                    bar.close()
+                # Simulated time: stretch each record once, so summary and samples agree.
+                records = [record.scaled(args.sim_speed) for record in result.records]
+                summary = summarize(records, result.duration_s * args.sim_speed, slo)
+                rows.append(
+                    Row(
+                        target.mode,
+                        level,
                         target.url,
                         models[target.url],
-                        api=args.api,
-                        headers={**target.headers, **auth},
-                        timeout_s=args.timeout,
+                        summary,
+                        records,
+                        window=(began, time.time()),
                     )
-                    load = LoadSpec(level, args.request_rate, args.burstiness, args.seed)
-                    bar = ProgressBar(
-                        len(specs),
-                        f"{target.mode:>6} c={level:<3}",
-                        live=None if not args.no_progress else False,
-                    )
-                    began = time.time()
-                    result = await run_load(
-                        client,
-                        specs,
-                        load,
-                        warmup=warmup,
-                        on_done=None if args.no_progress else bar.update,
-                        busy_poll=args.busy_poll,
-                    )
-                    if not args.no_progress:
-                        bar.close()
-                    # Simulated time: stretch each record once, so summary and samples agree.
-                    records = [record.scaled(args.sim_speed) for record in result.records]
-                    summary = summarize(records, result.duration_s * args.sim_speed, slo)
-                    rows.append(
-                        Row(
-                            target.mode,
-                            level,
-                            target.url,
-                            models[target.url],
-                            summary,
-                            records,
-                            window=(began, time.time()),
-                        )
-                    )
-        finally:
-            pool.close()
+                )
+    finally:
+        pool.close()
     return rows
 
 
@@ -357,8 +376,7 @@ async def _sweep(
 ) -> list[Row]:
     """Every target through every rate (then the bisection), one row per (mode, rate)."""
     rows: list[Row] = []
-    key = args.api_key or os.environ.get(API_KEY_ENV)
-    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    auth = _auth(args)
     plan = SweepPlan(
         rates=rates,
         slo=slo,
@@ -380,34 +398,23 @@ async def _sweep(
         bar = ProgressBar(count, f"{mode:>6} r={rate:<5g}", live=None)
         return bar.update, bar.close
 
+    models = await _models(args, targets, auth)
     pool = ConnectionPool()
-    async with make_session() as session:
-        models = {}
+    try:
         for target in targets:
-            if target.url not in models:
-                models[target.url] = args.model or await discover_model(session, target.url, auth)
-        try:
-            for target in targets:
-                client = StreamClient(
-                    pool,
-                    target.url,
-                    models[target.url],
-                    api=args.api,
-                    headers={**target.headers, **auth},
-                    timeout_s=args.timeout,
-                )
-                search, target_rows = await sweep_target(
-                    client,
-                    target,
-                    models[target.url],
-                    plan,
-                    progress=progress,
-                    busy_poll=args.busy_poll,
-                )
-                sweeps[target.mode] = search
-                rows += target_rows
-        finally:
-            pool.close()
+            client = _client(args, pool, target, models[target.url], auth)
+            search, target_rows = await sweep_target(
+                client,
+                target,
+                models[target.url],
+                plan,
+                progress=progress,
+                busy_poll=args.busy_poll,
+            )
+            sweeps[target.mode] = search
+            rows += target_rows
+    finally:
+        pool.close()
     return rows
 
 

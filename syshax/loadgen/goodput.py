@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 DEFAULT_ATTAINMENT = 90.0
@@ -207,7 +207,7 @@ class GoodputSearch:
             if isinstance(p, dict)
         ]
         listed = tuple(p.rate for p in parsed if not p.bisection) or tuple(p.rate for p in parsed)
-        search = cls(listed or (1.0,), target=float(target))
+        search = cls(listed, target=float(target))  # no points: ValueError, as documented
         for point in parsed:
             search.record(point)
         return search
@@ -256,7 +256,3 @@ def ratio_line(searches: dict[str, GoodputSearch], mode: str, baseline: str) -> 
     if top is None or not base:
         return None
     return f"{mode} / {baseline} max goodput: {top / base:.2f}x"
-
-
-def rates_for_chart(searches: Iterable[GoodputSearch]) -> list[float]:
-    return sorted({point.rate for search in searches for point in search.points})

@@ -15,8 +15,22 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 from syshax.loadgen.records import RequestRecord
+
+
+class Timed(Protocol):
+    """What an SLO reads of a request: a live record, or one of the virtual model's."""
+
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def ttft(self) -> float | None: ...
+    @property
+    def tpot(self) -> float | None: ...
+    @property
+    def latency(self) -> float | None: ...
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -92,7 +106,7 @@ class SLO:
     def empty(self) -> bool:
         return self.ttft_ms is None and self.tpot_ms is None and self.e2e_ms is None
 
-    def met_by(self, record: RequestRecord) -> bool:
+    def met_by(self, record: Timed) -> bool:
         """Whether a request succeeded and met every SLO given (a bound is inclusive)."""
         if not record.ok:
             return False

@@ -17,9 +17,7 @@ from syshax.loadgen.report import Row
 from syshax.loadgen.runner import LoadSpec, run_load
 from syshax.loadgen.stats import SLO, summarize
 from syshax.loadgen.targets import Target
-from syshax.loadgen.workload import build_requests
-
-WARMUP_INDEX = 1_000_000
+from syshax.loadgen.workload import WARMUP_INDEX, build_requests
 
 OnDone = Callable[[RequestRecord], None]
 # Called as each rate starts with (mode, rate, requests); returns the per-request callback

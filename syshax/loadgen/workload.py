@@ -129,6 +129,10 @@ def make_prompt(words: int, rng: random.Random) -> str:
     return " ".join(rng.choice(_VOCABULARY) for _ in range(words))
 
 
+# Warm-up requests get indexes from here on, so they never collide with measured ones.
+WARMUP_INDEX = 1_000_000
+
+
 def build_requests(
     count: int, input_tokens: int, output_tokens: int, seed: int, first_index: int = 0
 ) -> list[RequestSpec]:

@@ -79,8 +79,10 @@ def sweep_context(run: BenchmarkRun) -> dict[str, Any]:
     """A goodput sweep's charts (attainment and goodput against rate, per mode) and each
     mode's max goodput; empty for a run by concurrency levels."""
     stored = run.summary.get("sweeps") if isinstance(run.summary, dict) else None
+    if not isinstance(stored, dict):
+        stored = {}
     searches: dict[str, GoodputSearch] = {}
-    for mode, data in (stored or {}).items() if isinstance(stored, dict) else ():
+    for mode, data in stored.items():
         try:
             searches[mode] = GoodputSearch.from_dict(dict(data))
         except (KeyError, TypeError, ValueError):
@@ -108,13 +110,12 @@ def sweep_context(run: BenchmarkRun) -> dict[str, Any]:
 
 def chart_context(run: BenchmarkRun) -> dict[str, Any]:
     """The charts of one run; empty charts are left out and the template says why."""
+    figures, source = reads.run_figures(run)
     sweep = sweep_context(run)
     if sweep["sweeps"]:
         # Every row of a sweep has the same concurrency cap: the sweep charts replace the
         # charts against concurrency.
-        figures, source = reads.run_figures(run)
         return {"run": run, "figures": figures, "source": source, "level": None, **sweep}
-    figures, source = reads.run_figures(run)
     level = max((f.concurrency for f in figures), default=None)
     latencies = reads.latency_by_mode(run)
     return {
@@ -152,7 +153,7 @@ def chart_context(run: BenchmarkRun) -> dict[str, Any]:
             )
             for mode, values in sorted(latencies.items())
         ],
-        "sweeps": [],
+        **sweep,
     }
 
 
