@@ -20,8 +20,7 @@ from typing import Any
 import httpx
 
 from agents.runtimes import EngineRuntimeError, EngineState, Runtime
-from agents.runtimes.launcher import write_json_atomic
-from agents.specs import (
+from syshax.common.engine_spec import (
     ROLES,
     EngineSpec,
     SpecError,
@@ -29,6 +28,7 @@ from agents.specs import (
     engine_labels,
     engine_name,
 )
+from syshax.common.files import write_json_atomic
 
 ACTIONS = ("start", "stop", "restart", "inspect", "logs")
 LOG_TAIL_LINES = 20

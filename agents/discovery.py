@@ -7,8 +7,6 @@ Simulated accelerators come from the agent's configuration and are always marked
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import platform
@@ -27,7 +25,8 @@ import httpx
 import psutil
 
 from agents import __version__
-from agents.affinity import Topology, format_cpu_list, parse_cpu_list
+from syshax.common.affinity import Topology, format_cpu_list, parse_cpu_list
+from syshax.common.inventory import inventory_hash
 
 log = logging.getLogger("syshax.agent")
 
@@ -63,7 +62,7 @@ class AcceleratorPreset:
 
 
 # Presets for --simulate-accelerator. The first four are the simulator's device presets
-# (syshax/sim/presets.py), so `syshax sim --device <preset>` models the same card; t4-16gb and
+# (syshax/common/presets.py), so `syshax sim --device <preset>` models the same card; t4-16gb and
 # l40s-48gb exist for inventory and placement demos only (t4 is under the 20 GB per-card floor).
 SIMULATED_PRESETS: dict[str, AcceleratorPreset] = {
     "a100-80gb": AcceleratorPreset("NVIDIA", "A100-SXM4-80GB", "gpu", 80 * GIB),
@@ -341,12 +340,6 @@ def collect_inventory(
         "numa_nodes": numa_nodes(sys_root, topology),
         "accelerators": accelerators + sims,
     }
-
-
-def inventory_hash(inventory: Mapping[str, Any]) -> str:
-    """SHA-256 hex of the canonical JSON (sorted keys, no spaces), as the control plane hashes."""
-    canonical = json.dumps(inventory, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 # collect_heartbeat's ``inventory_hash`` parameter shadows the function's name there.

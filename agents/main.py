@@ -29,11 +29,12 @@ from agents.discovery import (
     SimulatedLoadReader,
     collect_heartbeat,
     collect_inventory,
-    inventory_hash,
+    primary_address,
 )
 from agents.runtimes import Runtime
-from agents.runtimes.launcher import write_json_atomic
-from agents.specs import Mount, SpecPolicy
+from syshax.common.engine_spec import Mount, SpecPolicy
+from syshax.common.files import write_json_atomic
+from syshax.common.inventory import inventory_hash
 
 log = logging.getLogger("syshax.agent")
 T = TypeVar("T")
@@ -61,10 +62,12 @@ class AgentConfig:
 
 def make_runtime(config: AgentConfig) -> Runtime:
     if config.runtime == "docker":
+        # lazy: only the chosen runtime's client library loads (docker's is heavy)
         from agents.runtimes.dockerapi import DockerRuntime
 
         return DockerRuntime(config.docker_url, default_mounts=parse_mounts(config.mounts))
     if config.runtime == "process":
+        # lazy: only the chosen runtime's client library loads
         from agents.runtimes.process import ProcessRuntime
 
         return ProcessRuntime(config.state_dir)
@@ -389,8 +392,6 @@ class Agent:
 
 def _address_towards(url: str) -> str | None:
     from urllib.parse import urlsplit
-
-    from agents.discovery import primary_address
 
     host = urlsplit(url).hostname
     if not host:

@@ -6,7 +6,7 @@ import os
 
 from celery import Celery
 
-import syshax.broker  # noqa: F401 - registers the embedded broker's syshaxfs:// scheme
+import controlplane.core.broker  # noqa: F401 - registers the embedded broker's syshaxfs:// scheme
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings.local")
 

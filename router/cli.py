@@ -15,10 +15,12 @@ from typing import Any
 from aiohttp import web
 
 from router.backends import Timeouts, scrape_forever
+from router.managed import ControlPlaneClient
 from router.server import Router, ServerConfig, build_app
 from router.state import PD_PROTOCOLS, DeploymentSpec, PolicyRecord
-from syshax.policy_schema import KNOBS, PolicyError, validate_knobs
-from syshax.supervisor import write_text_atomic
+from router.workers import supervise
+from syshax.common.files import write_ready_file
+from syshax.common.policy_schema import KNOBS, PolicyError, validate_knobs
 
 log = logging.getLogger("syshax.router")
 
@@ -230,10 +232,6 @@ def bound_port(site: web.TCPSite, requested: int) -> int:
     return requested
 
 
-def write_ready_file(path: str, port: int) -> None:
-    write_text_atomic(Path(path), str(port))  # a reader never sees an empty file
-
-
 async def serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         api_key=args.api_key or None,
@@ -252,8 +250,6 @@ async def serve(args: argparse.Namespace) -> int:
     standalone: StandalonePolicy | None = None
     client = None
     if args.control_plane:
-        from router.managed import ControlPlaneClient
-
         if not args.token:
             log.error("--control-plane needs --token (or SYSHAX_ROUTER_TOKEN)")
             return 2
@@ -330,7 +326,7 @@ async def serve(args: argparse.Namespace) -> int:
             signal.SIGHUP, lambda: log.info("SIGHUP ignored: the control plane owns the policy")
         )
     if args.ready_file:
-        write_ready_file(args.ready_file, port)
+        write_ready_file(Path(args.ready_file), port)
 
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -365,8 +361,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _supervise(args: argparse.Namespace) -> int:
     import sys
-
-    from router.workers import supervise
 
     if args.control_plane:
         log.error("--workers > 1 is for standalone mode; a managed router runs one process")

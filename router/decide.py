@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from router.engine_metrics import DeviceLoad
-from syshax.policy_schema import PolicyKnobs
+from syshax.common.policy_schema import PolicyKnobs
 
 
 class Route(StrEnum):

@@ -28,7 +28,7 @@ from router.rawhttp import request as raw_request
 from router.sse import DONE, ChunkBuilder, chunk_parts, event_data, full_response, split_events
 from router.state import Deployment, RouterState
 from router.upstream import UpstreamFailed, iter_body, post, post_json
-from syshax.policy_schema import PolicyKnobs
+from syshax.common.policy_schema import PolicyKnobs
 
 log = logging.getLogger("syshax.router")
 

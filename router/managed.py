@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,12 +19,14 @@ import aiohttp
 
 from router.server import Router
 from router.state import DeploymentSpec, PolicyRecord, parse_policy
-from syshax import __version__
-from syshax.policy_schema import PolicyError
+from syshax.common import __version__
+from syshax.common.files import write_json_atomic
+from syshax.common.policy_schema import PolicyError
 
 log = logging.getLogger("syshax.router")
 
-ROUTABLE_STATES = frozenset({"running", "degraded"})
+# The control plane lists running deployments only; a row in any other state is skipped.
+ROUTABLE_STATES = frozenset({"running"})
 
 
 class StateCache:
@@ -46,9 +47,7 @@ class StateCache:
 
     def save(self, data: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, self.path)
+        write_json_atomic(self.path, data, indent=1, sort_keys=True)
 
 
 def policy_document(record: PolicyRecord) -> dict[str, Any]:

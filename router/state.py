@@ -16,7 +16,8 @@ from typing import Any
 
 from router.backends import Backend, Timeouts
 from router.decide import Loads
-from syshax.policy_schema import PolicyError, PolicyKnobs, validate_knobs
+from router.engine_metrics import UNAVAILABLE
+from syshax.common.policy_schema import PolicyError, PolicyKnobs, validate_knobs
 
 log = logging.getLogger("syshax.router")
 
@@ -122,7 +123,6 @@ class Deployment:
     cpu: Backend | None
 
     def loads(self, now: float) -> Loads:
-        from router.engine_metrics import UNAVAILABLE
 
         return Loads(
             gpu=self.gpu.load(now),

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from router.cli import write_ready_file
-from syshax.supervisor import python_argv
+from syshax.common.files import write_ready_file
+from syshax.common.supervisor import python_argv
 
 log = logging.getLogger("syshax.router")
 
@@ -116,7 +116,7 @@ class Supervisor:
                 return 2
             log.info("router listening on port %d with %d workers", self.port, self.count)
             if ready_file:
-                write_ready_file(ready_file, self.port)
+                write_ready_file(Path(ready_file), self.port)
             while not self.stopping:
                 time.sleep(0.2)
                 for index, proc in enumerate(self.procs):

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from agents.commands import CommandExecutor  # noqa: E402
 from agents.runtimes import Runtime  # noqa: E402
 from agents.runtimes.process import ProcessRuntime  # noqa: E402
-from syshax.supervisor import free_port  # noqa: E402
+from syshax.common.supervisor import free_port  # noqa: E402
 
 IMAGE = "localhost/syshax-hostroot:1"
 

@@ -8,7 +8,7 @@ or corrupt.
 Each producer process publishes its share of numbered messages (a body with a checksum), and
 each consumer process takes messages until the queue stays empty, writing what it got to its own
 file. The figures for every transport are printed side by side: kombu's own ``filesystem://``
-beside ``syshaxfs://`` (syshax/broker.py). tests/broker runs the same with assertions.
+beside ``syshaxfs://`` (controlplane/core/broker.py). tests/broker runs the same with assertions.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import syshax.broker  # noqa: E402,F401 - registers syshaxfs://
+import controlplane.core.broker  # noqa: E402,F401 - registers syshaxfs://
 
 QUEUE = "stress"
 

@@ -60,7 +60,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from syshax.supervisor import free_port  # noqa: E402
+from syshax.common.supervisor import free_port  # noqa: E402
 
 HOST = "127.0.0.1"
 GPUS_PER_NODE = 8
@@ -1066,6 +1066,8 @@ def main() -> int:
         )
         if not ARGS.no_celery:
             stack.start("worker", syshax("worker", "--concurrency", "1", "--loglevel", "WARNING"))
+            bench = ("worker", "--queues", "benchmarks", "--concurrency", "1")
+            stack.start("benchmarks", syshax(*bench, "--loglevel", "WARNING"))
             stack.start("beat", syshax("beat", "--loglevel", "WARNING"))
             sim = ["sim", "--device", "a100-80gb", "--model", "qwen2.5-7b-instruct"]
             stack.start(

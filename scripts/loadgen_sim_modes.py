@@ -21,6 +21,7 @@ import contextlib
 import subprocess
 import sys
 
+from syshax.common.policy_schema import PolicyKnobs
 from syshax.loadgen.simproc import (
     DEFAULT_MODEL,
     SPEED_SCALED_KNOBS,
@@ -28,7 +29,6 @@ from syshax.loadgen.simproc import (
     running_router,
     running_sim,
 )
-from syshax.policy_schema import PolicyKnobs
 
 SYSHAX = ("--syshax-compat",)  # the router's PD speaks sysHAX's protocol
 

@@ -38,12 +38,12 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from syshax.common.presets import GIB, model_preset  # noqa: E402
+from syshax.common.supervisor import free_port  # noqa: E402
 from syshax.loadgen.client import StreamClient  # noqa: E402
 from syshax.loadgen.runner import LoadSpec, run_async, run_load  # noqa: E402
 from syshax.loadgen.wire import ConnectionPool  # noqa: E402
 from syshax.loadgen.workload import build_requests  # noqa: E402
-from syshax.sim.presets import GIB, model_preset  # noqa: E402
-from syshax.supervisor import free_port  # noqa: E402
 from tests.realengine.vllm_env import HOME, EngineProcess, ensure_vllm  # noqa: E402
 
 KV_TOKENS = 16384  # 1 GiB / 64 KiB per token

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """`make test`: lint, Django checks, then the suite on real services and on embedded defaults.
 
-1. ruff (lint and format), mypy (strict for agents/, router/ and the Django-free syshax
+1. ruff (lint and format), the layer contracts (import-linter) and the lazy-import rule
+   (scripts/check_lazy_imports.py), mypy (strict for agents/, router/ and the Django-free syshax
    packages), `manage.py check`, `makemigrations --check`, `check --deploy` (production).
 2. The whole suite against PostgreSQL and Redis on 127.0.0.1 when they answer. On CI
    (CI=true) they must answer, and no test may be skipped.
@@ -53,7 +54,12 @@ def main() -> None:
     step("ruff", [PY, "-m", "ruff", "check", "."])
     step("ruff format", [PY, "-m", "ruff", "format", "--check", "--quiet", "."])
     step(
-        "mypy --strict (agents, router, simulator, load generator, virtual deployment)",
+        "layer contracts (import-linter, pyproject.toml)",
+        [str(Path(PY).with_name("lint-imports")), "--no-cache"],
+    )
+    step("first-party imports at module top", [PY, "scripts/check_lazy_imports.py"])
+    step(
+        "mypy --strict (shared layer, agents, router, simulator, load generator, hetero)",
         [
             PY,
             "-m",
@@ -65,10 +71,9 @@ def main() -> None:
             "syshax/sim",
             "syshax/loadgen",
             "syshax/hetero",
-            "syshax/policy_schema.py",
+            "syshax/common",
             "syshax/cli.py",
-            "syshax/supervisor.py",
-            "syshax/broker.py",
+            "controlplane/core/broker.py",
             "syshax/webworker.py",
         ],
         base_env,

@@ -17,8 +17,8 @@ import argparse
 from collections.abc import Callable
 from functools import partial
 
+from syshax.common.presets import DEVICES, MODELS
 from syshax.sim.engine import EngineConfig
-from syshax.sim.presets import DEVICES, MODELS
 from syshax.sim.virtual import ScenarioResult, closed_loop, with_efficiency
 
 MODEL = "deepseek-r1-distill-qwen-32b"

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from agents.discovery import EngineOnCards, SimulatedLoadReader
-from syshax.supervisor import ReadyChild, python_argv
+from syshax.common.supervisor import ReadyChild, python_argv
 
 WINDOW_S = 0.5
 

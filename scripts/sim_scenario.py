@@ -22,10 +22,10 @@ from pathlib import Path
 
 import httpx
 
+from syshax.common.presets import DEVICES, MODELS
+from syshax.common.supervisor import ReadyChild, python_argv
 from syshax.sim.engine import EngineConfig
-from syshax.sim.presets import DEVICES, MODELS
 from syshax.sim.virtual import closed_loop
-from syshax.supervisor import ReadyChild, python_argv
 
 MODEL = "deepseek-r1-distill-qwen-32b"
 BASELINES = {"a100-80gb": (158.2, 146.0), "kunpeng-920-7280z": (32.6, 892.0)}

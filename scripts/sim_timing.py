@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from syshax.supervisor import ReadyChild, python_argv
+from syshax.common.supervisor import ReadyChild, python_argv
 
 PROMPT = " ".join(f"t{i}" for i in range(32))
 

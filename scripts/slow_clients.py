@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from syshax.supervisor import free_port, python_argv, wait_until  # noqa: E402
+from syshax.common.supervisor import free_port, python_argv, wait_until  # noqa: E402
 
 HOST = "127.0.0.1"
 PROBE_TIMEOUT = 10.0

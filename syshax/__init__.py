@@ -1,3 +1,6 @@
-"""Command-line entry point and Django-free components (engine simulator, load generator)."""
+"""The ``syshax`` distribution: the shared layer (``syshax.common``), the engine simulator, the
+load generator, the KV connector and, on top, the command line (docs/architecture.md)."""
 
-__version__ = "0.1.0"
+from syshax.common import __version__
+
+__all__ = ["__version__"]

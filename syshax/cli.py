@@ -5,6 +5,9 @@ Each subcommand lives in its own module, imported only when that subcommand runs
 module provides ``add_arguments(parser)`` and ``run(args) -> int``.
 """
 
+# lazy imports: a verb loads Django and the parts it drives only when it runs, after the
+# settings are chosen, so every other verb starts fast and never needs a database.
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0
     if args[0] in {"-V", "--version"}:
-        from syshax import __version__
+        from syshax.common import __version__
 
         print(__version__)
         return 0

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agents.specs import EngineSpec
+from syshax.common.engine_spec import EngineSpec
 
 
 class EngineRuntimeError(Exception):

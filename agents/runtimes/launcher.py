@@ -8,24 +8,16 @@ writes every exit code to ``STATE`` (JSON) where any later agent can read it.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
-from syshax.supervisor import write_text_atomic
+from syshax.common.files import write_json_atomic
 
 MAX_RESTARTS = 5  # the loop stops here so a crashing engine does not spin forever
-
-
-def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
-    """Write ``data`` as JSON so a reader sees the old file or the whole new one, never half."""
-    write_text_atomic(path, json.dumps(data))
 
 
 def main(argv: list[str]) -> int:

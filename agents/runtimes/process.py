@@ -22,10 +22,10 @@ from typing import Any
 
 import psutil
 
-from agents.affinity import AffinityError, parse_cpu_list
 from agents.runtimes import EngineRuntimeError, EngineState
-from agents.runtimes.launcher import write_json_atomic
-from agents.specs import EngineSpec, kv_connector_dir, prepend_python_path
+from syshax.common.affinity import AffinityError, parse_cpu_list
+from syshax.common.engine_spec import EngineSpec, kv_connector_dir, prepend_python_path
+from syshax.common.files import write_json_atomic
 
 
 class ProcessRuntime:

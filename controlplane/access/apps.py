@@ -7,4 +7,5 @@ class AccessConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from controlplane.access import schema  # noqa: F401  (registers the OpenAPI scheme)
+        # lazy: the OpenAPI scheme registers once DRF and the app registry are ready
+        from controlplane.access import schema  # noqa: F401

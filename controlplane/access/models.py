@@ -3,7 +3,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db import models, transaction
@@ -11,7 +11,9 @@ from django.utils import timezone
 
 from controlplane.access.choices import CredentialKind
 from controlplane.core import audit
-from controlplane.inventory.models import Node
+
+if TYPE_CHECKING:
+    from controlplane.inventory.models import Node
 
 TOKEN_PREFIX = {CredentialKind.AGENT: "sxa_", CredentialKind.ROUTER: "sxr_"}
 PERSONAL_TOKEN_PREFIX = "sxp_"
@@ -34,7 +36,12 @@ class MachineCredential(models.Model):
     key_hash = models.CharField(max_length=64, unique=True, editable=False)
     key_hint = models.CharField(max_length=12, editable=False, help_text="first characters")
     node = models.ForeignKey(
-        Node, null=True, blank=True, on_delete=models.CASCADE, related_name="credentials"
+        # By name: the inventory app sits above this one (docs/architecture.md).
+        "inventory.Node",
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="credentials",
     )
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL

@@ -4,6 +4,27 @@ from django.contrib import admin
 
 from controlplane.benchmarks import services
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
+from controlplane.deployments.admin import DeploymentAdmin
+
+
+@admin.action(description="Run the short benchmark scenario (hetero mode)")
+def run_benchmark(modeladmin, request, queryset):  # type: ignore[no-untyped-def]
+    scenario = Scenario.objects.get(name="short")
+    for deployment in queryset:
+        run = services.create_run(
+            acting_user=request.user,
+            name=f"{deployment.name} short (admin)",
+            scenario=scenario,
+            deployment=deployment,
+            mode="hetero",
+            concurrency=[8],
+            iterations=100,
+        )
+        modeladmin.message_user(request, f"{deployment}: benchmark run {run.pk} queued")
+
+
+# An action of the deployment's page that belongs to this app (deployments sits below it).
+DeploymentAdmin.actions = [*DeploymentAdmin.actions, run_benchmark]
 
 
 @admin.register(Scenario)

@@ -17,3 +17,7 @@ class RunStatus(models.TextChoices):
 
 
 ACTIVE_STATUSES = (RunStatus.QUEUED, RunStatus.RUNNING)
+
+
+# The Celery task name of a run (tasks.py registers it; services queue it through core.dispatch).
+EXECUTE_RUN_TASK = "benchmarks.execute_run"

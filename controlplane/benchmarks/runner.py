@@ -17,9 +17,16 @@ from django.db import connections, transaction
 from django.utils import timezone
 
 from controlplane.benchmarks.choices import RunStatus
+from controlplane.benchmarks.measure import Cancelled, Plan, measure
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample
-from controlplane.benchmarks.services import _endpoint
+from controlplane.benchmarks.services import _endpoint, flag_regression
+from controlplane.inventory.models import Heartbeat
 from controlplane.routers.models import RouterInstance
+from syshax.loadgen.controlplane import summarize_heartbeats
+from syshax.loadgen.goodput import DEFAULT_BISECTIONS, GoodputSearch
+from syshax.loadgen.report import to_json
+from syshax.loadgen.stats import SLO
+from syshax.loadgen.sweeping import SweepPlan
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +73,6 @@ def attach_resources(rows: list[Any], node_id: int) -> None:
     """The node's CPU, memory and accelerator use during each row, from its heartbeats."""
     from datetime import UTC, datetime
 
-    from controlplane.inventory.models import Heartbeat
-    from syshax.loadgen.controlplane import summarize_heartbeats
-
     for row in rows:
         if not row.window:
             continue
@@ -86,11 +90,6 @@ def _finish(run_id: int, status: str, **fields: Any) -> None:
 
 
 def execute(run_id: int) -> str:
-    from controlplane.benchmarks.measure import Cancelled, Plan, measure
-    from syshax.loadgen.goodput import DEFAULT_BISECTIONS, GoodputSearch
-    from syshax.loadgen.report import to_json
-    from syshax.loadgen.stats import SLO
-    from syshax.loadgen.sweeping import SweepPlan
 
     if not claim(run_id):
         return BenchmarkRun.objects.get(pk=run_id).status
@@ -208,7 +207,5 @@ def execute(run_id: int) -> str:
         )
     run.refresh_from_db()
     if run.regression_threshold_percent is not None:
-        from controlplane.benchmarks.services import flag_regression
-
         flag_regression(run, run.regression_threshold_percent)
     return RunStatus.SUCCEEDED

@@ -16,7 +16,7 @@ from django_celery_beat.models import CrontabSchedule, IntervalSchedule, Periodi
 from controlplane.benchmarks.choices import BenchmarkMode
 from controlplane.benchmarks.models import MAX_CONCURRENCY, Scenario
 from controlplane.deployments.models import Deployment
-from syshax.errors import FieldError
+from syshax.common.errors import FieldError
 
 TASK_NAME = "benchmarks.scheduled_run"
 DEFAULT_THRESHOLD_PERCENT = 10.0

@@ -7,9 +7,12 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
-from controlplane.benchmarks.choices import ACTIVE_STATUSES, RunStatus
+from controlplane.benchmarks.analysis import compare_to_baseline
+from controlplane.benchmarks.choices import ACTIVE_STATUSES, EXECUTE_RUN_TASK, RunStatus
 from controlplane.benchmarks.models import BenchmarkRun
-from controlplane.core import audit
+from controlplane.core import audit, dispatch
+from controlplane.deployments.models import Deployment
+from controlplane.routers.models import RouterInstance
 
 ADVISOR_RUNS = 20  # the mode advisor's window: the newest successful runs
 
@@ -31,8 +34,6 @@ def known_targets() -> set[tuple[str, int]]:
     """Where a benchmark may send its load: the registered routers, the engines of the
     deployments, and what the operator lists in BENCHMARK_ALLOWED_TARGETS (``host`` for any port
     of it, ``host:port`` for one); port 0 stands for any port."""
-    from controlplane.deployments.models import Deployment
-    from controlplane.routers.models import RouterInstance
 
     known: set[tuple[str, int]] = set()
     for raw in settings.BENCHMARK_ALLOWED_TARGETS:
@@ -87,10 +88,7 @@ def create_run(*, acting_user: Any, **fields: Any) -> BenchmarkRun:
 
 
 def queue_run(run: BenchmarkRun) -> None:
-    from controlplane.benchmarks import tasks
-
-    run_id = run.pk
-    transaction.on_commit(lambda: tasks.execute_run.delay(run_id))
+    dispatch.enqueue(EXECUTE_RUN_TASK, run.pk)
 
 
 def request_cancel(run: BenchmarkRun, *, acting_user: Any) -> BenchmarkRun:
@@ -126,7 +124,6 @@ def baseline_for(run: BenchmarkRun) -> BenchmarkRun | None:
 
 def flag_regression(run: BenchmarkRun, threshold_percent: float) -> bool:
     """Compare a finished run with its baseline and record the verdict on the run."""
-    from controlplane.benchmarks.analysis import compare_to_baseline
 
     baseline = baseline_for(run)
     if baseline is None:

@@ -7,11 +7,12 @@ from celery import shared_task
 from django_celery_beat.models import PeriodicTask
 
 from controlplane.benchmarks import runner, schedules, services
+from controlplane.benchmarks.choices import EXECUTE_RUN_TASK
 
 log = logging.getLogger(__name__)
 
 
-@shared_task(name="benchmarks.execute_run", ignore_result=True, acks_late=True)
+@shared_task(name=EXECUTE_RUN_TASK, ignore_result=True, acks_late=True)
 def execute_run(run_id: int) -> str:
     return runner.execute(run_id)
 

@@ -21,6 +21,7 @@ from controlplane.benchmarks import analysis
 from controlplane.benchmarks import services as benchmark_services
 from controlplane.benchmarks.analysis import Recommendation
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample
+from controlplane.benchmarks.schedules import TASK_NAME
 from controlplane.dashboard.benchdata import (
     Figures,
     SampleRow,
@@ -230,8 +231,6 @@ def advice(
 def benchmark_schedules() -> list[dict[str, Any]]:
     """The django-celery-beat rows that run scheduled benchmarks (edited in the admin)."""
     from django_celery_beat.models import PeriodicTask
-
-    from controlplane.benchmarks.schedules import TASK_NAME
 
     rows = []
     for task in PeriodicTask.objects.filter(task=TASK_NAME).select_related("interval", "crontab"):

@@ -14,7 +14,7 @@ from controlplane.deployments.models import (
 )
 from controlplane.deployments.placement import PlacementError
 from controlplane.deployments.render import render_profile
-from syshax.errors import FieldError
+from syshax.common.errors import FieldError
 
 
 @admin.register(DeploymentProfile)
@@ -26,7 +26,7 @@ class DeploymentProfileAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "engine",
         "tensor_parallel_size",
         "gpu_memory_utilization",
-        "cpu_max_batch_size",
+        "cpu_max_num_seqs",
         "pd_protocol",
     ]
     list_filter = ["engine", "quantization", "pd_protocol", "preemption_mode"]
@@ -75,7 +75,7 @@ class DeploymentProfileAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                     "cpu_extra_args",
                     "cpu_env",
                     "cpu_port",
-                    "cpu_max_batch_size",
+                    "cpu_max_num_seqs",
                     "omp_num_threads",
                     "cpu_affinity_mode",
                     "cpu_affinity",
@@ -172,7 +172,8 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             obj.pinned = True  # an operator who names the node pins it there
         super().save_model(request, obj, form, change)
 
-    actions = ["deploy", "stop", "restart", "run_benchmark"]
+    # The benchmarks app adds "run_benchmark" (benchmarks/admin.py): it sits above this one.
+    actions = ["deploy", "stop", "restart"]
 
     def _each(self, request, queryset, operation, verb):  # type: ignore[no-untyped-def]
         for deployment in queryset:
@@ -190,24 +191,6 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     @admin.action(description="Stop")
     def stop(self, request, queryset):  # type: ignore[no-untyped-def]
         self._each(request, queryset, services.request_stop, "stop")
-
-    @admin.action(description="Run the short benchmark scenario (hetero mode)")
-    def run_benchmark(self, request, queryset):  # type: ignore[no-untyped-def]
-        from controlplane.benchmarks.models import Scenario
-        from controlplane.benchmarks.services import create_run
-
-        scenario = Scenario.objects.get(name="short")
-        for deployment in queryset:
-            run = create_run(
-                acting_user=request.user,
-                name=f"{deployment.name} short (admin)",
-                scenario=scenario,
-                deployment=deployment,
-                mode="hetero",
-                concurrency=[8],
-                iterations=100,
-            )
-            self.message_user(request, f"{deployment}: benchmark run {run.pk} queued")
 
     @admin.action(description="Restart (new generation)")
     def restart(self, request, queryset):  # type: ignore[no-untyped-def]

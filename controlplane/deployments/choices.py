@@ -91,3 +91,9 @@ class CommandOutcome(models.TextChoices):
 
     SUCCEEDED = "succeeded", "succeeded"
     FAILED = "failed", "failed"
+
+
+# Celery task names: tasks.py registers them; services queue them by name (core.dispatch).
+ADVANCE_TASK = "deployments.advance"
+RESCHEDULE_TASK = "deployments.reschedule"
+RECONCILE_NODE_TASK = "deployments.reconcile_node"

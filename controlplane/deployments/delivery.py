@@ -13,8 +13,8 @@ Either way the database decides what is delivered: a lost or stale wake-up costs
 
 Each agent process names itself with a session id. A command is handed to a session once;
 it is handed out again to a new session (the agent restarted: the agent's dispatch ledger and
-its adopt-by-label start make that harmless) or after :func:`expire_stale_commands` gave up
-waiting for its result.
+its adopt-by-label start make that harmless) or after the workflow's
+``expire_stale_commands`` gave up waiting for its result.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import F
 from django.utils import timezone
 
 from controlplane.deployments.choices import CommandStatus
@@ -148,45 +147,3 @@ def as_message(command: AgentCommand, node_name: str) -> dict[str, Any]:
         "attempt": command.attempts,
         "created_at": command.created_at.isoformat(),
     }
-
-
-def expire_stale_commands(older_than_seconds: float, max_attempts: int = 3) -> int:
-    """Commands without a result. One handed out ``older_than_seconds`` (plus its engine's
-    health timeout) ago is offered again; after ``max_attempts`` hand-outs, or when no agent
-    fetched it for ``max_attempts * older_than_seconds``, it expires and its deployment's
-    workflow moves on (to failed). Returns how many commands it touched."""
-    from controlplane.deployments.workflow import record_command_result
-
-    now = timezone.now()
-    count = 0
-    stale = AgentCommand.objects.filter(status=CommandStatus.QUEUED).filter(
-        Q(delivered_at__isnull=True, created_at__lt=now - timedelta(seconds=older_than_seconds))
-        | Q(delivered_at__lt=now - timedelta(seconds=older_than_seconds))
-    )
-    for command in stale.select_related("node"):
-        timeout = float(command.spec.get("health_timeout_seconds", 0) or 0)
-        if command.delivered_at is None:
-            if now - command.created_at < timedelta(seconds=older_than_seconds * max_attempts):
-                continue
-            detail = (
-                f"the agent of node {command.node.name} did not fetch the command within "
-                f"{older_than_seconds * max_attempts:g} s"
-            )
-        else:
-            if now - command.delivered_at < timedelta(seconds=older_than_seconds + timeout):
-                continue
-            if command.attempts < max_attempts:
-                # Offered again, even to the same agent session: its result may have been lost.
-                AgentCommand.objects.filter(pk=command.pk, status=CommandStatus.QUEUED).update(
-                    delivered_to=""
-                )
-                wake(command.node_id)
-                count += 1
-                continue
-            detail = (
-                f"no result from the agent of node {command.node.name} after "
-                f"{command.attempts} deliveries"
-            )
-        record_command_result(command, status=CommandStatus.EXPIRED, detail=detail, output={})
-        count += 1
-    return count

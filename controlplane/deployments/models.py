@@ -95,8 +95,12 @@ class DeploymentProfile(TimeStampedModel):
     cpu_extra_args = models.JSONField(default=list, blank=True)
     cpu_env = models.JSONField(default=dict, blank=True)
     cpu_port = models.PositiveIntegerField(default=7002, validators=port_validators)
-    cpu_max_batch_size = models.PositiveIntegerField(
-        default=8, validators=[MinValueValidator(1), MaxValueValidator(4096)]
+    # The CPU engine's own --max-num-seqs. Not the policy's cpu_max_batch_size (how many
+    # decodes the router sends the CPU): the router admits the smaller of the two.
+    cpu_max_num_seqs = models.PositiveIntegerField(
+        default=8,
+        validators=[MinValueValidator(1), MaxValueValidator(4096)],
+        help_text="the CPU engine's --max-num-seqs; the router admits at most this many decodes",
     )
     omp_num_threads = models.PositiveIntegerField(
         null=True, blank=True, help_text="empty: planned from the cores (1-1.5x physical cores)"

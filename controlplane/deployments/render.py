@@ -16,13 +16,14 @@ import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from agents.runtimes.dockerapi import container_kwargs, docker_run_argv
-from agents.specs import EngineSpec, kv_connector_dir, prepend_python_path
 from controlplane.deployments.models import DeploymentProfile
 from controlplane.deployments.placement import PlacementError
+from controlplane.deployments.services import placement_plan
 from controlplane.deployments.specs import profile_engine_spec
 from controlplane.inventory.models import Node
-from syshax.errors import FieldError
+from syshax.common.containers import container_kwargs, docker_run_argv
+from syshax.common.engine_spec import EngineSpec, kv_connector_dir, prepend_python_path
+from syshax.common.errors import FieldError
 
 HIDDEN = "<hidden>"
 
@@ -107,7 +108,6 @@ def render_profile(
     values of the profile's own ``gpu_env``/``cpu_env`` (where tokens sit) with ``<hidden>``.
 
     Raises ``RenderError`` or ``PlacementError`` (both name the field) when it cannot."""
-    from controlplane.deployments.services import placement_plan
 
     plan = placement_plan(profile, node) if node is not None else {}
     names = _names(profile)

@@ -8,9 +8,12 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from controlplane.core import audit
+from controlplane.core import audit, dispatch
 from controlplane.deployments import delivery, placing
+from controlplane.deployments.affinity import plan_for
 from controlplane.deployments.choices import (
+    ADVANCE_TASK,
+    RESCHEDULE_TASK,
     CommandAction,
     CommandStatus,
     DeploymentState,
@@ -19,6 +22,7 @@ from controlplane.deployments.choices import (
 )
 from controlplane.deployments.models import (
     AgentCommand,
+    ContainerInstance,
     Deployment,
     DeploymentEvent,
     DeploymentProfile,
@@ -56,9 +60,7 @@ def set_state(deployment: Deployment, state: str, reason: str = "") -> None:
 
 
 def _queue_advance(deployment_id: int) -> None:
-    from controlplane.deployments import tasks
-
-    transaction.on_commit(lambda: tasks.advance_deployment.delay(deployment_id))
+    dispatch.enqueue(ADVANCE_TASK, deployment_id)
 
 
 def placement_plan(
@@ -78,7 +80,6 @@ def placement_plan(
         raise first
     if not profile.enable_cpu_engine:
         return {}
-    from controlplane.deployments.affinity import plan_for
 
     return plan_for(
         profile,
@@ -306,9 +307,7 @@ def mark_node_deployments_unknown(node: Node) -> int:
 
 
 def _queue_reschedule(deployment_id: int) -> None:
-    from controlplane.deployments import tasks
-
-    transaction.on_commit(lambda: tasks.reschedule_deployment.delay(deployment_id))
+    dispatch.enqueue(RESCHEDULE_TASK, deployment_id)
 
 
 def stranded_deployments() -> list[int]:
@@ -399,7 +398,6 @@ def stop_moved_away(node: Node, deployment_ids: set[int]) -> int:
 
 def sync_containers(node: Node, reported: list[dict[str, Any]]) -> int:
     """Store the containers an agent sees, then settle deployments left unknown."""
-    from controlplane.deployments.models import ContainerInstance
 
     updated = 0
     with transaction.atomic():
@@ -442,7 +440,6 @@ def sync_containers(node: Node, reported: list[dict[str, Any]]) -> int:
 
 def reconcile_returning_node(node_id: int) -> int:
     """Settle the node's unknown deployments from the containers its agent last reported."""
-    from controlplane.deployments.models import ContainerInstance
 
     settled = 0
     for deployment in Deployment.objects.filter(node_id=node_id, state=DeploymentState.UNKNOWN):

@@ -1,5 +1,5 @@
-"""Build the engine spec an agent receives, with the agents' own builders (agents.specs), so
-both sides agree on its shape (docs/agent.md).
+"""Build the engine spec an agent receives, in the shared shape (syshax.common.engine_spec) the
+agent validates, so both sides agree on it (docs/agent.md).
 
 What goes on the command line depends on the engine kind (docs/operator-guide.md):
 
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from agents.affinity import thread_env
-from agents.specs import Accelerator, EngineSpec, engine_name, kv_transfer_config
 from controlplane.deployments.choices import EngineKind
 from controlplane.deployments.models import Deployment, DeploymentProfile
 from controlplane.inventory.models import Accelerator as AcceleratorRow
 from controlplane.inventory.models import Node
-from syshax.sim.presets import DEVICES
+from syshax.common.affinity import thread_env
+from syshax.common.engine_spec import Accelerator, EngineSpec, engine_name, kv_transfer_config
+from syshax.common.presets import DEVICES
 
 GIB = 1024**3
 SIMULATOR_COMMAND = ["syshax", "sim"]
@@ -79,7 +79,7 @@ def engine_args(
         if profile.engine != EngineKind.SIMULATOR and profile.quantization in VLLM_QUANTIZATION:
             args += ["--quantization", profile.quantization]
         return args + list(profile.gpu_extra_args)
-    args += ["--port", str(profile.cpu_port), "--max-num-seqs", str(profile.cpu_max_batch_size)]
+    args += ["--port", str(profile.cpu_port), "--max-num-seqs", str(profile.cpu_max_num_seqs)]
     if profile.engine == EngineKind.SIMULATOR:
         args += ["--kv-cache-space", str(profile.cpu_kv_cache_space_gb)]
     return args + list(profile.cpu_extra_args)

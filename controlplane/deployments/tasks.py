@@ -2,42 +2,46 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from controlplane.deployments import delivery, workflow
-from controlplane.deployments.choices import DeploymentState
+from controlplane.deployments import workflow
+from controlplane.deployments.choices import (
+    ADVANCE_TASK,
+    RECONCILE_NODE_TASK,
+    RESCHEDULE_TASK,
+    DeploymentState,
+)
 from controlplane.deployments.models import Deployment
+from controlplane.deployments.services import (
+    reconcile_returning_node,
+    reschedule,
+    stranded_deployments,
+)
 
 
-@shared_task(name="deployments.advance", ignore_result=True)
+@shared_task(name=ADVANCE_TASK, ignore_result=True)
 def advance_deployment(deployment_id: int) -> str:
     return workflow.advance(deployment_id)
 
 
 @shared_task(name="deployments.expire_stale_commands", ignore_result=True)
 def expire_stale_commands() -> int:
-    return delivery.expire_stale_commands(older_than_seconds=60.0)
+    return workflow.expire_stale_commands(older_than_seconds=60.0)
 
 
-@shared_task(name="deployments.reschedule", ignore_result=True)
+@shared_task(name=RESCHEDULE_TASK, ignore_result=True)
 def reschedule_deployment(deployment_id: int) -> str:
     """A placed deployment's node was lost: place it again elsewhere."""
-    from controlplane.deployments.services import reschedule
-
     return reschedule(deployment_id)
 
 
 @shared_task(name="deployments.reschedule_stranded", ignore_result=True)
 def reschedule_stranded() -> int:
     """Beat: try again for placed deployments still stranded on a lost node (no room before)."""
-    from controlplane.deployments.services import reschedule, stranded_deployments
-
     return sum(1 for pk in stranded_deployments() if reschedule(pk))
 
 
-@shared_task(name="deployments.reconcile_node", ignore_result=True)
+@shared_task(name=RECONCILE_NODE_TASK, ignore_result=True)
 def reconcile_node(node_id: int) -> int:
     """A node came back: re-check its deployments that went unknown while it was away."""
-    from controlplane.deployments.services import reconcile_returning_node
-
     return reconcile_returning_node(node_id)
 
 

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
+from controlplane.core import dispatch
 from controlplane.deployments import delivery
 from controlplane.deployments.choices import (
+    ADVANCE_TASK,
     CommandAction,
     CommandStatus,
     DeploymentState,
@@ -206,10 +210,7 @@ def record_command_result(
             # which may mean the advance queued with it never reached the broker (Redis
             # down). advance is idempotent, so queue it again rather than wait for beat.
             if command.deployment_id is not None:
-                deployment_id = command.deployment_id
-                from controlplane.deployments import tasks
-
-                transaction.on_commit(lambda: tasks.advance_deployment.delay(deployment_id))
+                dispatch.enqueue(ADVANCE_TASK, command.deployment_id)
             return False
         command.refresh_from_db()
         if command.deployment_id is not None:
@@ -218,8 +219,45 @@ def record_command_result(
             level = EventLevel.INFO if status == CommandStatus.SUCCEEDED else EventLevel.ERROR
             text = detail or f"{command.role.upper()} engine {command.action} {status}"
             add_event(deployment, command.step or command.action, text, level=level)
-            from controlplane.deployments import tasks
-
-            deployment_id = command.deployment_id
-            transaction.on_commit(lambda: tasks.advance_deployment.delay(deployment_id))
+            dispatch.enqueue(ADVANCE_TASK, command.deployment_id)
     return True
+
+
+def expire_stale_commands(older_than_seconds: float, max_attempts: int = 3) -> int:
+    """Commands without a result. One handed out ``older_than_seconds`` (plus its engine's
+    health timeout) ago is offered again; after ``max_attempts`` hand-outs, or when no agent
+    fetched it for ``max_attempts * older_than_seconds``, it expires and its deployment's
+    workflow moves on (to failed). Returns how many commands it touched."""
+    now = timezone.now()
+    count = 0
+    stale = AgentCommand.objects.filter(status=CommandStatus.QUEUED).filter(
+        Q(delivered_at__isnull=True, created_at__lt=now - timedelta(seconds=older_than_seconds))
+        | Q(delivered_at__lt=now - timedelta(seconds=older_than_seconds))
+    )
+    for command in stale.select_related("node"):
+        timeout = float(command.spec.get("health_timeout_seconds", 0) or 0)
+        if command.delivered_at is None:
+            if now - command.created_at < timedelta(seconds=older_than_seconds * max_attempts):
+                continue
+            detail = (
+                f"the agent of node {command.node.name} did not fetch the command within "
+                f"{older_than_seconds * max_attempts:g} s"
+            )
+        else:
+            if now - command.delivered_at < timedelta(seconds=older_than_seconds + timeout):
+                continue
+            if command.attempts < max_attempts:
+                # Offered again, even to the same agent session: its result may have been lost.
+                AgentCommand.objects.filter(pk=command.pk, status=CommandStatus.QUEUED).update(
+                    delivered_to=""
+                )
+                delivery.wake(command.node_id)
+                count += 1
+                continue
+            detail = (
+                f"no result from the agent of node {command.node.name} after "
+                f"{command.attempts} deliveries"
+            )
+        record_command_result(command, status=CommandStatus.EXPIRED, detail=detail, output={})
+        count += 1
+    return count

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -11,14 +9,11 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from controlplane.core import audit
+from controlplane.core.models import Clock
+from controlplane.inventory import signals
 from controlplane.inventory.choices import NodeStatus
 from controlplane.inventory.models import Accelerator, CpuTopology, Heartbeat, Node, NumaNode
-
-
-def inventory_hash(payload: dict[str, Any]) -> str:
-    """A stable hash of the hardware an agent reported (live readings excluded)."""
-    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+from syshax.common.inventory import inventory_hash
 
 
 def apply_inventory(node: Node, payload: dict[str, Any], *, acting_user: Any) -> bool:
@@ -102,7 +97,8 @@ def record_heartbeat(node: Node, payload: dict[str, Any]) -> Node:
         came_back = _mark_seen(node, now)
         if came_back:
             audit.record("node.online", node, acting_user="agent")
-            transaction.on_commit(lambda: _node_came_back(node.pk))
+            node_id = node.pk
+            transaction.on_commit(lambda: signals.node_returned.send(Node, node_id=node_id))
     return node
 
 
@@ -167,13 +163,6 @@ def _mark_seen(node: Node, now: datetime) -> bool:
 _RETURNING = (NodeStatus.PENDING, NodeStatus.OFFLINE)
 
 
-def _node_came_back(node_id: int) -> None:
-    # Deployments learn of a returning node through the deployments app's reconciler.
-    from controlplane.deployments import tasks as deployment_tasks
-
-    deployment_tasks.reconcile_node.delay(node_id)
-
-
 def _listening_long_enough(now: datetime, grace: timedelta) -> bool:
     """Whether the control plane has been up to hear heartbeats for a whole grace period.
 
@@ -182,8 +171,6 @@ def _listening_long_enough(now: datetime, grace: timedelta) -> bool:
     nodes could not be heard, so each gets a fresh grace period from now before it is judged.
     An agent that backed off while we were down (up to 30 s) is not marked lost for our outage.
     """
-    from controlplane.core.models import Clock
-
     last = Clock.objects.filter(name="reaper-ran").values_list("at", flat=True).first()
     Clock.objects.update_or_create(name="reaper-ran", defaults={"at": now})
     if last is None or now - last > grace:
@@ -210,9 +197,7 @@ def mark_lost_nodes() -> list[int]:
             if changed:
                 node = Node.objects.get(pk=node_id)
                 audit.record("node.offline", node, acting_user="reaper")
-                from controlplane.deployments.services import mark_node_deployments_unknown
-
-                mark_node_deployments_unknown(node)
+                signals.node_lost.send(Node, node=node)
                 lost.append(node_id)
     return lost
 

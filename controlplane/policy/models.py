@@ -9,7 +9,7 @@ from django.db import models
 
 from controlplane.core.models import TimeStampedModel
 from controlplane.policy.choices import DeciderAlgorithm, PolicyMode
-from syshax.policy_schema import KNOBS, PolicyError, validate_knobs
+from syshax.common.policy_schema import KNOBS, PolicyError, validate_knobs
 
 KNOB_NAMES = tuple(knob.name for knob in KNOBS)
 
@@ -27,7 +27,7 @@ def _range(name: str) -> list[Any]:
 class SchedulingPolicy(TimeStampedModel):
     """The live PD knobs routers apply. Every change is a PolicyRevision (see services.py).
 
-    The knob fields mirror ``syshax.policy_schema.PolicyKnobs``; a test pins that they agree.
+    The knob fields mirror ``syshax.common.policy_schema.PolicyKnobs``; a test pins that they agree.
     """
 
     name = models.SlugField(max_length=64, unique=True, default="default")

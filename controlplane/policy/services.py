@@ -8,7 +8,7 @@ from django.db import transaction
 
 from controlplane.core import audit
 from controlplane.policy.models import KNOB_NAMES, PolicyRevision, SchedulingPolicy
-from syshax.policy_schema import PolicyError, validate_knobs
+from syshax.common.policy_schema import PolicyError, validate_knobs
 
 
 class NothingChanged(PolicyError):

@@ -13,7 +13,7 @@ from controlplane.deployments.choices import DeploymentState
 from controlplane.deployments.models import Deployment
 from controlplane.inventory.models import Heartbeat
 from controlplane.routers.models import RouterInstance, RouterStatsSample
-from syshax.errors import FieldError
+from syshax.common.errors import FieldError
 
 
 class RouterNameTaken(FieldError):
@@ -100,9 +100,7 @@ def routable_deployments() -> list[dict[str, Any]]:
             "gpu_url": d.gpu_endpoint,
             "cpu_url": d.cpu_endpoint,
             # The CPU engine's own --max-num-seqs: the router admits no more CPU decodes.
-            "cpu_max_num_seqs": d.profile.cpu_max_batch_size
-            if d.profile.enable_cpu_engine
-            else None,
+            "cpu_max_num_seqs": d.profile.cpu_max_num_seqs if d.profile.enable_cpu_engine else None,
             "telemetry": _telemetry(d),
         }
         for d in rows

@@ -208,7 +208,9 @@ if _broker:
 else:
     for sub in ("queue", "processed", "results", "control"):
         (CELERY_DATA_DIR / sub).mkdir(parents=True, exist_ok=True)
-    CELERY_BROKER_URL = "syshaxfs://"  # syshax/broker.py: kombu's folder layout, atomic writes
+    CELERY_BROKER_URL = (
+        "syshaxfs://"  # controlplane/core/broker.py: kombu's folder layout, atomic writes
+    )
     CELERY_RESULT_BACKEND = f"file://{CELERY_DATA_DIR / 'results'}"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(CELERY_DATA_DIR / "queue"),
@@ -230,7 +232,13 @@ CELERY_TASK_DEFAULT_QUEUE = "controlplane"
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_TIMEZONE = TIME_ZONE
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-CELERY_TASK_ROUTES = {"syshax.agent.*": {"queue": "agents"}}
+# Benchmarks run for minutes on a queue and worker of their own, so they never hold up a
+# deploy step (`syshax worker --queues benchmarks`; docs/deployment.md).
+BENCHMARK_QUEUE = "benchmarks"
+CELERY_TASK_ROUTES = {
+    "syshax.agent.*": {"queue": "agents"},
+    "benchmarks.*": {"queue": BENCHMARK_QUEUE},
+}
 # Housekeeping; beat writes these into django-celery-beat's tables, where admins can see them.
 CELERY_BEAT_SCHEDULE = {
     "reap-lost-nodes": {

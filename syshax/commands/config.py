@@ -7,6 +7,9 @@ the local control plane's database directly and exports the policy to the file a
 ``router_port``, ...) are set in the local ``syshax.env`` (syshax/commands/localconfig.py).
 """
 
+# lazy imports: a verb loads Django and the parts it drives only when it runs, after the
+# settings are chosen, so every other verb starts fast and never needs a database.
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +28,7 @@ from syshax.commands.localconfig import (
     resolve,
     set_in_file,
 )
-from syshax.policy_schema import KNOBS, PolicyError, coerce_value
+from syshax.common.policy_schema import KNOBS, PolicyError, coerce_value
 
 # The documents' CLI names, mapped to the knobs they set.
 ALIASES = {"auto_pd_offload": "enable_auto_pd_offload"}

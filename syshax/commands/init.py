@@ -7,6 +7,9 @@ plane's database, creates the default scheduling policy and exports it to
 database up to date, so it is always safe.
 """
 
+# lazy imports: a verb loads Django and the parts it drives only when it runs, after the
+# settings are chosen, so every other verb starts fast and never needs a database.
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +19,7 @@ import sys
 from pathlib import Path
 
 from syshax.commands.localconfig import LOCAL_KEYS, LocalConfigError, resolve
-from syshax.supervisor import write_text_atomic
+from syshax.common.files import write_text_atomic
 
 TEMPLATE = """\
 # syshax local configuration, written by `syshax init`. The control plane, `syshax config` and

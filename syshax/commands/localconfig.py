@@ -9,6 +9,9 @@ to ``<var>/policy.json``, the file a standalone ``syshax run`` router watches, s
 reaches a running router within a second.
 """
 
+# lazy imports: a verb loads Django and the parts it drives only when it runs, after the
+# settings are chosen, so every other verb starts fast and never needs a database.
+
 from __future__ import annotations
 
 import json
@@ -21,7 +24,7 @@ from urllib.parse import urlsplit
 
 from controlplane.deployments.choices import PdProtocol
 from controlplane.settings.env import find_env_file, parse_env_file
-from syshax.supervisor import write_text_atomic
+from syshax.common.files import write_text_atomic
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 POLICY_FILE_NAME = "policy.json"

@@ -6,6 +6,9 @@ container:<gpu>`` (controlplane/deployments/render.py). ``syshax profile list`` 
 profiles. Uses the local control plane's database, as ``syshax config`` does.
 """
 
+# lazy imports: a verb loads Django and the parts it drives only when it runs, after the
+# settings are chosen, so every other verb starts fast and never needs a database.
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from controlplane.deployments.models import DeploymentProfile
     from controlplane.deployments.render import render_profile
     from controlplane.inventory.models import Node
-    from syshax.errors import FieldError
+    from syshax.common.errors import FieldError
 
     if args.verb == "list":
         profiles = list(DeploymentProfile.objects.order_by("name"))

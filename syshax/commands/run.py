@@ -11,6 +11,9 @@ It reads what ``syshax init`` wrote and ``syshax config`` changed (syshax/comman
   environment, never its command line.
 """
 
+# lazy imports: a verb loads Django and the parts it drives only when it runs, after the
+# settings are chosen, so every other verb starts fast and never needs a database.
+
 from __future__ import annotations
 
 import argparse

@@ -7,6 +7,9 @@ Ctrl-C stops the deployment through the workflow, then every process, and leaves
 behind. Running it again reuses the state under var/.
 """
 
+# lazy imports: a verb loads Django and the parts it drives only when it runs, after the
+# settings are chosen, so every other verb starts fast and never needs a database.
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +25,7 @@ from types import FrameType
 
 import httpx
 
-from syshax.supervisor import Supervisor, python_argv, wait_until
+from syshax.common.supervisor import Supervisor, python_argv, wait_until
 
 # How often ``syshax up`` polls while it waits for a child or the deployment.
 POLL_S = 0.3
@@ -113,9 +116,14 @@ class Stack:
             python_argv("web", "--bind", f"{self.args.host}:{self.args.port}", "--no-migrate"),
             env,
         )
-        # The worker sends the router's key with the benchmark runs it executes.
+        # The benchmark worker sends the router's key with the runs it executes.
         key = {"ROUTER_API_KEY": self.router_api_key} if self.router_api_key else {}
-        self.sup.start("worker", python_argv("worker", "--concurrency", "2"), {**env, **key})
+        self.sup.start("worker", python_argv("worker", "--concurrency", "2"), env)
+        self.sup.start(
+            "benchmarks",
+            python_argv("worker", "--queues", "benchmarks", "--concurrency", "1"),
+            {**env, **key},
+        )
         self.sup.start("beat", python_argv("beat"), env)
         self.wait_http(f"{self.base}/api/v1/health", "the web app")
 

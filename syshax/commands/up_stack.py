@@ -2,6 +2,9 @@
 deployment of simulated engines, and waiting for them. Uses the ORM and the same services the
 API and admin use; nothing here bypasses the workflow."""
 
+# lazy imports: a verb loads Django and the parts it drives only when it runs, after the
+# settings are chosen, so every other verb starts fast and never needs a database.
+
 from __future__ import annotations
 
 import json
@@ -12,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from syshax.supervisor import write_text_atomic
+from syshax.common.files import write_text_atomic
 
 if TYPE_CHECKING:
     from controlplane.deployments.models import DeploymentProfile

@@ -1,3 +1,6 @@
+# lazy imports: a verb loads Django and the parts it drives only when it runs, after the
+# settings are chosen, so every other verb starts fast and never needs a database.
+
 from __future__ import annotations
 
 import argparse

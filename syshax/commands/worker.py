@@ -1,3 +1,6 @@
+# lazy imports: a verb loads Django and the parts it drives only when it runs, after the
+# settings are chosen, so every other verb starts fast and never needs a database.
+
 from __future__ import annotations
 
 import argparse
@@ -6,7 +9,11 @@ import os
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=2)
-    parser.add_argument("--queues", default="controlplane")
+    parser.add_argument(
+        "--queues",
+        default="controlplane",
+        help="comma-separated queues: controlplane (deploys, housekeeping) or benchmarks",
+    )
     parser.add_argument("--loglevel", default="INFO")
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from syshax.common.policy_schema import PolicyKnobs
+from syshax.common.presets import GIB, device_preset, model_preset
 from syshax.hetero.virtual import Request, RunStats, VirtualDeployment
 from syshax.loadgen.goodput import GoodputSearch, RatePoint
 from syshax.loadgen.scenarios import Scenario
 from syshax.loadgen.stats import SLO
-from syshax.policy_schema import PolicyKnobs
 from syshax.sim.engine import EngineConfig, plan_capacity
 from syshax.sim.perfmodel import (
     bind_cpu,
@@ -22,7 +23,6 @@ from syshax.sim.perfmodel import (
     effective_hardware,
     prefill_time,
 )
-from syshax.sim.presets import GIB, device_preset, model_preset
 
 MODES = ("gpu", "cpu", "hetero", "syshax-threshold")
 # The policy's CPU latency SLO as a share of the benchmark's TPOT SLO. 0.9 (room for the KV

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 from router.decide import Decision, Loads, Route, decide, decide_next_chunk, fit_itl_slope
 from router.engine_metrics import UNAVAILABLE, DeviceLoad, EngineSample, derive_load, device_load
+from syshax.common.policy_schema import PolicyKnobs
 from syshax.loadgen.workload import arrival_offsets
-from syshax.policy_schema import PolicyKnobs
 from syshax.sim.engine import EngineConfig, build_scheduler, plan_capacity
 from syshax.sim.perfmodel import effective_hardware, kv_copy_time
 from syshax.sim.scheduler import BatchScheduler, FinishReason, Sequence, Step

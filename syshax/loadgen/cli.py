@@ -23,6 +23,7 @@ from syshax.loadgen.client import (
     discover_model,
     make_session,
 )
+from syshax.loadgen.controlplane import ControlPlane, ControlPlaneError
 from syshax.loadgen.goodput import (
     DEFAULT_ATTAINMENT,
     DEFAULT_BISECTIONS,
@@ -158,7 +159,6 @@ def run(args: argparse.Namespace) -> int:
                 f"--deployment needs a control plane: set {CONTROL_PLANE_ENV} or "
                 "--control-plane URL, or benchmark a URL with --target"
             )
-        from syshax.loadgen.controlplane import ControlPlane, ControlPlaneError
 
         control = ControlPlane(args.control_plane, args.token)
         try:

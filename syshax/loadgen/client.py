@@ -21,7 +21,7 @@ from syshax.loadgen.wire import ConnectionPool, WireError, post
 from syshax.loadgen.workload import RequestSpec
 
 APIS = ("completions", "chat")
-# Asks a router to pin this request to one mode (a syshax.policy_schema MODES value).
+# Asks a router to pin this request to one mode (a syshax.common.policy_schema MODES value).
 FORCED_MODE_HEADER = "X-Syshax-Mode"
 # The router answers with the route it chose (router/flow.py); recorded per request.
 DECISION_HEADER = "X-Syshax-Route"

@@ -11,8 +11,8 @@ from typing import Any
 
 import aiohttp
 
-from syshax.policy_schema import PolicyKnobs
-from syshax.supervisor import ChildStartError, ReadyChild, python_argv
+from syshax.common.policy_schema import PolicyKnobs
+from syshax.common.supervisor import ChildStartError, ReadyChild, python_argv
 
 DEFAULT_MODEL = "deepseek-r1-distill-qwen-32b"
 

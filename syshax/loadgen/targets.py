@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from syshax.common.policy_schema import MODES as POLICY_MODES
 from syshax.loadgen.client import FORCED_MODE_HEADER
-from syshax.policy_schema import MODES as POLICY_MODES
 
 BENCHMARK_MODES = ("cpu", "gpu", "hetero")  # MISSION.md's order: CPU, GPU, hetero
 MODE_CHOICES = (*BENCHMARK_MODES, "all")

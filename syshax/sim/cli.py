@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from syshax.sim.presets import DEVICES, MODELS
+from syshax.common.presets import DEVICES, MODELS
 
 log = logging.getLogger("syshax.sim")
 
@@ -179,11 +179,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    # Imported here so --help stays instant.
+    # lazy: --help and the flag checks above stay instant (the engine loads numpy, aiohttp)
+    from syshax.common.presets import device_preset, model_preset
     from syshax.sim.connector import parse_kv_transfer_config
     from syshax.sim.engine import EngineConfig
     from syshax.sim.perfmodel import bind_cpu
-    from syshax.sim.presets import device_preset, model_preset
     from syshax.sim.server import ServerSettings, serve
 
     preset = device_preset(args.device)

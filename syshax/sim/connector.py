@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from syshax.sim.presets import ModelPreset
+from syshax.common.presets import ModelPreset
 
 CONNECTOR_NAME = "SyshaxShmConnector"
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")

@@ -17,6 +17,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from syshax.common.presets import GIB, DevicePreset, ModelPreset
 from syshax.sim.perfmodel import (
     EffectiveHardware,
     device_memory_total_bytes,
@@ -24,7 +25,6 @@ from syshax.sim.perfmodel import (
     effective_hardware,
     kv_capacity_bytes,
 )
-from syshax.sim.presets import GIB, DevicePreset, ModelPreset
 from syshax.sim.scheduler import BatchScheduler, SchedulerConfig, Sequence
 from syshax.sim.stats import BusyMeter, EngineStats, RequestRing
 from syshax.sim.timer import PreciseTimer

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from syshax.common.presets import DevicePreset, ModelPreset
 from syshax.sim import kvshm
 from syshax.sim.connector import Connector, SegmentError
 from syshax.sim.perfmodel import kv_copy_time
-from syshax.sim.presets import DevicePreset, ModelPreset
 from syshax.sim.protocol import ApiError, ParsedRequest
 
 log = logging.getLogger("syshax.sim")

@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from syshax.sim.presets import GIB, DevicePreset, ModelPreset
+from syshax.common.presets import GIB, DevicePreset, ModelPreset
 
 # A GPU engine keeps this much memory for activations, CUDA graphs and the allocator; vLLM's
 # profiling run typically finds 1-3 GiB for a 7-32B model at max_num_seqs 256.

@@ -20,8 +20,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from syshax.common.presets import ModelPreset
 from syshax.sim.perfmodel import EffectiveHardware, kv_copy_time, step_time
-from syshax.sim.presets import ModelPreset
 from syshax.sim.tokens import CONTEXT_WINDOW, TokenModel
 
 

@@ -17,7 +17,8 @@ from typing import Any, Literal
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from syshax import __version__
+from syshax.common import __version__
+from syshax.common.files import write_ready_file
 from syshax.sim import kvshm, responses
 from syshax.sim.connector import Connector, ConnectorConfig
 from syshax.sim.engine import EngineConfig, SimEngine
@@ -436,9 +437,7 @@ async def serve(
         bound,
     )
     if ready_file is not None:
-        tmp = ready_file.with_name(ready_file.name + ".tmp")
-        tmp.write_text(f"{bound}\n")
-        tmp.replace(ready_file)
+        write_ready_file(ready_file, bound)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

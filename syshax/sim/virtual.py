@@ -10,9 +10,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, replace
 
+from syshax.common.presets import DevicePreset
 from syshax.sim.engine import EngineConfig, build_scheduler, plan_capacity
 from syshax.sim.perfmodel import effective_hardware
-from syshax.sim.presets import DevicePreset
 from syshax.sim.scheduler import Sequence
 from syshax.sim.tokens import TokenModel
 

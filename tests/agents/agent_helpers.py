@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from syshax.supervisor import free_port
+from syshax.common.supervisor import free_port
 
 
 def http_engine_spec(root: Path, **extra: Any) -> dict[str, Any]:

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from agents.affinity import (
+from agents.discovery import read_topology
+from syshax.common.affinity import (
     AffinityError,
     AffinityRequest,
     Topology,
@@ -16,7 +17,6 @@ from agents.affinity import (
     spread_evenly,
     topology_from_inventory,
 )
-from agents.discovery import read_topology
 
 KUNPENG = Topology.uniform(numa_nodes=4, cores_per_node=40)  # Kunpeng 920 7280Z
 XEON = Topology.uniform(numa_nodes=2, cores_per_node=56, threads_per_core=2)  # 2x56c SMT2

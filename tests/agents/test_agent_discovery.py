@@ -10,17 +10,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agents.affinity import AffinityRequest, plan_affinity
 from agents.discovery import (
     CardLoad,
     ascend_accelerators,
     collect_heartbeat,
     collect_inventory,
     cpu_model_and_flags,
-    inventory_hash,
     parse_simulated,
     read_topology,
 )
+from syshax.common.affinity import AffinityRequest, plan_affinity
+from syshax.common.inventory import inventory_hash
 
 KUNPENG_CPUINFO = "".join(
     f"processor\t: {i}\nBogoMIPS\t: 200.00\n"

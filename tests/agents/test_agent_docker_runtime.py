@@ -14,9 +14,9 @@ import pytest
 from agent_helpers import IMAGE, free_port, host_mounts, http_engine_spec
 
 from agents.commands import CommandExecutor
-from agents.runtimes import EngineRuntimeError
-from agents.runtimes.dockerapi import DockerRuntime, container_kwargs
-from agents.specs import EngineSpec, SpecPolicy, kv_connector_dir
+from agents.runtimes.dockerapi import DockerRuntime
+from syshax.common.containers import container_kwargs
+from syshax.common.engine_spec import EngineSpec, SpecError, SpecPolicy, kv_connector_dir
 
 
 def mounted(*extra: Path) -> SpecPolicy:
@@ -117,7 +117,7 @@ def test_a_kv_connector_spec_mounts_the_connector_and_puts_it_on_pythonpath() ->
     assert plain["environment"]["PYTHONPATH"] == "/opt/syshax/kvconnector"
     without = container_kwargs("n", EngineSpec.from_dict({"command": ["vllm"]}), {}, "gpu", None)
     assert without["mounts"] == [] and "PYTHONPATH" not in without["environment"]
-    with pytest.raises(EngineRuntimeError, match="kv_connector"):
+    with pytest.raises(SpecError, match="kv_connector"):
         container_kwargs("n", spec, {}, "gpu", None)
 
 
@@ -316,7 +316,7 @@ def test_rendered_docker_run_lines_make_the_containers_the_agent_makes(
     import shutil
     import subprocess
 
-    from agents.runtimes.dockerapi import docker_run_argv
+    from syshax.common.containers import docker_run_argv
 
     docker = shutil.which("docker")
     assert docker, "the docker CLI is needed to run the rendered lines"

@@ -24,8 +24,8 @@ from agents.runtimes.dockerapi import DockerRuntime
 from agents.runtimes.process import ProcessRuntime
 from controlplane.access.models import MachineCredential
 from controlplane.deployments import services
-from controlplane.deployments.delivery import expire_stale_commands
 from controlplane.deployments.models import AgentCommand, Deployment, DeploymentProfile
+from controlplane.deployments.workflow import expire_stale_commands
 from controlplane.inventory.models import Node
 from controlplane.inventory.services import mark_lost_nodes
 from tests.support.controlplane import child_env, running, syshax, wait_until

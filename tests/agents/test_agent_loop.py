@@ -23,7 +23,7 @@ from standin_control_plane import StandInControlPlane
 
 from agents.client import ApiError, ControlPlaneClient, Unreachable, backoff_delay
 from agents.commands import probe
-from syshax.supervisor import wait_until
+from syshax.common.supervisor import wait_until
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:

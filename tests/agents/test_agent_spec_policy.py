@@ -11,7 +11,7 @@ from agents.cli import build_config
 from agents.commands import CommandExecutor
 from agents.main import Agent
 from agents.runtimes.process import ProcessRuntime
-from agents.specs import EngineSpec, SpecError, SpecPolicy
+from syshax.common.engine_spec import EngineSpec, SpecError, SpecPolicy
 
 
 def spec(**fields: object) -> EngineSpec:

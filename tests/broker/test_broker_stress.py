@@ -25,7 +25,7 @@ def test_a_half_written_message_is_never_read(tmp_path: Path) -> None:
     folder while a put is in progress finds nothing to take."""
     from kombu import Connection
 
-    import syshax.broker
+    import controlplane.core.broker
 
     for sub in ("queue", "processed", "control"):
         (tmp_path / sub).mkdir()
@@ -37,20 +37,20 @@ def test_a_half_written_message_is_never_read(tmp_path: Path) -> None:
     }
     with Connection("syshaxfs://", transport_options=options) as conn:
         channel = conn.default_channel
-        assert isinstance(channel, syshax.broker.Channel)
-        real_replace = syshax.broker.os.replace
+        assert isinstance(channel, controlplane.core.broker.Channel)
+        real_replace = controlplane.core.broker.os.replace
         seen_while_writing: list[list[str]] = []
 
         def replace_and_look(src: str, dst: str) -> None:
             seen_while_writing.append(sorted(p.name for p in (tmp_path / "queue").iterdir()))
             real_replace(src, dst)
 
-        syshax.broker.os.replace = replace_and_look  # type: ignore[assignment]
+        controlplane.core.broker.os.replace = replace_and_look  # type: ignore[assignment]
         try:
             queue = conn.SimpleQueue("q")
             queue.put({"n": 1})
         finally:
-            syshax.broker.os.replace = real_replace  # type: ignore[assignment]
+            controlplane.core.broker.os.replace = real_replace  # type: ignore[assignment]
         (before,) = seen_while_writing
         assert all(name.startswith(".") for name in before), before  # only the staging file
         assert queue.get(timeout=2).payload == {"n": 1}

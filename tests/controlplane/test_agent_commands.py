@@ -17,7 +17,7 @@ from django.db import connections
 from django.utils import timezone
 
 from controlplane.access.models import MachineCredential
-from controlplane.deployments import delivery
+from controlplane.deployments import delivery, workflow
 from controlplane.deployments.models import AgentCommand
 from controlplane.deployments.workflow import advance
 
@@ -165,7 +165,7 @@ def test_stale_commands_are_offered_again_then_expire(node, agent_client) -> Non
     AgentCommand.objects.filter(pk=never_fetched.pk).update(delivered_at=None, attempts=0)
     AgentCommand.objects.filter(pk=fetched.pk).update(delivered_at=old)
 
-    assert delivery.expire_stale_commands(older_than_seconds=60, max_attempts=2) == 2
+    assert workflow.expire_stale_commands(older_than_seconds=60, max_attempts=2) == 2
     never_fetched.refresh_from_db()
     assert never_fetched.status == "expired"
     assert "did not fetch the command within 120 s" in never_fetched.detail
@@ -175,7 +175,7 @@ def test_stale_commands_are_offered_again_then_expire(node, agent_client) -> Non
     assert again["dispatch_id"] == str(fetched.dispatch_id) and again["attempt"] == 2
 
     AgentCommand.objects.filter(pk=fetched.pk).update(delivered_at=old)
-    assert delivery.expire_stale_commands(older_than_seconds=60, max_attempts=2) == 1
+    assert workflow.expire_stale_commands(older_than_seconds=60, max_attempts=2) == 1
     fetched.refresh_from_db()
     assert fetched.status == "expired"
     assert "no result from the agent of node node-a after 2 deliveries" in fetched.detail

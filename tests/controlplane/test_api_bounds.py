@@ -179,3 +179,23 @@ def test_an_inventory_of_more_than_1024_cards_is_refused(agent_client, node) -> 
     response = agent_client.put(f"/api/v1/nodes/{node.pk}/inventory/", inventory, format="json")
     assert response.status_code == 400
     assert error(response).startswith("accelerators: Ensure this field has no more than 1024")
+
+
+def test_a_profile_sets_its_cpu_engine_limit_as_cpu_max_num_seqs(
+    admin_client, make_profile
+) -> None:
+    profile = make_profile()
+    url = f"/api/v1/profiles/{profile.pk}/"
+    # The old name is the policy's knob now: refused by name, never silently ignored.
+    response = admin_client.patch(url, {"cpu_max_batch_size": 4}, format="json")
+    assert response.status_code == 400
+    fields = response.json()["error"]["fields"]
+    assert "cpu_max_num_seqs" in fields["cpu_max_batch_size"][0]
+    response = admin_client.patch(url, {"cpu_max_num_seqs": 0}, format="json")
+    assert response.status_code == 400
+    assert "cpu_max_num_seqs" in response.json()["error"]["fields"]
+    response = admin_client.patch(url, {"cpu_max_num_seqs": 4}, format="json")
+    assert response.status_code == 200, response.content
+    assert response.json()["cpu_max_num_seqs"] == 4
+    profile.refresh_from_db()
+    assert profile.cpu_max_num_seqs == 4

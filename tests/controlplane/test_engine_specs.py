@@ -12,7 +12,6 @@ from django.contrib import admin
 from django.forms.models import model_to_dict
 from django.test import RequestFactory
 
-from agents.specs import EngineSpec
 from controlplane.deployments.models import Deployment, DeploymentProfile
 from controlplane.deployments.services import placement_plan
 from controlplane.deployments.specs import engine_spec
@@ -22,10 +21,11 @@ from router.decide import Loads, Route, decide
 from router.engine_metrics import DeviceLoad
 from router.state import Deployment as RoutedDeployment
 from router.state import DeploymentSpec
-from syshax.policy_schema import PolicyKnobs
+from syshax.common.engine_spec import EngineSpec
+from syshax.common.policy_schema import PolicyKnobs
+from syshax.common.presets import DEVICES, DevicePreset, device_preset
 from syshax.sim.cli import add_arguments as sim_arguments
 from syshax.sim.perfmodel import bind_cpu
-from syshax.sim.presets import DEVICES, DevicePreset, device_preset
 
 PLAN = {
     "cpuset": "2-7",
@@ -69,7 +69,7 @@ def test_upstream_vllm_gets_v1_flags_the_kv_connector_and_its_thread_binding(
         }
         assert spec["kv_connector"] is True
         assert EngineSpec.from_dict(spec).kv_connector is True  # the agent reads it back
-    assert flag(cpu["args"], "--max-num-seqs") == "8"  # the profile's cpu_max_batch_size
+    assert flag(cpu["args"], "--max-num-seqs") == "8"  # the profile's cpu_max_num_seqs
     env = cpu["env"]
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "2-3,4-7" and env["OMP_NUM_THREADS"] == "6"
     assert "CUSTOM_CPU_AFFINITY" not in env
@@ -236,7 +236,7 @@ def test_the_routing_payload_carries_the_cpu_engines_limit_and_the_router_caps_a
 ) -> None:
     make_deployment(
         node=node,
-        profile=make_profile(cpu_max_batch_size=4),
+        profile=make_profile(cpu_max_num_seqs=4),
         state="running",
         gpu_endpoint="http://127.0.0.1:7001",
         cpu_endpoint="http://127.0.0.1:7002",

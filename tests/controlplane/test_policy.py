@@ -4,7 +4,7 @@ import pytest
 
 from controlplane.policy import services
 from controlplane.policy.models import KNOB_NAMES, SchedulingPolicy
-from syshax.policy_schema import KNOBS, PolicyError, PolicyKnobs
+from syshax.common.policy_schema import KNOBS, PolicyError, PolicyKnobs
 
 
 def test_model_fields_and_the_shared_schema_agree(db) -> None:

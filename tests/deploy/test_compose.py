@@ -25,7 +25,16 @@ ENV_EXAMPLE = {
 
 
 def test_the_services_of_a_cluster_are_all_there() -> None:
-    assert set(SERVICES) == {"postgres", "redis", "web", "worker", "beat", "router", "agent"}
+    assert set(SERVICES) == {
+        "postgres",
+        "redis",
+        "web",
+        "worker",
+        "benchmarks",
+        "beat",
+        "router",
+        "agent",
+    }
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
@@ -42,12 +51,12 @@ def test_redis_persists_with_append_only_and_postgres_has_a_volume() -> None:
 
 
 def test_the_app_services_get_the_settings_they_need() -> None:
-    for name in ("web", "worker", "beat", "router", "agent"):
+    for name in ("web", "worker", "benchmarks", "beat", "router", "agent"):
         env = SERVICES[name]["environment"]
         assert env["DJANGO_SETTINGS_MODULE"] == "controlplane.settings.production"
         assert SERVICES[name]["env_file"] == "${APP_ENV_FILE:-.env}"
         assert SERVICES[name]["depends_on"]
-    for name in ("web", "worker", "beat"):  # on the compose network, by service name
+    for name in ("web", "worker", "benchmarks", "beat"):  # on the compose network, by name
         env = SERVICES[name]["environment"]
         assert (
             env["DATABASE_URL"].startswith("postgres://")
@@ -110,7 +119,7 @@ def test_health_checks_are_single_shell_strings() -> None:
 
 def test_the_tokens_may_be_empty_until_issued() -> None:
     # Compose interpolates every service, even those not started: a required ROUTER_TOKEN would
-    # stop the documented first start (`up -d postgres redis web worker beat`).
+    # stop the documented first start (`up -d postgres redis web worker benchmarks beat`).
     text = (ROOT / "docker-compose.yml").read_text()
     assert "${ROUTER_TOKEN:-}" in text and "${AGENT_TOKEN:-}" in text
     assert "${ROUTER_TOKEN:?" not in text and "${AGENT_TOKEN:?" not in text

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SETUP = ROOT / "scripts" / "compose_setup.sh"
 IMAGE = "syshax-controlplane:latest"
 MODEL = "deepseek-r1-distill-qwen-32b"
-CONTROL_PLANE = ("postgres", "redis", "web", "worker", "beat")
+CONTROL_PLANE = ("postgres", "redis", "web", "worker", "benchmarks", "beat")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 
@@ -424,7 +424,7 @@ def test_compose_brings_the_stack_up_serves_completions_and_recovers() -> None:
         try:
             with stages.stage("build the project image"):
                 compose("build", "--force-rm", "web", timeout=1800)
-            with stages.stage("up postgres redis web worker beat (healthy)"):
+            with stages.stage("up postgres redis web worker benchmarks beat (healthy)"):
                 compose("up", "-d", *CONTROL_PLANE, timeout=600)
                 wait_for(all_healthy(CONTROL_PLANE), 300, "the control plane's health checks")
 

@@ -130,8 +130,8 @@ def test_ratio_and_chart_of_two_modes() -> None:
 
 
 def test_router_knobs_for_fast_simulators_scale_only_the_routers_own_clocks() -> None:
+    from syshax.common.policy_schema import PolicyKnobs
     from syshax.loadgen.simproc import SPEED_SCALED_KNOBS, knob_flags_for_speed
-    from syshax.policy_schema import PolicyKnobs
 
     flags = knob_flags_for_speed(PolicyKnobs(cpu_decode_slo_ms=90.0), 4.0)
     pairs = dict(zip(flags[::2], flags[1::2], strict=True))

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from syshax.supervisor import free_port
+from syshax.common.supervisor import free_port
 from tests.realengine.sim_env import SimEngine
 from tests.realengine.vllm_env import (
     EngineProcess,

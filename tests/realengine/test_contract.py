@@ -21,7 +21,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from syshax.supervisor import ReadyChild, free_port, python_argv
+from syshax.common.supervisor import ReadyChild, free_port, python_argv
 from tests.realengine import vllm_env
 
 pytestmark = pytest.mark.timeout(1200)

@@ -18,7 +18,7 @@ from router.decide import (
     token_limit,
 )
 from router.engine_metrics import UNAVAILABLE, DeviceLoad
-from syshax.policy_schema import PolicyKnobs
+from syshax.common.policy_schema import PolicyKnobs
 
 IDLE_GPU = DeviceLoad(True, 0, 0, 5.0, 0.0, None)
 IDLE_CPU = DeviceLoad(True, 0, 0, 0.0, 0.0, None)

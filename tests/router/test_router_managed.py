@@ -208,7 +208,7 @@ def test_state_cache_restores_only_valid_state(tmp_path: Path) -> None:
 
     from router.managed import ControlPlaneClient, StateCache
     from router.server import Router, ServerConfig
-    from syshax.policy_schema import PolicyKnobs
+    from syshax.common.policy_schema import PolicyKnobs
 
     good = {
         "name": "default",

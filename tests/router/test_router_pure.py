@@ -12,7 +12,7 @@ from router.errors import RouterError
 from router.sse import ChunkBuilder, chunk_parts, event_data, split_events
 from router.state import DeploymentSpec, parse_policy
 from router.validate import check_request, parse_body
-from syshax.policy_schema import PolicyError, PolicyKnobs
+from syshax.common.policy_schema import PolicyError, PolicyKnobs
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -217,7 +217,7 @@ def test_cli_help_lists_every_knob() -> None:
     import argparse
 
     from router.cli import add_arguments, parse_size
-    from syshax.policy_schema import KNOBS
+    from syshax.common.policy_schema import KNOBS
 
     parser = argparse.ArgumentParser(prog="syshax router")
     add_arguments(parser)

@@ -15,7 +15,7 @@ from router_procs import Proc, metric, wait_for
 from test_router_paths import stream_chat
 
 from router.backends import Backend, Timeouts
-from syshax.supervisor import free_port
+from syshax.common.supervisor import free_port
 
 # A vLLM 0.32 engine's gauges and counters, as far as the router reads them.
 METRICS_PAGE = """\

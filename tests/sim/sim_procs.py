@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from syshax.supervisor import ReadyChild, python_argv
+from syshax.common.supervisor import ReadyChild, python_argv
 
 MODEL = "deepseek-r1-distill-qwen-32b"
 

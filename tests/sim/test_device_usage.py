@@ -9,6 +9,7 @@ import httpx
 import pytest
 from sim_procs import MODEL, SimFactory, SimProcess
 
+from syshax.common.presets import DEVICES, GIB, MODELS
 from syshax.sim.perfmodel import (
     decode_step_time,
     device_memory_total_bytes,
@@ -16,7 +17,6 @@ from syshax.sim.perfmodel import (
     effective_hardware,
     prefill_time,
 )
-from syshax.sim.presets import DEVICES, GIB, MODELS
 from syshax.sim.stats import BusyMeter
 
 Q32 = MODELS[MODEL]

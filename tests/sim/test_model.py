@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from syshax.common.presets import DEVICES, GIB, MODELS
 from syshax.sim.engine import EngineConfig, build_scheduler, plan_capacity
 from syshax.sim.perfmodel import (
     bind_cpu,
@@ -16,7 +17,6 @@ from syshax.sim.perfmodel import (
     prefill_time,
     restrict_cpu,
 )
-from syshax.sim.presets import DEVICES, GIB, MODELS
 from syshax.sim.scheduler import FinishReason, SeqStatus, Sequence
 from syshax.sim.tokens import TokenModel
 from syshax.sim.virtual import closed_loop

@@ -9,7 +9,7 @@ import httpx
 from sim_procs import MODEL, SimProcess
 from sim_sse import post_sse
 
-from syshax.sim.presets import MODELS
+from syshax.common.presets import MODELS
 from syshax.sim.tokens import VOCABULARY_SIZE, Tokenizer, TokenModel, decode
 
 PROMPT = "the prefill decode token cache engine router policy node card"

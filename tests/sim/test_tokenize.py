@@ -9,7 +9,7 @@ import httpx
 import pytest
 from sim_procs import MODEL, SimProcess
 
-from syshax.sim.presets import MODELS
+from syshax.common.presets import MODELS
 from syshax.sim.tokens import VOCABULARY_SIZE, Tokenizer
 
 PROMPT = "the prefill decode token cache engine router policy node card"

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from syshax.commands.up_stack import SIM_MODEL
-from syshax.supervisor import free_port
+from syshax.common.supervisor import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

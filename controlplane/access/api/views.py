@@ -7,7 +7,7 @@ from rest_framework.response import Response
 
 from controlplane.access.api.serializers import CredentialSerializer
 from controlplane.access.models import MachineCredential
-from controlplane.core.viewsets import ScopedViewSetMixin
+from controlplane.access.viewsets import ScopedViewSetMixin
 
 
 class CredentialViewSet(

@@ -14,6 +14,7 @@ from rest_framework.serializers import BaseSerializer
 from rest_framework.views import APIView
 
 from controlplane.access.permissions import ScopedPermission
+from controlplane.access.viewsets import ScopedModelViewSet
 from controlplane.benchmarks import analysis, services
 from controlplane.benchmarks.api.serializers import (
     BenchmarkRunSerializer,
@@ -22,7 +23,6 @@ from controlplane.benchmarks.api.serializers import (
 )
 from controlplane.benchmarks.choices import RunStatus
 from controlplane.benchmarks.models import BenchmarkRun, Scenario
-from controlplane.core.viewsets import ScopedModelViewSet
 
 
 class ScenarioViewSet(ScopedModelViewSet):

@@ -13,7 +13,7 @@ from controlplane.dashboard.forms import PolicyForm
 from controlplane.dashboard.views.common import require_perm
 from controlplane.policy import services
 from controlplane.policy.models import KNOB_NAMES, SchedulingPolicy
-from syshax.policy_schema import PolicyError
+from syshax.common.policy_schema import PolicyError
 
 
 def ordered_diff(changed: dict[str, Any]) -> list[tuple[str, Any, Any]]:

@@ -9,7 +9,7 @@ from django.shortcuts import get_object_or_404, render
 from controlplane.deployments.models import DeploymentProfile
 from controlplane.deployments.render import render_profile
 from controlplane.inventory.models import Node
-from syshax.errors import FieldError
+from syshax.common.errors import FieldError
 
 
 @login_required

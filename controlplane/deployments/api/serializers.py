@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -45,6 +46,20 @@ class ProfileSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
             for field in ("gpu_env", "cpu_env"):
                 data[field] = {key: HIDDEN for key in data.get(field) or {}}
         return data
+
+    def to_internal_value(self, data: Any) -> Any:
+        # The field's old name, now the policy knob's alone: refused by name rather than
+        # ignored (a profile would silently keep its old engine limit).
+        if isinstance(data, Mapping) and "cpu_max_batch_size" in data:
+            raise serializers.ValidationError(
+                {
+                    "cpu_max_batch_size": [
+                        "a profile sets the CPU engine's limit as cpu_max_num_seqs; "
+                        "cpu_max_batch_size is the scheduling policy's knob"
+                    ]
+                }
+            )
+        return super().to_internal_value(data)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         # Model.clean() holds the single-row rules; run it on the merged state.

@@ -16,8 +16,8 @@ from rest_framework.views import APIView
 from controlplane.access.models import MachineCredential
 from controlplane.access.permissions import ScopedPermission
 from controlplane.access.principal import MachinePrincipal
+from controlplane.access.viewsets import ScopedModelViewSet, ScopedReadOnlyViewSet
 from controlplane.core.api import Conflict
-from controlplane.core.viewsets import ScopedModelViewSet, ScopedReadOnlyViewSet
 from controlplane.deployments import delivery, services, workflow
 from controlplane.deployments.api.serializers import (
     AgentCommandSerializer,

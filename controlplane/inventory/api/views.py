@@ -16,7 +16,7 @@ from rest_framework.views import APIView
 from controlplane.access.models import MachineCredential
 from controlplane.access.permissions import ScopedPermission
 from controlplane.access.principal import MachinePrincipal
-from controlplane.core.viewsets import ScopedModelViewSet, ScopedReadOnlyViewSet
+from controlplane.access.viewsets import ScopedModelViewSet, ScopedReadOnlyViewSet
 from controlplane.inventory import services
 from controlplane.inventory.api.serializers import (
     AcceleratorSerializer,

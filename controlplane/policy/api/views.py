@@ -12,8 +12,8 @@ from rest_framework.serializers import BaseSerializer
 from rest_framework.views import APIView
 
 from controlplane.access.permissions import ScopedPermission
+from controlplane.access.viewsets import ScopedModelViewSet
 from controlplane.core.api import etag_matches
-from controlplane.core.viewsets import ScopedModelViewSet
 from controlplane.policy import services
 from controlplane.policy.api.serializers import (
     PolicyChangeSerializer,

@@ -11,8 +11,8 @@ from rest_framework.views import APIView
 
 from controlplane.access.permissions import ScopedPermission
 from controlplane.access.principal import MachinePrincipal
+from controlplane.access.viewsets import ScopedReadOnlyViewSet
 from controlplane.core.api import etag_matches
-from controlplane.core.viewsets import ScopedReadOnlyViewSet
 from controlplane.routers import services
 from controlplane.routers.api.serializers import (
     RegisterSerializer,

@@ -36,6 +36,8 @@ from kombu.transport import filesystem as kombu_fs
 from kombu.utils.encoding import bytes_to_str, str_to_bytes
 from kombu.utils.json import dumps, loads
 
+from syshax.common.files import write_bytes_atomic
+
 SCHEME = "syshaxfs"
 CLAIM_SUFFIX = ".claimed"
 
@@ -50,13 +52,9 @@ class Channel(kombu_fs.Channel):
         # Fixed-width nanoseconds first, so names sort in the order they were put.
         name = f"{time.time_ns():020d}_{uuid.uuid4().hex}.{queue}.msg"
         folder = Path(self.data_folder_out)
-        staging = folder / f".{name}.part"
         try:
-            with open(staging, "wb") as handle:
-                handle.write(str_to_bytes(dumps(payload)))
-            os.replace(staging, folder / name)
+            write_bytes_atomic(folder / name, str_to_bytes(dumps(payload)))
         except OSError as exc:
-            staging.unlink(missing_ok=True)
             raise ChannelError(f"Cannot add message {name!r} to {folder}") from exc
 
     def _listing(self, queue: Any) -> list[str]:

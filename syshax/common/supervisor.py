@@ -24,19 +24,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, TypeVar
 
+from syshax.common.files import read_ready_port
+
 T = TypeVar("T")
-
-
-def write_text_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write ``text`` so a reader sees the old file or the whole new one, never half of it:
-    written beside ``path`` under a dot-name, then renamed over it. ``mode`` is the new
-    file's (0o600 for one that holds secrets)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.chmod(tmp, mode)  # O_CREAT's mode is cut by the umask; an existing tmp keeps its own
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -148,19 +138,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def read_ready_port(path: Path) -> int | None:
-    """The port a child wrote to its ready file, or None while it has not yet.
-
-    Writers (``syshax sim``, ``syshax router``) write bare digits and rename into place, so
-    the file is either absent or complete.
-    """
-    try:
-        text = path.read_text().strip()
-    except FileNotFoundError:
-        return None
-    return int(text) if text.isdigit() else None
 
 
 class ChildStartError(RuntimeError):

@@ -20,7 +20,7 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from syshax.errors import FieldError
+from syshax.common.errors import FieldError
 
 MIN_THREAD_RATIO = 1.0
 MAX_THREAD_RATIO = 1.5

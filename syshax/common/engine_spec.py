@@ -1,8 +1,8 @@
-"""The engine ``spec`` of a command (docs/agent.md) and pure builders of it from profile values.
+"""The engine ``spec`` of a command (docs/agent.md): its typed shape and its one validator.
 
-The control plane imports this module to build specs, so it depends only on the standard
-library and on :mod:`agents.affinity` (:func:`kv_connector_dir`, which only the agent calls,
-imports ``syshax.kvconnector`` when it runs).
+The control plane builds specs (controlplane/deployments/specs.py) and the agent validates
+and runs them, both with this module. :func:`kv_connector_dir` imports
+``syshax.kvconnector`` only when called: the control plane may run without it installed.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-from agents.affinity import AffinityPlan
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +259,7 @@ def kv_connector_dir() -> Path:
     """The directory of this node's installed ``syshax_kv_connector.py`` (the agent's own copy:
     the control plane's filesystem may not be this node's)."""
     try:
+        # lazy: only an agent needs the connector, and says so clearly when it is missing
         import syshax.kvconnector
     except ImportError:
         raise SpecError(
@@ -279,7 +278,7 @@ def prepend_python_path(env: Mapping[str, str], directory: str) -> dict[str, str
     return {**env, "PYTHONPATH": os.pathsep.join(p for p in (directory, existing) if p)}
 
 
-# ---------------------------------------------------------------- builders from profile values
+# ---------------------------------------------------------------- KV connector flags
 
 
 def kv_transfer_config(engine_id: str, peer_engine_id: str, shm_dir: str = "/dev/shm") -> str:
@@ -297,107 +296,4 @@ def kv_transfer_config(engine_id: str, peer_engine_id: str, shm_dir: str = "/dev
                 "peer_engine_id": peer_engine_id,
             },
         }
-    )
-
-
-def gpu_engine_args(
-    *,
-    model: str,
-    port: int,
-    tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float = 0.8,
-    max_model_len: int | None = None,
-    preemption_mode: str | None = None,
-    served_model_name: str | None = None,
-    host: str = "0.0.0.0",
-) -> list[str]:
-    """vLLM OpenAI-server args of the GPU engine (``syshax sim`` accepts the same flags).
-
-    ``preemption_mode`` only for sysHAX's patched V0 engine: upstream vLLM V1 refuses it.
-    """
-    args = [
-        "--model",
-        model,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--tensor-parallel-size",
-        str(tensor_parallel_size),
-        "--gpu-memory-utilization",
-        str(gpu_memory_utilization),
-    ]
-    if max_model_len:
-        args += ["--max-model-len", str(max_model_len)]
-    if preemption_mode:
-        args += ["--preemption-mode", preemption_mode]
-    if served_model_name:
-        args += ["--served-model-name", served_model_name]
-    return args
-
-
-def build_gpu_spec(
-    *,
-    image: str,
-    command: Sequence[str],
-    args: Sequence[str],
-    port: int,
-    accelerators: Sequence[Accelerator],
-    shm_size_bytes: int,
-    cpuset: str | None = None,
-    env: Mapping[str, str] | None = None,
-    host: str = "127.0.0.1",
-    health_timeout_seconds: float = 300.0,
-    mounts: Sequence[Mount] = (),
-) -> EngineSpec:
-    return EngineSpec(
-        command=tuple(command),
-        args=tuple(args),
-        image=image,
-        env=dict(env or {}),
-        port=port,
-        host=host,
-        cpuset=cpuset,
-        shm_size_bytes=shm_size_bytes,
-        accelerators=tuple(accelerators),
-        ipc="shareable",
-        health_timeout_seconds=health_timeout_seconds,
-        mounts=tuple(mounts),
-    )
-
-
-def build_cpu_spec(
-    *,
-    image: str,
-    command: Sequence[str],
-    args: Sequence[str],
-    port: int,
-    plan: AffinityPlan,
-    kv_cache_space_gib: int,
-    memory_limit_bytes: int,
-    env: Mapping[str, str] | None = None,
-    host: str = "127.0.0.1",
-    health_timeout_seconds: float = 300.0,
-    mounts: Sequence[Mount] = (),
-    engine: str = "vllm",
-) -> EngineSpec:
-    """The CPU engine: cpuset and thread env (named for the ``engine`` kind) from the affinity
-    plan, in the GPU engine's IPC."""
-    full_env = {
-        **(env or {}),
-        **plan.env(engine),
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib),
-    }
-    return EngineSpec(
-        command=tuple(command),
-        args=tuple(args),
-        image=image,
-        env=full_env,
-        port=port,
-        host=host,
-        cpuset=plan.cpuset,
-        memory_limit_bytes=memory_limit_bytes,
-        ipc="peer",
-        health_timeout_seconds=health_timeout_seconds,
-        mounts=tuple(mounts),
     )

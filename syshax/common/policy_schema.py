@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from syshax.errors import FieldError
+from syshax.common.errors import FieldError
 
 MODES = ("auto", "gpu-only", "cpu-only", "forced-pd")
 ALGORITHMS = ("capacity", "syshax-threshold")
