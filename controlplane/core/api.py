@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
+from django.core.exceptions import (
+    RequestDataTooBig,
+    TooManyFieldsSent,
+    TooManyFilesSent,
+)
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import connection
 from django.db.models import ProtectedError, RestrictedError
@@ -53,9 +59,22 @@ def _in_use(exc: ProtectedError | RestrictedError) -> Conflict:
     return Conflict(f"cannot delete it while it is still used by {uses}")
 
 
+def _body_past_limit(exc: Exception) -> exceptions.ParseError:
+    """Django's refusal of an oversized body, as the client's error naming the limit."""
+    if isinstance(exc, TooManyFieldsSent):
+        limit = f"{settings.DATA_UPLOAD_MAX_NUMBER_FIELDS} form fields"
+    elif isinstance(exc, TooManyFilesSent):
+        limit = f"{settings.DATA_UPLOAD_MAX_NUMBER_FILES} files"
+    else:
+        limit = f"{settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes"
+    return exceptions.ParseError(f"the request body has more than {limit}, the most accepted")
+
+
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """Every API error is ``{"error": {"code", "message", "fields"}}``; never a stack trace."""
-    if isinstance(exc, DjangoValidationError):
+    if isinstance(exc, RequestDataTooBig | TooManyFieldsSent | TooManyFilesSent):
+        exc = _body_past_limit(exc)
+    elif isinstance(exc, DjangoValidationError):
         exc = exceptions.ValidationError(
             exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
         )

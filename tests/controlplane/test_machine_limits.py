@@ -132,3 +132,19 @@ def test_a_benchmark_targets_only_this_fleets_routers_and_engines(
     assert post("http://10.9.0.4:7011").status_code == 400
     settings.BENCHMARK_ALLOWED_TARGETS = ["bench.example:8080"]
     assert post("http://bench.example:8080/v1").status_code == 201
+
+
+def test_a_form_body_past_the_field_limit_is_a_400_naming_the_limit(agent_client, node) -> None:
+    # Django refuses more than DATA_UPLOAD_MAX_NUMBER_FIELDS form fields while DRF parses the
+    # body; that is the client's error, answered in the API's shape, never a server error.
+    body = "&".join(f"f{i}=1" for i in range(1200))
+    agent_client.raise_request_exception = False
+    answer = agent_client.put(
+        f"/api/v1/nodes/{node.pk}/inventory/",
+        body,
+        content_type="application/x-www-form-urlencoded",
+    )
+    assert answer.status_code == 400, answer.content
+    error = answer.json()["error"]
+    assert error["code"] == "parse_error"
+    assert "1000" in error["message"] and "fields" in error["message"]
