@@ -15,7 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.backends import SCRAPE_FAILURE_KINDS, Backend, Timeouts
-from router.decide import Decision, Route, decide, retry_after_seconds
+from router.decide import Decision, Route, cpu_allowed, decide, retry_after_seconds
 from router.errors import RouterError, error_response, saturated, unavailable
 from router.flow import ClientGone, ClientRequest, Exchange
 from router.metrics import RouterMetrics
@@ -24,7 +24,7 @@ from router.state import Deployment, RouterState
 from router.upstream import BackendRemoved, UpstreamFailed
 from router.validate import check_request, parse_body
 from router.watchdog import WATCHDOG, CancelTask
-from syshax.policy_schema import MODES, PolicyKnobs
+from syshax.common.policy_schema import MODES, PolicyKnobs
 
 log = logging.getLogger("syshax.router")
 
@@ -111,10 +111,7 @@ def _fallback(
     knobs = router.state.knobs_for(deployment, req.knobs)
     now = time.monotonic()
     cpu_ok = deployment.cpu is not None and deployment.cpu.available(now)
-    cpu_allowed = knobs.mode != "gpu-only" and (
-        knobs.mode != "auto" or knobs.enable_auto_pd_offload
-    )
-    if failed in (Route.GPU_ONLY, Route.PD) and cpu_ok and cpu_allowed:
+    if failed in (Route.GPU_ONLY, Route.PD) and cpu_ok and cpu_allowed(knobs):
         return Decision(Route.CPU_ONLY, reason="GPU engine failed", fallback=True)
     if failed is Route.CPU_ONLY and deployment.gpu.available(now) and knobs.mode != "cpu-only":
         return Decision(Route.GPU_ONLY, reason="CPU engine failed", fallback=True)

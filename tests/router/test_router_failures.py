@@ -200,3 +200,22 @@ def test_client_disconnect_cancels_a_passthrough_stream_and_a_waiting_request(
         httpx.post(router.url + "/v1/chat/completions", json=body, timeout=0.3)
     wait_for(lambda: metric(gpu, "vllm:num_requests_running") == 0, timeout=1.5)
     wait_for(lambda: metric(router, "syshax_router_requests_total", outcome="cancelled") == 2)
+
+
+def test_gpu_down_with_a_cpu_admitting_none_is_503_not_cpu_only(
+    engines: tuple[Proc, Proc], router_factory: Callable[..., Proc]
+) -> None:
+    # cpu_max_batch_size 0: the policy lets the CPU serve nothing, and a failed GPU does not
+    # change that, neither before the first scrape notices (the fallback path) nor after.
+    _, cpu = engines
+    router = router_factory(dead_url(), cpu.url, "--cpu-max-batch-size", "0")
+    for attempt in ("before the scrape", "after it"):
+        resp = httpx.post(
+            router.url + "/v1/completions",
+            timeout=10,
+            json={"model": MODEL, "prompt": "x", "max_tokens": 3},
+        )
+        assert resp.status_code == 503, (attempt, resp.text)
+        assert resp.json()["error"]["code"] == "backend_unavailable", attempt
+        wait_for(lambda: not router.get("/health").json()["backends"][0]["up"])
+    assert metric(router, "syshax_router_requests_total", decision="cpu-only") == 0
