@@ -30,7 +30,7 @@ class MachineCredentialAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     @admin.action(description="Revoke selected credentials")
     def revoke(self, request, queryset):  # type: ignore[no-untyped-def]
         for credential in queryset.filter(revoked_at__isnull=True):
-            credential.revoke()
+            credential.revoke(acting_user=request.user)
 
 
 @admin.register(PersonalToken)

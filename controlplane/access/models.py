@@ -74,19 +74,30 @@ class MachineCredential(models.Model):
         """Create a credential and return it with its plaintext token (shown only now)."""
         token = TOKEN_PREFIX[CredentialKind(kind)] + secrets.token_urlsafe(32)
         user, _ = audit.split_actor(created_by)
-        credential = cls.objects.create(
-            kind=kind,
-            name=name,
-            node=node,
-            key_hash=hash_token(token),
-            key_hint=token[:KEY_HINT_LENGTH],
-            created_by=user,
-        )
+        with transaction.atomic():
+            credential = cls.objects.create(
+                kind=kind,
+                name=name,
+                node=node,
+                key_hash=hash_token(token),
+                key_hint=token[:KEY_HINT_LENGTH],
+                created_by=user,
+            )
+            detail = {"kind": kind, "name": name, "node": node.name if node else None}
+            audit.record("credential.issued", credential, acting_user=created_by, detail=detail)
         return credential, token
 
-    def revoke(self) -> None:
-        self.revoked_at = timezone.now()
-        self.save(update_fields=["revoked_at"])
+    def revoke(self, *, acting_user: object = None) -> bool:
+        """Revoke the credential; False if it already was (nothing recorded then)."""
+        now = timezone.now()
+        with transaction.atomic():
+            changed = MachineCredential.objects.filter(pk=self.pk, revoked_at__isnull=True).update(
+                revoked_at=now
+            )
+            if changed:
+                self.revoked_at = now
+                audit.record("credential.revoked", self, acting_user=acting_user)
+        return bool(changed)
 
 
 class PersonalToken(models.Model):

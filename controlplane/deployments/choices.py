@@ -1,5 +1,7 @@
 from django.db import models
 
+from controlplane.core.lifecycle import Lifecycle
+
 
 class Quantization(models.TextChoices):
     NONE = "none", "none (model dtype)"
@@ -44,6 +46,37 @@ class DeploymentState(models.TextChoices):
     STOPPED = "stopped", "stopped"
     FAILED = "failed", "failed"
     UNKNOWN = "unknown", "unknown (node lost)"
+
+
+_D = DeploymentState
+# docs/lifecycles.md#deployment shows this table; test_lifecycles.py checks they agree.
+DEPLOYMENT_LIFECYCLE = Lifecycle(
+    "state",
+    {
+        _D.PENDING: {_D.DEPLOYING, _D.STOPPING},
+        # A restart while deploying starts the next generation: deploying again.
+        _D.DEPLOYING: {_D.DEPLOYING, _D.RUNNING, _D.FAILED, _D.STOPPING, _D.UNKNOWN},
+        _D.RUNNING: {_D.DEPLOYING, _D.STOPPING, _D.UNKNOWN},
+        _D.STOPPING: {_D.STOPPING, _D.STOPPED, _D.FAILED, _D.DEPLOYING, _D.UNKNOWN},
+        _D.STOPPED: {_D.DEPLOYING, _D.STOPPING},
+        _D.FAILED: {_D.DEPLOYING, _D.STOPPING, _D.UNKNOWN},
+        # The node is back: settled from what its agent reports, or resumed at its step.
+        _D.UNKNOWN: {_D.RUNNING, _D.STOPPED, _D.DEPLOYING, _D.STOPPING},
+    },
+)
+
+
+class StepName(models.TextChoices):
+    """The deploy workflow's steps (workflow.py), one agent command each."""
+
+    STOP_OLD_CPU = "stop-old-cpu", "stop the previous CPU engine"
+    STOP_OLD_GPU = "stop-old-gpu", "stop the previous GPU engine"
+    START_GPU = "start-gpu", "start the GPU engine"
+    START_CPU = "start-cpu", "start the CPU engine"
+    STOP_CPU = "stop-cpu", "stop the CPU engine"
+    STOP_GPU = "stop-gpu", "stop the GPU engine"
+    CLEANUP_CPU = "cleanup-cpu", "remove a failed generation's CPU engine"
+    CLEANUP_GPU = "cleanup-gpu", "remove a failed generation's GPU engine"
 
 
 class EngineRole(models.TextChoices):

@@ -6,9 +6,11 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+from django.utils import timezone
 
 from controlplane.core.models import TimeStampedModel
 from controlplane.deployments.choices import (
+    DEPLOYMENT_LIFECYCLE,
     AffinityMode,
     CommandAction,
     CommandStatus,
@@ -22,6 +24,7 @@ from controlplane.deployments.choices import (
     PdProtocol,
     PreemptionMode,
     Quantization,
+    StepName,
 )
 from controlplane.inventory.choices import AcceleratorKind
 from controlplane.inventory.cpulist import CpuListError, parse_cpu_list
@@ -275,7 +278,9 @@ class Deployment(TimeStampedModel):
     generation = models.PositiveIntegerField(
         default=0, help_text="bumped by every deploy, restart and redeploy"
     )
-    step = models.CharField(max_length=32, blank=True, help_text="current workflow step")
+    step = models.CharField(
+        max_length=32, blank=True, choices=StepName.choices, help_text="current workflow step"
+    )
     gpu_endpoint = models.URLField(blank=True)
     cpu_endpoint = models.URLField(blank=True)
     affinity_plan = models.JSONField(default=dict, blank=True)
@@ -288,6 +293,14 @@ class Deployment(TimeStampedModel):
 
     def __str__(self) -> str:
         return self.name
+
+    def transition(self, to: str, reason: str = "") -> None:
+        """Move ``state`` to ``to`` if the state table allows it (``TransitionError`` if
+        not); the caller saves."""
+        DEPLOYMENT_LIFECYCLE.check(self.state, to)
+        self.state = to
+        self.state_reason = reason
+        self.state_changed_at = timezone.now()
 
 
 class AcceleratorClaim(models.Model):
@@ -368,7 +381,9 @@ class AgentCommand(models.Model):
     action = models.CharField(max_length=8, choices=CommandAction.choices)
     role = models.CharField(max_length=4, choices=EngineRole.choices, blank=True)
     generation = models.PositiveIntegerField(default=0)
-    step = models.CharField(max_length=32, blank=True, help_text="workflow step it serves")
+    step = models.CharField(
+        max_length=32, blank=True, choices=StepName.choices, help_text="workflow step it serves"
+    )
     attempts = models.PositiveIntegerField(default=0, help_text="times handed to an agent")
     spec = models.JSONField(default=dict, blank=True)
     status = models.CharField(

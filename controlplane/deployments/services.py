@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import transaction
-from django.utils import timezone
 
 from controlplane.core import audit, dispatch
 from controlplane.deployments import delivery, placing
 from controlplane.deployments.affinity import plan_for
 from controlplane.deployments.choices import (
     ADVANCE_TASK,
+    DEPLOYMENT_LIFECYCLE,
     RESCHEDULE_TASK,
     CommandAction,
     CommandStatus,
@@ -52,9 +52,8 @@ def add_event(
 
 
 def set_state(deployment: Deployment, state: str, reason: str = "") -> None:
-    deployment.state = state
-    deployment.state_reason = reason
-    deployment.state_changed_at = timezone.now()
+    """The deployment's state moves (checked against its table); cards free once it stops."""
+    deployment.transition(state, reason)
     if state in (DeploymentState.STOPPED, DeploymentState.FAILED) and deployment.pk:
         placing.release(deployment)  # its cards are free for the next placement
 
@@ -294,10 +293,15 @@ def mark_node_deployments_unknown(node: Node) -> int:
     """The node was lost: its deployments become unknown, and those the control plane placed
     are placed again elsewhere (after commit, one task each)."""
     changed = 0
-    for deployment in Deployment.objects.filter(node=node).exclude(
-        state__in=[DeploymentState.STOPPED, DeploymentState.PENDING, DeploymentState.UNKNOWN]
+    # Locked: a workflow step recorded at the same moment must not be overwritten, nor
+    # overwrite this. Only states the table lets go to unknown are touched.
+    for deployment in Deployment.objects.select_for_update().filter(
+        node=node, state__in=DEPLOYMENT_LIFECYCLE.sources(DeploymentState.UNKNOWN)
     ):
         set_state(deployment, DeploymentState.UNKNOWN, f"node {node.name} stopped heartbeating")
+        audit.record(
+            "deployment.unknown", deployment, acting_user="reaper", detail={"node": node.name}
+        )
         deployment.save(update_fields=["state", "state_reason", "state_changed_at", "updated_at"])
         add_event(deployment, "node-lost", deployment.state_reason, level=EventLevel.WARNING)
         if not deployment.pinned and deployment.desired_state == DesiredState.RUNNING:
@@ -396,12 +400,33 @@ def stop_moved_away(node: Node, deployment_ids: set[int]) -> int:
     return issued
 
 
+def _audit_container(container: ContainerInstance, was: str | None, actor: str) -> None:
+    """One audit row per container whose status changed (not one per report)."""
+    audit.record(
+        "container.status",
+        container,
+        acting_user=actor,
+        detail={
+            "deployment": container.deployment_id,
+            "role": container.role,
+            "generation": container.generation,
+            "from": was,
+            "to": container.status,
+        },
+    )
+
+
 def sync_containers(node: Node, reported: list[dict[str, Any]]) -> int:
     """Store the containers an agent sees, then settle deployments left unknown."""
 
     updated = 0
+    actor = f"agent:{node.name}"
     with transaction.atomic():
         own = {d.pk: d for d in Deployment.objects.filter(node=node)}
+        before = {
+            (c.deployment_id, c.role, c.generation): c.status
+            for c in ContainerInstance.objects.filter(deployment__node=node)
+        }
         elsewhere = {
             int(i["deployment_id"])
             for i in reported
@@ -413,7 +438,7 @@ def sync_containers(node: Node, reported: list[dict[str, Any]]) -> int:
             deployment = own.get(item["deployment_id"])
             if deployment is None:
                 continue
-            ContainerInstance.objects.update_or_create(
+            container, _ = ContainerInstance.objects.update_or_create(
                 deployment=deployment,
                 role=item["role"],
                 generation=item["generation"],
@@ -427,13 +452,18 @@ def sync_containers(node: Node, reported: list[dict[str, Any]]) -> int:
                 },
             )
             updated += 1
+            was = before.get((deployment.pk, container.role, container.generation))
+            if was != container.status:
+                _audit_container(container, was, actor)
         seen = {(i["deployment_id"], i["role"], i["generation"]) for i in reported}
         for container in ContainerInstance.objects.filter(deployment__node=node).exclude(
             status="missing"
         ):
             if (container.deployment_id, container.role, container.generation) not in seen:
+                was = container.status
                 container.status = "missing"
                 container.save(update_fields=["status", "updated_at"])
+                _audit_container(container, was, actor)
     reconcile_returning_node(node.pk)
     return updated
 

@@ -27,6 +27,7 @@ from controlplane.deployments.choices import (
     DeploymentState,
     DesiredState,
     EventLevel,
+    StepName,
 )
 from controlplane.deployments.models import AgentCommand, Deployment
 from controlplane.deployments.services import add_event, set_state
@@ -51,18 +52,18 @@ class Step:
 
 
 DEPLOY_STEPS = (
-    Step("stop-old-cpu", CommandAction.STOP, "cpu", keep_current=True),
-    Step("stop-old-gpu", CommandAction.STOP, "gpu", keep_current=True),
-    Step("start-gpu", CommandAction.START, "gpu"),
-    Step("start-cpu", CommandAction.START, "cpu"),
+    Step(StepName.STOP_OLD_CPU, CommandAction.STOP, "cpu", keep_current=True),
+    Step(StepName.STOP_OLD_GPU, CommandAction.STOP, "gpu", keep_current=True),
+    Step(StepName.START_GPU, CommandAction.START, "gpu"),
+    Step(StepName.START_CPU, CommandAction.START, "cpu"),
 )
 STOP_STEPS = (
-    Step("stop-cpu", CommandAction.STOP, "cpu"),
-    Step("stop-gpu", CommandAction.STOP, "gpu"),
+    Step(StepName.STOP_CPU, CommandAction.STOP, "cpu"),
+    Step(StepName.STOP_GPU, CommandAction.STOP, "gpu"),
 )
 CLEANUP_STEPS = (
-    Step("cleanup-cpu", CommandAction.STOP, "cpu"),
-    Step("cleanup-gpu", CommandAction.STOP, "gpu"),
+    Step(StepName.CLEANUP_CPU, CommandAction.STOP, "cpu"),
+    Step(StepName.CLEANUP_GPU, CommandAction.STOP, "gpu"),
 )
 
 
@@ -72,7 +73,7 @@ def plan_for(deployment: Deployment) -> tuple[Step, ...]:
     if deployment.desired_state == DesiredState.RUNNING:
         steps: tuple[Step, ...] = DEPLOY_STEPS
         if not deployment.profile.enable_cpu_engine:
-            steps = tuple(s for s in steps if s.name != "start-cpu")
+            steps = tuple(s for s in steps if s.name != StepName.START_CPU)
         return steps
     return STOP_STEPS
 

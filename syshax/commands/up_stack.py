@@ -115,7 +115,7 @@ def ensure_tokens(var_dir: Path, node_name: str) -> dict[str, str]:
             else False
         )
         if not valid:
-            tokens[key] = MachineCredential.issue(kind, name, node=bound)[1]
+            tokens[key] = MachineCredential.issue(kind, name, node=bound, created_by="syshax up")[1]
     _write_tokens(var_dir, tokens)
     return tokens
 

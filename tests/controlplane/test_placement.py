@@ -187,6 +187,8 @@ def test_a_stopped_deployment_frees_its_cards(db) -> None:
     services.request_deploy(deployment, acting_user="t")
     assert AcceleratorClaim.objects.filter(accelerator__node=node).count() == 1
     deployment.refresh_from_db()
+    services.set_state(deployment, "stopping")  # the table's way down: deploying, stopping
+    assert AcceleratorClaim.objects.count() == 1
     services.set_state(deployment, "stopped")
     deployment.save()
     assert not AcceleratorClaim.objects.exists()

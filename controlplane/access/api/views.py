@@ -36,6 +36,5 @@ class CredentialViewSet(
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, pk: str | None = None) -> Response:
         credential = self.get_object()
-        if credential.revoked_at is None:
-            credential.revoke()
+        credential.revoke(acting_user=request.user)
         return Response(CredentialSerializer(credential).data)
