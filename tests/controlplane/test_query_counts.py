@@ -152,3 +152,105 @@ def test_a_304_costs_at_most_two_queries(
         response = router_client.get(path, HTTP_IF_NONE_MATCH=etag)
     assert response.status_code == 304
     assert response["ETag"] == etag
+
+
+# ---------------------------------------------------------------- every list and detail
+
+
+def _one_of_each(i: int) -> dict[str, Any]:
+    """One row of every resource the API lists (``i`` keeps names and ports apart)."""
+    from controlplane.access.models import MachineCredential
+    from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
+    from controlplane.deployments.models import AgentCommand, ContainerInstance
+    from controlplane.policy.services import create_policy
+    from controlplane.routers.models import RouterInstance
+    from tests.support.factories import build_deployment, build_profile
+
+    node = build_node(f"count-{i}", accelerators=2, labels={"rack": f"r{i}"})
+    profile = build_profile(gpu_port=9000 + 2 * i, cpu_port=9001 + 2 * i)
+    deployment = build_deployment(node, profile, state="running", generation=1)
+    container = ContainerInstance.objects.create(
+        deployment=deployment, role="gpu", generation=1, name=f"c-{i}", status="running"
+    )
+    command = AgentCommand.objects.create(
+        node=node, deployment=deployment, action="start", role="gpu", generation=1, step=""
+    )
+    credential, _ = MachineCredential.issue("agent", f"agent-count-{i}", node=node)
+    router_credential, _ = MachineCredential.issue("router", f"router-count-{i}")
+    router = RouterInstance.objects.create(name=f"router-{i}", credential=router_credential)
+    policy = create_policy(f"policy-{i}", acting_user="t", reason="count")
+    scenario = Scenario.objects.create(name=f"scenario-{i}", input_tokens=8, output_tokens=4)
+    run = BenchmarkRun.objects.create(scenario=scenario, deployment=deployment, status="succeeded")
+    for index in (0, 1):
+        BenchmarkSample.objects.create(run=run, mode="gpu", concurrency=1, index=index)
+    return {
+        "nodes": node.pk,
+        "accelerators": node.accelerators.first().pk,
+        "credentials": credential.pk,
+        "profiles": profile.pk,
+        "deployments": deployment.pk,
+        "containers": container.pk,
+        "commands": command.pk,
+        "policies": policy.name,
+        "routers": router.pk,
+        "scenarios": scenario.name,
+        "benchmark-runs": run.pk,
+    }
+
+
+RESOURCES = [
+    "nodes",
+    "accelerators",
+    "credentials",
+    "profiles",
+    "deployments",
+    "containers",
+    "commands",
+    "policies",
+    "routers",
+    "scenarios",
+    "benchmark-runs",
+]
+# Exact counts, as NetBox pins them: a change that adds a query per answer shows here. A list
+# is its COUNT and its page; a detail its row. A node also lists its cards and NUMA nodes, a
+# deployment its containers and held cards (prefetched: one query each, whatever the rows).
+RELATED = {"nodes": 2, "deployments": 2}
+
+
+def _count(client: Any, url: str) -> int:
+    with CaptureQueriesContext(connection) as ctx:
+        response = client.get(url)
+    assert response.status_code == 200, (url, response.content[:300])
+    return len([q for q in ctx.captured_queries if "SAVEPOINT" not in q["sql"]])
+
+
+@pytest.mark.parametrize("resource", RESOURCES)
+def test_a_list_costs_the_same_queries_for_one_row_or_many(admin_client, resource) -> None:
+    """No query per row (NetBox's rule): four more rows of everything, the same count."""
+    _one_of_each(0)
+    url = f"/api/v1/{resource}/"
+    first = _count(admin_client, url)
+    assert first == 2 + RELATED.get(resource, 0)
+    for i in range(1, 5):
+        _one_of_each(i)
+    assert admin_client.get(url).json()["count"] >= 5
+    assert _count(admin_client, url) == first
+
+
+@pytest.mark.parametrize("resource", RESOURCES)
+def test_a_detail_costs_a_few_queries(admin_client, resource) -> None:
+    keys = _one_of_each(0)
+    url = f"/api/v1/{resource}/{keys[resource]}/"
+    assert _count(admin_client, url) == 1 + RELATED.get(resource, 0)
+
+
+def test_the_routing_payload_costs_the_same_queries_for_one_deployment_or_many(
+    router_client,
+) -> None:
+    _one_of_each(0)
+    router_client.get("/api/v1/routing/deployments")  # the token's last_used_at written once
+    first = _count(router_client, "/api/v1/routing/deployments")
+    for i in range(1, 5):
+        _one_of_each(i)
+    assert len(router_client.get("/api/v1/routing/deployments").json()["deployments"]) == 5
+    assert _count(router_client, "/api/v1/routing/deployments") == first
