@@ -145,6 +145,7 @@ def test_the_env_example_names_only_variables_the_settings_or_compose_read() -> 
         "DOCKER_SOCKET",
         "WEB_WORKERS",
         "WORKER_CONCURRENCY",
+        "BENCHMARK_CONCURRENCY",
         "SYSHAX_BASE_IMAGE",
         "POSTGRES_IMAGE",
         "REDIS_IMAGE",
