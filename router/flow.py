@@ -25,10 +25,11 @@ from router.metrics import RouterMetrics
 from router.pd_vllm import VllmPd, resume_stream
 from router.rawhttp import RawResponse
 from router.rawhttp import request as raw_request
-from router.sse import DONE, ChunkBuilder, chunk_parts, event_data, full_response, split_events
+from router.sse import DONE, ChunkBuilder, chunk_parts, full_response
 from router.state import Deployment, RouterState
 from router.upstream import UpstreamFailed, iter_body, post, post_json
 from syshax.common.policy_schema import PolicyKnobs
+from syshax.common.sse import event_data, split_events
 
 log = logging.getLogger("syshax.router")
 

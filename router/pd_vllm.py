@@ -32,8 +32,8 @@ import aiohttp
 
 from router.backends import Backend
 from router.decide import Decision, Route, cpu_allowed, decide_next_chunk, token_limit
-from router.sse import event_data, split_events
 from router.upstream import UpstreamFailed, iter_body, post, session_of
+from syshax.common.sse import event_data, split_events
 
 if TYPE_CHECKING:
     from router.flow import Exchange

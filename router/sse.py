@@ -1,4 +1,5 @@
-"""Server-sent events: splitting upstream streams and building the client's spliced stream.
+"""Server-sent events: building the client's spliced stream (reading upstream events is
+syshax.common.sse).
 
 When the router stitches one client stream out of several upstream requests (GPU prefill,
 CPU decode chunks, a GPU resume) it emits its own chunks with one id, one role chunk, one
@@ -14,31 +15,6 @@ from typing import Any
 from router.errors import error_body
 
 DONE = b"data: [DONE]\n\n"
-
-
-def split_events(buffer: bytearray) -> list[bytes]:
-    """Remove and return every complete event (terminated by a blank line) from ``buffer``."""
-    events: list[bytes] = []
-    start = 0
-    while True:
-        end = buffer.find(b"\n\n", start)
-        if end < 0:
-            break
-        events.append(bytes(buffer[start:end]))
-        start = end + 2
-    if start:
-        del buffer[:start]
-    return events
-
-
-def event_data(event: bytes) -> bytes | None:
-    """The payload of an event's ``data:`` line(s), or None for comments and other fields."""
-    data: list[bytes] = []
-    for line in event.split(b"\n"):
-        line = line.rstrip(b"\r")
-        if line.startswith(b"data:"):
-            data.append(line[5:].lstrip(b" "))
-    return b"\n".join(data) if data else None
 
 
 @dataclass(frozen=True)

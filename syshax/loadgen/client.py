@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from syshax.common.sse import DONE_DATA, event_data, split_events
 from syshax.loadgen.records import RequestRecord
 from syshax.loadgen.wire import ConnectionPool, WireError, post
 from syshax.loadgen.workload import RequestSpec
@@ -131,25 +132,24 @@ class StreamClient:
 
     def _read_events(self, pieces: list[tuple[float, bytes]], record: RequestRecord) -> None:
         """Apply the SSE events in arrival order; each carries its read's arrival stamp."""
-        buffer = b""
+        buffer = bytearray()
         for arrived, data in pieces:
-            buffer += data.replace(b"\r\n", b"\n") if b"\r" in data else data
-            # An SSE event ends at a blank line; one piece may hold several, or part of one.
-            while (end := buffer.find(b"\n\n")) >= 0:
-                event, buffer = buffer[:end], buffer[end + 2 :]
+            buffer += data
+            # One piece may hold several events, or part of one (even half a CRLF).
+            for event in split_events(buffer):
                 if self._handle_event(event, arrived, record):
                     return
         if buffer.strip() and pieces:
-            self._handle_event(buffer, pieces[-1][0], record)
+            # The stream ended without the blank line after its last event.
+            last = bytes(buffer).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            self._handle_event(last, pieces[-1][0], record)
 
     def _handle_event(self, event: bytes, now: float, record: RequestRecord) -> bool:
         """Apply one SSE event to the record; True once the stream says it is done."""
-        data = b"\n".join(
-            line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")
-        )
+        data = event_data(event)
         if not data:
             return False  # a comment (keep-alive ping) or a field we do not use
-        if data == b"[DONE]":
+        if data == DONE_DATA:
             return True
         try:
             message = json.loads(data)

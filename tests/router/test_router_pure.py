@@ -9,10 +9,11 @@ import pytest
 from router.backends import Backend, Timeouts, ejection_seconds
 from router.engine_metrics import derive_load, parse_metrics_text
 from router.errors import RouterError
-from router.sse import ChunkBuilder, chunk_parts, event_data, split_events
+from router.sse import ChunkBuilder, chunk_parts
 from router.state import DeploymentSpec, parse_policy
 from router.validate import check_request, parse_body
 from syshax.common.policy_schema import PolicyError, PolicyKnobs
+from syshax.common.sse import event_data, split_events
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -251,3 +252,34 @@ def test_header_fields_are_found_case_insensitively() -> None:
     assert _field(block, b"transfer-encoding") == b"chunked"
     assert _field(block, b"content-type") == b"text/event-stream"
     assert _field(block, b"content-length") == b""
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])
+def test_sse_events_split_on_any_line_end_even_across_reads(newline: bytes) -> None:
+    # The specification allows CRLF, LF and CR line ends; a read may end anywhere, even
+    # between the CR and the LF of one line end.
+    stream = (
+        b": keep-alive"
+        + newline * 2
+        + b'data: {"a":1}'
+        + newline * 2
+        + b"data: two"
+        + newline
+        + b"data: lines"
+        + newline * 2
+        + b"data: [DONE]"
+        + newline * 2
+    )
+    for cut in range(1, len(stream)):
+        buffer = bytearray()
+        events = []
+        for piece in (stream[:cut], stream[cut:]):
+            buffer += piece
+            events += split_events(buffer)
+        assert [event_data(e) for e in events] == [None, b'{"a":1}', b"two\nlines", b"[DONE]"]
+        assert not buffer.strip(), (newline, cut, bytes(buffer))
+
+
+def test_sse_data_loses_one_leading_space_only() -> None:
+    assert event_data(b"data:  two spaces") == b" two spaces"
+    assert event_data(b"data:none") == b"none"
