@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -152,15 +153,28 @@ class Backend:
             await self.session.close()
             self.session = None
 
-    def begin(self, request: InFlight) -> None:
+    @contextlib.contextmanager
+    def holding(self, request: InFlight) -> Iterator[None]:
+        """Count ``request`` as in flight on this engine while the block runs (the deciders
+        and the balancer read the count; ``retire`` hands over the requests it holds)."""
         self.inflight += 1
         self.requests.add(request)
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            self.requests.discard(request)
+            if self.drained is not None and self.inflight <= 0:
+                self.drained.set()
 
-    def end(self, request: InFlight) -> None:
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Leave one held sequence out of the count while the block decides where it goes."""
         self.inflight -= 1
-        self.requests.discard(request)
-        if self.drained is not None and self.inflight <= 0:
-            self.drained.set()
+        try:
+            yield
+        finally:
+            self.inflight += 1
 
     def retire(self) -> int:
         """The engine left the deployment set (its node was lost, or its deployment stopped).

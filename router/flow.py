@@ -288,42 +288,43 @@ class Exchange:
 
     async def passthrough(self, backend: Backend) -> web.StreamResponse:
         """Forward the client's own bytes; stream the engine's bytes back untouched."""
-        backend.begin(self)
-        resp: RawResponse | None = None
-        try:
-            resp = await raw_request(
-                backend.pool, backend, self.req.path, self.req.raw, first_byte=self.first_byte
-            )
-            if resp.status >= 300:
-                body = await resp.read_all()
-                raise UpstreamFailed(backend, f"HTTP {resp.status}", status=resp.status, body=body)
-            if not self.req.stream:
-                body = await resp.read_all()
-                backend.record_success()
-                self._tick()
-                return web.Response(
-                    body=body,
-                    status=resp.status,
-                    content_type=resp.content_type,
-                    headers={ROUTE_HEADER: self.decision_label},
+        with backend.holding(self):
+            resp: RawResponse | None = None
+            try:
+                resp = await raw_request(
+                    backend.pool, backend, self.req.path, self.req.raw, first_byte=self.first_byte
                 )
-            response = await self._pump(resp)
-            backend.record_success()
-            return response
-        except UpstreamFailed as exc:
-            self.record_failure(exc)
-            if self.response is not None:
-                if self.deployment.spec.pd_protocol == "vllm" and await resume_stream(
-                    self, backend, str(exc)
-                ):
-                    return await self.finish()
-                # Bytes already went out; end the stream with an error event, never a hang.
-                return await self.abort_stream(str(exc))
-            raise
-        finally:
-            if resp is not None:
-                resp.finish()
-            backend.end(self)
+                if resp.status >= 300:
+                    body = await resp.read_all()
+                    raise UpstreamFailed(
+                        backend, f"HTTP {resp.status}", status=resp.status, body=body
+                    )
+                if not self.req.stream:
+                    body = await resp.read_all()
+                    backend.record_success()
+                    self._tick()
+                    return web.Response(
+                        body=body,
+                        status=resp.status,
+                        content_type=resp.content_type,
+                        headers={ROUTE_HEADER: self.decision_label},
+                    )
+                response = await self._pump(resp)
+                backend.record_success()
+                return response
+            except UpstreamFailed as exc:
+                self.record_failure(exc)
+                if self.response is not None:
+                    if self.deployment.spec.pd_protocol == "vllm" and await resume_stream(
+                        self, backend, str(exc)
+                    ):
+                        return await self.finish()
+                    # Bytes already went out; end the stream with an error event, never a hang.
+                    return await self.abort_stream(str(exc))
+                raise
+            finally:
+                if resp is not None:
+                    resp.finish()
 
     async def _pump(self, resp: RawResponse) -> web.StreamResponse:
         """Stream the engine's SSE payloads to the client. The first token goes through here
@@ -382,29 +383,27 @@ class Exchange:
         body["stream_options"] = {"include_usage": True}
         finish: str | None = None
         buffer = bytearray()
-        backend.begin(self)
-        try:
-            async with post(
-                backend, self.req.path, json.dumps(body).encode(), first_byte=self.first_byte
-            ) as resp:
-                async for data in iter_body(resp, backend, self.first_byte):
-                    buffer += data
-                    for event in split_events(buffer):
-                        payload = event_data(event)
-                        if payload is None or payload == b"[DONE]":
-                            continue
-                        chunk = json.loads(payload)
-                        if "error" in chunk:
-                            raise UpstreamFailed(backend, f"error event: {chunk['error']}")
-                        parts = chunk_parts(chunk, self.req.chat)
-                        if parts.text:
-                            await self.emit(parts.text)
-                        if parts.finish_reason:
-                            finish = parts.finish_reason
-        except ValueError:
-            raise UpstreamFailed(backend, "malformed stream chunk") from None
-        finally:
-            backend.end(self)
+        with backend.holding(self):
+            try:
+                async with post(
+                    backend, self.req.path, json.dumps(body).encode(), first_byte=self.first_byte
+                ) as resp:
+                    async for data in iter_body(resp, backend, self.first_byte):
+                        buffer += data
+                        for event in split_events(buffer):
+                            payload = event_data(event)
+                            if payload is None or payload == b"[DONE]":
+                                continue
+                            chunk = json.loads(payload)
+                            if "error" in chunk:
+                                raise UpstreamFailed(backend, f"error event: {chunk['error']}")
+                            parts = chunk_parts(chunk, self.req.chat)
+                            if parts.text:
+                                await self.emit(parts.text)
+                            if parts.finish_reason:
+                                finish = parts.finish_reason
+            except ValueError:
+                raise UpstreamFailed(backend, "malformed stream chunk") from None
         if finish is None:
             raise UpstreamFailed(backend, "stream ended without a finish reason")
         backend.record_success()
@@ -421,11 +420,8 @@ class Exchange:
     async def _prefill_on_gpu(self, body: dict[str, Any]) -> Any:
         """One non-streaming prefill request on the GPU engine, counted as in flight there."""
         gpu = self.deployment.gpu
-        gpu.begin(self)
-        try:
+        with gpu.holding(self):
             data = await post_json(gpu, self.req.path, body, first_byte=self.first_byte)
-        finally:
-            gpu.end(self)
         gpu.record_success()
         return data
 

@@ -245,60 +245,56 @@ class VllmPd:
         usage: dict[str, Any] | None = None
         received = 0
         buffer = bytearray()
-        target.begin(ex)
-        try:
-            async with post(target, COMPLETIONS, body, first_byte=ex.first_byte) as resp:
-                async for data in iter_body(resp, target, ex.first_byte):
-                    buffer += data
-                    for chunk in _chunks(buffer, target):
-                        if "error" in chunk:
-                            raise UpstreamFailed(target, f"error event: {chunk['error']}")
-                        if isinstance(chunk.get("usage"), dict):
-                            usage = chunk["usage"]
-                        choices = chunk.get("choices") or []
-                        if not choices:
+        with target.holding(ex):
+            try:
+                async with post(target, COMPLETIONS, body, first_byte=ex.first_byte) as resp:
+                    async for data in iter_body(resp, target, ex.first_byte):
+                        buffer += data
+                        for chunk in _chunks(buffer, target):
+                            if "error" in chunk:
+                                raise UpstreamFailed(target, f"error event: {chunk['error']}")
+                            if isinstance(chunk.get("usage"), dict):
+                                usage = chunk["usage"]
+                            choices = chunk.get("choices") or []
+                            if not choices:
+                                continue
+                            choice = choices[0]
+                            ids = [int(t) for t in choice.get("token_ids") or ()]
+                            text = choice.get("text") or ""
+                            if ids or text:
+                                self.generated.extend(ids)
+                                received += len(ids)
+                                since_decision += len(ids)
+                                await ex.emit(text, len(ids), ids)
+                            if choice.get("finish_reason"):
+                                finish = str(choice["finish_reason"])
+                        if finish is not None or not on_cpu or not limit or since_decision < limit:
                             continue
-                        choice = choices[0]
-                        ids = [int(t) for t in choice.get("token_ids") or ()]
-                        text = choice.get("text") or ""
-                        if ids or text:
-                            self.generated.extend(ids)
-                            received += len(ids)
-                            since_decision += len(ids)
-                            await ex.emit(text, len(ids), ids)
-                        if choice.get("finish_reason"):
-                            finish = str(choice["finish_reason"])
-                    if finish is not None or not on_cpu or not limit or since_decision < limit:
-                        continue
-                    # A chunk boundary: decide again (a live policy change lands here).
-                    ex.metrics.chunk(target.role)
-                    since_decision = 0
-                    knobs = ex.state.knobs_for(ex.deployment, ex.req.knobs)
-                    target.inflight -= 1  # the decider must not count this sequence
-                    try:
-                        nxt = decide_next_chunk(knobs, ex.deployment.loads(time.monotonic()))
-                    finally:
-                        target.inflight += 1
-                    ex.metrics.decision("chunk", nxt.route.value, nxt.code)
-                    if nxt.route is Route.PD:
-                        limit = nxt.token_limit
-                        continue
-                    log.info(
-                        "%s moves to the GPU after %d tokens: %s",
-                        ex.request_id,
-                        len(self.generated),
-                        nxt.reason,
-                    )
-                    if nxt.fallback:
-                        ex.metrics.fallback("cpu-decode-to-gpu")
-                    self._check_kv(target, transfer, usage)
-                    return "length", True
-        except ValueError:
-            raise UpstreamFailed(target, "malformed stream chunk") from None
-        finally:
-            target.end(ex)
-            if transfer is not None and usage is None:
-                ex.metrics.kv_transfer("unverified")
+                        # A chunk boundary: decide again (a live policy change lands here).
+                        ex.metrics.chunk(target.role)
+                        since_decision = 0
+                        knobs = ex.state.knobs_for(ex.deployment, ex.req.knobs)
+                        with target.uncounted():  # the decider must not count this one
+                            nxt = decide_next_chunk(knobs, ex.deployment.loads(time.monotonic()))
+                        ex.metrics.decision("chunk", nxt.route.value, nxt.code)
+                        if nxt.route is Route.PD:
+                            limit = nxt.token_limit
+                            continue
+                        log.info(
+                            "%s moves to the GPU after %d tokens: %s",
+                            ex.request_id,
+                            len(self.generated),
+                            nxt.reason,
+                        )
+                        if nxt.fallback:
+                            ex.metrics.fallback("cpu-decode-to-gpu")
+                        self._check_kv(target, transfer, usage)
+                        return "length", True
+            except ValueError:
+                raise UpstreamFailed(target, "malformed stream chunk") from None
+            finally:
+                if transfer is not None and usage is None:
+                    ex.metrics.kv_transfer("unverified")
         if finish is None:
             raise UpstreamFailed(target, "stream ended without a finish reason")
         target.record_success()

@@ -9,6 +9,7 @@ for token; the decode engine's own counters prove it used the transferred KV.
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -190,8 +191,12 @@ def test_chunk_boundary_moves_the_sequence_to_the_gpu(engines: Pair, router: Pro
             for choice in chunk.get("choices") or []:
                 text += choice["text"]
                 ids += choice.get("token_ids") or []
-                if len(ids) >= 20 and "gpu-only" not in policy.read_text():
+                if ids and "gpu-only" not in policy.read_text():
+                    # At the first token, and told at once (SIGHUP, not the file poll): the
+                    # CPU engine must still be decoding when the change lands, on a loaded
+                    # machine too. It moves at the next chunk boundary after the reload.
                     policy.write_text(json.dumps({"mode": "gpu-only"}))
+                    router.signal(signal.SIGHUP)
     policy.write_text(json.dumps(FORCED_PD))
     moved = _moved_after(router, since)
     assert 0 < moved < 1800

@@ -220,16 +220,17 @@ def test_a_backend_leaving_the_set_hands_over_waiting_requests_and_closes_after_
         try:
             gone = state.by_model["m"][0].gpu
             streaming, waiting = Request(started_output=True), Request(started_output=False)
-            gone.begin(streaming)
-            gone.begin(waiting)
+            holds = {r: gone.holding(r) for r in (streaming, waiting)}
+            for hold in holds.values():
+                hold.__enter__()
             state.set_deployments([spec(2, 9002)])
             assert waiting.handed_over and not streaming.handed_over
             assert state.closing == [gone] and list(state.backends) == ["http://127.0.0.1:9002"]
             assert gone.pool.closed and not gone.available(time.monotonic())
-            gone.end(waiting)
+            holds[waiting].__exit__(None, None, None)
             await asyncio.sleep(0.05)
             assert gone.session is not None, "closed under a stream still on it"
-            gone.end(streaming)
+            holds[streaming].__exit__(None, None, None)
             for _ in range(50):
                 if not state.closing:
                     break

@@ -7,14 +7,17 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 from router_procs import Proc, metric, wait_for
 from test_router_paths import stream_chat
 
 from router.backends import Backend, Timeouts
+from router.engine_metrics import _WANTED, parse_metrics_text
 from syshax.common.supervisor import free_port
 
 # A vLLM 0.32 engine's gauges and counters, as far as the router reads them.
@@ -272,3 +275,22 @@ def test_a_dead_engine_has_no_scraped_values_and_counts_connect_failures(
     text = router.get("/metrics").text
     assert f'syshax_router_backend_running{{backend="{dead}",role="cpu"}}' not in text
     assert f'syshax_router_backend_stale{{backend="{dead}",role="cpu"}} 0.0' in text
+
+
+def test_a_real_vllm_scrape_reads_as_prometheus_client_reads_it() -> None:
+    # The /metrics of a vLLM 0.32 engine (tests/realengine's tiny model, after its PD tests),
+    # captured once: our parser (45x faster, docs/decisions.md) must read every family the
+    # deciders use exactly as the reference parser does.
+    text = (Path(__file__).parent / "data" / "vllm-0.32-metrics.txt").read_text()
+    reference: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in _WANTED:
+                reference[sample.name] = reference.get(sample.name, 0.0) + sample.value
+    sample = parse_metrics_text(text, 1.0)
+    assert reference["vllm:generation_tokens_total"] == sample.generation_tokens > 0
+    assert reference["vllm:inter_token_latency_seconds_count"] == sample.itl_count > 0
+    assert reference["vllm:inter_token_latency_seconds_sum"] == sample.itl_sum
+    assert reference["vllm:num_requests_running"] == sample.running
+    assert reference["vllm:num_requests_waiting"] == sample.waiting
+    assert reference["vllm:kv_cache_usage_perc"] == sample.kv_usage
