@@ -10,7 +10,7 @@ import os
 import signal
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -148,6 +148,23 @@ def load_policy_file(path: str) -> dict[str, Any]:
     return data
 
 
+class PolicySource(Protocol):
+    """Where the router's policy and deployments come from: a policy file and flags
+    (``StandalonePolicy``) or the control plane (``managed.ControlPlaneClient``). ``serve``
+    builds one, attaches it once the listener is bound, runs it beside the listener and
+    hands it SIGHUP."""
+
+    def attach(self, listen_url: str) -> None: ...
+
+    async def run(self) -> None: ...
+
+    def hangup(self) -> None: ...
+
+
+class StartupError(Exception):
+    """The router cannot start as configured; the message says what to change."""
+
+
 class StandalonePolicy:
     """The policy file plus flag overrides; a bad file is rejected and the old policy kept."""
 
@@ -193,7 +210,13 @@ class StandalonePolicy:
         )
         return True
 
-    async def watch(self) -> None:
+    def attach(self, listen_url: str) -> None:
+        pass  # nothing to announce: the file and the flags are all there is
+
+    def hangup(self) -> None:
+        self.reload()
+
+    async def run(self) -> None:
         """Reload when the file changes; checked often so a change lands within 1 s."""
         if not self.path:
             return
@@ -232,6 +255,53 @@ def bound_port(site: web.TCPSite, requested: int) -> int:
     return requested
 
 
+async def _policy_source(router: Router, args: argparse.Namespace) -> PolicySource:
+    """The policy source the flags ask for, with the standalone deployment set up."""
+    if args.control_plane:
+        if not args.token:
+            raise StartupError("--control-plane needs --token (or SYSHAX_ROUTER_TOKEN)")
+        if _flag_knobs(args):
+            log.warning("knob flags are ignored in managed mode; the control plane owns policy")
+        return ControlPlaneClient(
+            router,
+            base_url=args.control_plane,
+            token=args.token,
+            name=args.name,
+            state_dir=Path(args.state_dir),
+            poll_interval=args.poll_interval,
+            stats_interval=args.stats_interval,
+        )
+    if not args.gpu_url and not args.cpu_url:
+        raise StartupError(
+            "standalone mode needs --gpu-url (and usually --cpu-url), or use "
+            "--control-plane URL --token TOKEN"
+        )
+    standalone = StandalonePolicy(router, args.policy, _flag_knobs(args))
+    try:
+        router.state.set_policy(standalone.load())
+    except (PolicyError, OSError, ValueError) as exc:
+        raise StartupError(f"invalid policy: {exc}") from None
+    if args.policy:
+        standalone.mtime = os.stat(args.policy).st_mtime_ns
+    model = args.model or await discover_model(args.gpu_url or args.cpu_url)
+    if model is None:
+        raise StartupError("could not ask the GPU engine for its model name; pass --model")
+    router.state.set_deployments(
+        [
+            DeploymentSpec(
+                id=0,
+                name="standalone",
+                model=model,
+                policy="default",
+                pd_protocol=args.pd_protocol,
+                gpu_url=args.gpu_url or args.cpu_url,
+                cpu_url=args.cpu_url,
+            )
+        ]
+    )
+    return standalone
+
+
 async def serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         api_key=args.api_key or None,
@@ -245,49 +315,11 @@ async def serve(args: argparse.Namespace) -> int:
         ),
     )
     router = Router(config)
-    tasks: list[asyncio.Task[None]] = []
-    loop = asyncio.get_running_loop()
-    standalone: StandalonePolicy | None = None
-    client = None
-    if args.control_plane:
-        if not args.token:
-            log.error("--control-plane needs --token (or SYSHAX_ROUTER_TOKEN)")
-            return 2
-        overrides = _flag_knobs(args)
-        if overrides:
-            log.warning("knob flags are ignored in managed mode; the control plane owns policy")
-    else:
-        if not args.gpu_url and not args.cpu_url:
-            log.error(
-                "standalone mode needs --gpu-url (and usually --cpu-url), or use "
-                "--control-plane URL --token TOKEN"
-            )
-            return 2
-        standalone = StandalonePolicy(router, args.policy, _flag_knobs(args))
-        try:
-            router.state.set_policy(standalone.load())
-        except (PolicyError, OSError, ValueError) as exc:
-            log.error("invalid policy: %s", exc)
-            return 2
-        if args.policy:
-            standalone.mtime = os.stat(args.policy).st_mtime_ns
-        model = args.model or await discover_model(args.gpu_url or args.cpu_url)
-        if model is None:
-            log.error("could not ask the GPU engine for its model name; pass --model")
-            return 2
-        router.state.set_deployments(
-            [
-                DeploymentSpec(
-                    id=0,
-                    name="standalone",
-                    model=model,
-                    policy="default",
-                    pd_protocol=args.pd_protocol,
-                    gpu_url=args.gpu_url or args.cpu_url,
-                    cpu_url=args.cpu_url,
-                )
-            ]
-        )
+    try:
+        source = await _policy_source(router, args)
+    except StartupError as exc:
+        log.error("%s", exc)
+        return 2
 
     app = build_app(router)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -296,35 +328,17 @@ async def serve(args: argparse.Namespace) -> int:
     await site.start()
     port = bound_port(site, args.port)
     log.info("router listening on http://%s:%s", args.host, port)
-
-    if args.control_plane:
-        client = ControlPlaneClient(
-            router,
-            base_url=args.control_plane,
-            token=args.token,
-            name=args.name,
-            listen_url=args.advertise_url or f"http://{args.host}:{port}",
-            state_dir=Path(args.state_dir),
-            poll_interval=args.poll_interval,
-            stats_interval=args.stats_interval,
-        )
-        client.restore()
-        tasks.append(asyncio.create_task(client.run()))
+    source.attach(args.advertise_url or f"http://{args.host}:{port}")
 
     def interval() -> float:
         return router.state.default_policy().knobs.metrics_interval_seconds
 
-    tasks.append(
-        asyncio.create_task(scrape_forever(lambda: list(router.state.backends.values()), interval))
-    )
-    if standalone is not None:
-        tasks.append(asyncio.create_task(standalone.watch()))
-        loop.add_signal_handler(signal.SIGHUP, standalone.reload)
-    else:
-        # SIGHUP must not kill a managed router; its policy comes from the control plane.
-        loop.add_signal_handler(
-            signal.SIGHUP, lambda: log.info("SIGHUP ignored: the control plane owns the policy")
-        )
+    tasks = [
+        asyncio.create_task(source.run()),
+        asyncio.create_task(scrape_forever(lambda: list(router.state.backends.values()), interval)),
+    ]
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, source.hangup)
     if args.ready_file:
         write_ready_file(Path(args.ready_file), port)
 

@@ -76,8 +76,8 @@ class ControlPlaneClient:
         base_url: str,
         token: str,
         name: str,
-        listen_url: str,
         state_dir: Path,
+        listen_url: str = "",
         poll_interval: float = 0.5,
         stats_interval: float = 10.0,
     ) -> None:
@@ -97,6 +97,17 @@ class ControlPlaneClient:
         self.reachable: bool | None = None
         self.registered = False
         self.last_stats = 0.0
+
+    # -- as the router's policy source (router/cli.py: PolicySource) ------------------------
+
+    def attach(self, listen_url: str) -> None:
+        """The listener is bound: register under its URL, serving the cached state meanwhile."""
+        self.listen_url = listen_url
+        self.restore()
+
+    def hangup(self) -> None:
+        # SIGHUP must not kill a managed router; its policy comes from the control plane.
+        log.info("SIGHUP ignored: the control plane owns the policy")
 
     # -- the on-disk copy --------------------------------------------------------------------
 
