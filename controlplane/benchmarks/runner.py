@@ -16,7 +16,7 @@ from django.conf import settings
 from django.db import connections, transaction
 from django.utils import timezone
 
-from controlplane.benchmarks.choices import RunStatus
+from controlplane.benchmarks.choices import RUN_LIFECYCLE, RunStatus
 from controlplane.benchmarks.measure import Cancelled, Plan, measure
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample
 from controlplane.benchmarks.services import _endpoint, flag_regression
@@ -84,7 +84,8 @@ def attach_resources(rows: list[Any], node_id: int) -> None:
 
 
 def _finish(run_id: int, status: str, **fields: Any) -> None:
-    BenchmarkRun.objects.filter(pk=run_id).update(
+    """The run ends, from a state its table lets end so (a finished run stays finished)."""
+    BenchmarkRun.objects.filter(pk=run_id, status__in=RUN_LIFECYCLE.sources(status)).update(
         status=status, finished_at=timezone.now(), **fields
     )
 

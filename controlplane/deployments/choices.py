@@ -69,6 +69,9 @@ DEPLOYMENT_LIFECYCLE = Lifecycle(
 class StepName(models.TextChoices):
     """The deploy workflow's steps (workflow.py), one agent command each."""
 
+    # Between steps, or a command outside the workflow (stopping engines a moved deployment
+    # left on a node that came back): a value of its own, so the API's schema lists it.
+    NONE = "", "no step"
     STOP_OLD_CPU = "stop-old-cpu", "stop the previous CPU engine"
     STOP_OLD_GPU = "stop-old-gpu", "stop the previous GPU engine"
     START_GPU = "start-gpu", "start the GPU engine"

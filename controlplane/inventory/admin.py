@@ -39,7 +39,9 @@ class NodeAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     list_display = ["name", "status", "address", "last_heartbeat_at", "agent_version"]
     list_filter = ["status", "accelerators__kind", "accelerators__simulated"]
     search_fields = ["name", "address", "hostname"]
-    readonly_fields = ["last_heartbeat_at", "inventory_hash", "inventory_updated_at"]
+    # The status moves by heartbeats, the reaper and the two actions below (NODE_LIFECYCLE),
+    # never by editing the field.
+    readonly_fields = ["status", "last_heartbeat_at", "inventory_hash", "inventory_updated_at"]
     inlines = [CpuTopologyInline, NumaNodeInline, AcceleratorInline]
     actions = ["drain", "undrain"]
 

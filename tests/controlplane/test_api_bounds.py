@@ -126,7 +126,7 @@ def test_a_person_cannot_set_a_node_to_pending(admin_client, node) -> None:
     node.save()
     response = admin_client.patch(f"/api/v1/nodes/{node.pk}/", {"status": "pending"}, format="json")
     assert response.status_code == 400
-    assert "only 'draining'" in error(response)
+    assert "a person may set 'draining', or 'online' on a drained node" in error(response)
 
 
 @pytest.mark.parametrize(

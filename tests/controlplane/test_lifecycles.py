@@ -9,11 +9,15 @@ from pathlib import Path
 import pytest
 
 from controlplane.access.models import MachineCredential
+from controlplane.benchmarks.choices import RUN_LIFECYCLE, RunStatus
+from controlplane.benchmarks.models import BenchmarkRun, Scenario
+from controlplane.benchmarks.runner import _finish
 from controlplane.core.lifecycle import Lifecycle, TransitionError
 from controlplane.core.models import AuditEntry
 from controlplane.deployments import services
 from controlplane.deployments.choices import DEPLOYMENT_LIFECYCLE, DeploymentState
 from controlplane.deployments.models import ContainerInstance
+from controlplane.inventory.choices import NODE_LIFECYCLE, NodeStatus
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "lifecycles.md"
 STATES = [s.value for s in DeploymentState]
@@ -50,6 +54,68 @@ def test_a_deployment_moves_only_as_the_table_allows(make_deployment, current, t
         assert refused.value.field == "state"
         assert f"cannot go from {current} to {to}" in str(refused.value)
         assert deployment.state == current  # nothing was set
+
+
+def _section(title: str) -> str:
+    return DOC.read_text().split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+def _cells(line: str) -> list[str]:
+    return [re.sub(r"\([^)]*\)", "", c).strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_the_documented_node_table_is_the_enforced_one() -> None:
+    states = [s.value for s in NodeStatus]
+    documented: set[tuple[str, str]] = set()
+    for line in _section("Node").splitlines():
+        cells = _cells(line)
+        if len(cells) == 4 and cells[2] in states:
+            sources = states if cells[0] == "any" else [cells[0]]
+            documented |= {(s, cells[2]) for s in sources if s != cells[2]}
+    enforced = {(s, t) for s, targets in NODE_LIFECYCLE.moves.items() for t in targets}
+    assert documented == enforced
+
+
+def test_the_documented_run_table_is_the_enforced_one() -> None:
+    states = [s.value for s in RunStatus]
+    documented: dict[str, set[str]] = {}
+    for line in _section("Benchmark run").splitlines():
+        cells = _cells(line)
+        if len(cells) == 3 and cells[0] in states:
+            documented[cells[0]] = {t.strip() for t in cells[2].split(";") if t.strip() in states}
+    assert documented == {s: set(t) for s, t in RUN_LIFECYCLE.moves.items()}
+
+
+@pytest.mark.parametrize(
+    ("current", "to", "allowed"),
+    [
+        ("online", "draining", True),
+        ("offline", "draining", True),
+        ("draining", "online", True),
+        ("offline", "online", False),  # only a heartbeat brings a lost node back
+        ("pending", "online", False),
+        ("online", "offline", False),
+        ("draining", "pending", False),
+    ],
+)
+def test_a_person_drains_and_undrains_and_nothing_else(admin_client, node, current, to, allowed):
+    node.status = current
+    node.save()
+    answer = admin_client.patch(f"/api/v1/nodes/{node.pk}/", {"status": to}, format="json")
+    assert answer.status_code == (200 if allowed else 400), answer.content
+    node.refresh_from_db()
+    assert node.status == (to if allowed else current)
+
+
+def test_a_finished_run_stays_finished(db) -> None:
+    scenario = Scenario.objects.create(name="finish-once", input_tokens=8, output_tokens=4)
+    run = BenchmarkRun.objects.create(
+        scenario=scenario, status="running", target_url="http://127.0.0.1:7010"
+    )
+    _finish(run.pk, RunStatus.CANCELLED, error="")
+    _finish(run.pk, RunStatus.FAILED, error="a late failure of the cancelled run")
+    run.refresh_from_db()
+    assert (run.status, run.error) == ("cancelled", "")
 
 
 def test_a_table_names_every_target_as_a_state_of_its_own() -> None:

@@ -4,7 +4,7 @@ from typing import Any
 
 from rest_framework import serializers
 
-from controlplane.inventory.choices import AcceleratorKind
+from controlplane.inventory.choices import OPERATOR_NODE_MOVES, AcceleratorKind, NodeStatus
 from controlplane.inventory.cpulist import CpuListError, parse_cpu_list
 from controlplane.inventory.models import Accelerator, CpuTopology, Heartbeat, Node, NumaNode
 
@@ -98,11 +98,12 @@ class NodeSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
         return value
 
     def validate_status(self, value: str) -> str:
-        # People may drain a node or bring it back; online/offline come from heartbeats.
-        current = self.instance.status if self.instance else None
-        if value != current and value not in ("draining", "online"):
+        # People may drain a node or undrain it; online and offline come from heartbeats.
+        current = self.instance.status if self.instance else NodeStatus.PENDING
+        if value != current and current not in OPERATOR_NODE_MOVES.get(value, frozenset()):
             raise serializers.ValidationError(
-                f"only 'draining' (or 'online' to undo it) can be set; got {value!r}"
+                f"cannot set {value!r} on a node that is {current}: a person may set "
+                "'draining', or 'online' on a drained node; heartbeats set the rest"
             )
         return value
 
