@@ -17,7 +17,7 @@ _ITL_SUM = ("vllm:inter_token_latency_seconds_sum", "vllm:time_per_output_token_
 _ITL_COUNT = ("vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count")
 _AVG_GEN = ("vllm:avg_generation_throughput_toks_per_s",)
 
-_WANTED = frozenset(
+WANTED_METRICS = frozenset(
     _RUNNING + _WAITING + _KV_USAGE + _GEN_TOKENS + _ITL_SUM + _ITL_COUNT + _AVG_GEN
 )
 
@@ -82,7 +82,7 @@ def parse_metrics_text(text: str, at: float) -> EngineSample:
             continue
         end = brace if 0 <= brace < space else space
         name = line[:end]
-        if name not in _WANTED:
+        if name not in WANTED_METRICS:
             continue
         # The value follows the label set (which may contain spaces inside quotes).
         tail = line[line.rfind("}") + 1 :] if brace >= 0 else line[space:]

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from router.engine_metrics import _WANTED, parse_metrics_text  # noqa: E402
+from router.engine_metrics import WANTED_METRICS, parse_metrics_text  # noqa: E402
 
 CAPTURED = ROOT / "tests" / "router" / "data" / "vllm-0.32-metrics.txt"
 
@@ -33,7 +33,7 @@ def with_prometheus_client(text: str) -> dict[str, float]:
     sums: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in _WANTED:
+            if sample.name in WANTED_METRICS:
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     return sums
 

@@ -21,6 +21,22 @@ PERSONAL_TOKEN_PREFIX = "sxp_"
 KEY_HINT_LENGTH = 8
 
 
+def _revoke_once(
+    token: MachineCredential | PersonalToken, action: str, acting_user: object
+) -> bool:
+    """Set ``revoked_at`` unless it is set (a compare-and-set) and audit it; True if it was
+    revoked now."""
+    now = timezone.now()
+    with transaction.atomic():
+        changed = (
+            type(token).objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=now)
+        )
+        if changed:
+            token.revoked_at = now
+            audit.record(action, token, acting_user=acting_user)
+    return bool(changed)
+
+
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -89,15 +105,7 @@ class MachineCredential(models.Model):
 
     def revoke(self, *, acting_user: object = None) -> bool:
         """Revoke the credential; False if it already was (nothing recorded then)."""
-        now = timezone.now()
-        with transaction.atomic():
-            changed = MachineCredential.objects.filter(pk=self.pk, revoked_at__isnull=True).update(
-                revoked_at=now
-            )
-            if changed:
-                self.revoked_at = now
-                audit.record("credential.revoked", self, acting_user=acting_user)
-        return bool(changed)
+        return _revoke_once(self, "credential.revoked", acting_user)
 
 
 class PersonalToken(models.Model):
@@ -158,12 +166,4 @@ class PersonalToken(models.Model):
 
     def revoke(self, *, acting_user: object = None) -> bool:
         """Revoke the token; False if it already was (nothing recorded then)."""
-        now = timezone.now()
-        with transaction.atomic():
-            changed = PersonalToken.objects.filter(pk=self.pk, revoked_at__isnull=True).update(
-                revoked_at=now
-            )
-            if changed:
-                self.revoked_at = now
-                audit.record("token.revoked", self, acting_user=acting_user)
-        return bool(changed)
+        return _revoke_once(self, "token.revoked", acting_user)

@@ -423,8 +423,10 @@ def sync_containers(node: Node, reported: list[dict[str, Any]]) -> int:
     actor = f"agent:{node.name}"
     with transaction.atomic():
         own = {d.pk: d for d in Deployment.objects.filter(node=node)}
-        before = {
-            (c.deployment_id, c.role, c.generation): c.status
+        # One read of the node's containers: their statuses before this report (for the
+        # audit) and, for those it no longer names, the rows to mark missing.
+        known = {
+            (c.deployment_id, c.role, c.generation): c
             for c in ContainerInstance.objects.filter(deployment__node=node)
         }
         elsewhere = {
@@ -452,14 +454,13 @@ def sync_containers(node: Node, reported: list[dict[str, Any]]) -> int:
                 },
             )
             updated += 1
-            was = before.get((deployment.pk, container.role, container.generation))
+            previous = known.get((deployment.pk, container.role, container.generation))
+            was = previous.status if previous is not None else None
             if was != container.status:
                 _audit_container(container, was, actor)
         seen = {(i["deployment_id"], i["role"], i["generation"]) for i in reported}
-        for container in ContainerInstance.objects.filter(deployment__node=node).exclude(
-            status="missing"
-        ):
-            if (container.deployment_id, container.role, container.generation) not in seen:
+        for key, container in known.items():
+            if key not in seen and container.status != "missing":
                 was = container.status
                 container.status = "missing"
                 container.save(update_fields=["status", "updated_at"])

@@ -11,7 +11,7 @@ from django.utils import timezone
 from controlplane.core import audit
 from controlplane.core.models import Clock
 from controlplane.inventory import signals
-from controlplane.inventory.choices import NodeStatus
+from controlplane.inventory.choices import NODE_LIFECYCLE, NodeStatus
 from controlplane.inventory.models import Accelerator, CpuTopology, Heartbeat, Node, NumaNode
 from syshax.common.inventory import inventory_hash
 
@@ -160,7 +160,9 @@ def _mark_seen(node: Node, now: datetime) -> bool:
     return bool(came_back)
 
 
-_RETURNING = (NodeStatus.PENDING, NodeStatus.OFFLINE)
+# The states a heartbeat brings a node online from: its table's, except a drain, which a
+# heartbeat never undoes.
+_RETURNING = NODE_LIFECYCLE.sources(NodeStatus.ONLINE) - {NodeStatus.DRAINING}
 
 
 def _listening_long_enough(now: datetime, grace: timedelta) -> bool:

@@ -12,11 +12,14 @@ from __future__ import annotations
 DONE_DATA = b"[DONE]"
 
 
-def split_events(buffer: bytearray) -> list[bytes]:
-    """Remove and return every complete event from ``buffer`` (line ends made LF)."""
+def split_events(buffer: bytearray, *, final: bool = False) -> list[bytes]:
+    """Remove and return every complete event from ``buffer`` (line ends made LF).
+
+    ``final``: the stream has ended, so a CR at the end is a whole line end, and what is
+    left is its last event even without the blank line after it."""
     if b"\r" in buffer:
         # A CR at the very end may be the first half of a CRLF: keep it until the next read.
-        held = buffer.endswith(b"\r")
+        held = buffer.endswith(b"\r") and not final
         body = bytes(buffer[:-1] if held else buffer)
         buffer[:] = body.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + (b"\r" if held else b"")
     events: list[bytes] = []
@@ -31,6 +34,10 @@ def split_events(buffer: bytearray) -> list[bytes]:
         start = len(buffer) - 1
     if start:
         del buffer[:start]
+    if final and buffer.strip():
+        events.append(bytes(buffer))
+    if final:
+        buffer.clear()
     return events
 
 

@@ -139,10 +139,11 @@ class StreamClient:
             for event in split_events(buffer):
                 if self._handle_event(event, arrived, record):
                     return
-        if buffer.strip() and pieces:
-            # The stream ended without the blank line after its last event.
-            last = bytes(buffer).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-            self._handle_event(last, pieces[-1][0], record)
+        if pieces:
+            # The stream ended, perhaps without the blank line after its last event.
+            for event in split_events(buffer, final=True):
+                if self._handle_event(event, pieces[-1][0], record):
+                    return
 
     def _handle_event(self, event: bytes, now: float, record: RequestRecord) -> bool:
         """Apply one SSE event to the record; True once the stream says it is done."""

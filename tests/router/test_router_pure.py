@@ -283,3 +283,11 @@ def test_sse_events_split_on_any_line_end_even_across_reads(newline: bytes) -> N
 def test_sse_data_loses_one_leading_space_only() -> None:
     assert event_data(b"data:  two spaces") == b" two spaces"
     assert event_data(b"data:none") == b"none"
+
+
+def test_sse_at_the_end_of_a_stream_the_rest_is_its_last_event() -> None:
+    buffer = bytearray(b'data: {"a":1}\r\n\r\ndata: last\r')
+    assert [event_data(e) for e in split_events(buffer)] == [b'{"a":1}']
+    assert [event_data(e) for e in split_events(buffer, final=True)] == [b"last"]
+    assert not buffer
+    assert split_events(bytearray(b"\r\n"), final=True) == []  # a bare line end is no event

@@ -17,7 +17,7 @@ from router_procs import Proc, metric, wait_for
 from test_router_paths import stream_chat
 
 from router.backends import Backend, Timeouts
-from router.engine_metrics import _WANTED, parse_metrics_text
+from router.engine_metrics import WANTED_METRICS, parse_metrics_text
 from syshax.common.supervisor import free_port
 
 # A vLLM 0.32 engine's gauges and counters, as far as the router reads them.
@@ -285,7 +285,7 @@ def test_a_real_vllm_scrape_reads_as_prometheus_client_reads_it() -> None:
     reference: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in _WANTED:
+            if sample.name in WANTED_METRICS:
                 reference[sample.name] = reference.get(sample.name, 0.0) + sample.value
     sample = parse_metrics_text(text, 1.0)
     assert reference["vllm:generation_tokens_total"] == sample.generation_tokens > 0
