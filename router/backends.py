@@ -1,4 +1,4 @@
-"""Engines as the router sees them: one pooled HTTP session, scraped load and ejection state."""
+"""Engines as the router sees them: one connection pool, scraped load and ejection state."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-import aiohttp
-
 from router.decide import fit_itl_slope
 from router.engine_metrics import (
     UNAVAILABLE,
@@ -22,7 +20,7 @@ from router.engine_metrics import (
     device_load,
     parse_metrics_text,
 )
-from router.rawhttp import RawPool
+from router.transport import EnginePool, UpstreamFailed, request
 
 log = logging.getLogger("syshax.router")
 
@@ -73,14 +71,16 @@ class ScrapeView:
 
 def scrape_failure_kind(exc: BaseException) -> str:
     """Classify a failed scrape: only ``timeout`` and ``parse`` leave the backend up."""
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        # The kernel completes TCP handshakes however busy the engine is: a host that does
-        # not is unreachable, like a refused connection.
-        return SCRAPE_CONNECT
-    if isinstance(exc, TimeoutError):
-        return SCRAPE_TIMEOUT
-    if isinstance(exc, aiohttp.ClientResponseError):
-        return SCRAPE_HTTP
+    if isinstance(exc, UpstreamFailed):
+        if exc.connect_failed:
+            # The kernel completes TCP handshakes however busy the engine is: a host that
+            # does not (in time) is unreachable, like a refused connection.
+            return SCRAPE_CONNECT
+        if exc.timed_out:
+            return SCRAPE_TIMEOUT
+        if exc.status is not None:
+            return SCRAPE_HTTP
+        return SCRAPE_CONNECT  # the connection broke: something else answers on that URL
     if isinstance(exc, ValueError):  # UnicodeDecodeError: not a Prometheus text page
         return SCRAPE_PARSE
     return SCRAPE_CONNECT
@@ -106,9 +106,9 @@ class Backend:
         self.url = url.rstrip("/")
         self.role = role
         self.timeouts = timeouts
-        self.session: aiohttp.ClientSession | None = None
-        # The passthrough path's lean client; PD calls use the aiohttp session.
-        self.pool = RawPool(self.url, timeouts.connect)
+        # The one client for this engine: passthrough, PD, tokenize, scrapes and the proxy.
+        self.pool = EnginePool(self.url, timeouts.connect)
+        self.closed = False  # closed after leaving the deployment set and draining
         self.up = True  # optimistic until the first scrape says otherwise
         self.inflight = 0  # sequences this router currently has on the engine
         # The requests now on the engine, for when it leaves the deployment set (retire).
@@ -133,25 +133,9 @@ class Backend:
         self.scrape_failures_in_row = 0
         self._untaken_scrape_failures: dict[str, int] = {}
 
-    def open(self) -> None:
-        if self.session is None:
-            # One pooled connector per engine; no per-request client.
-            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
-            self.session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=aiohttp.ClientTimeout(
-                    total=None, sock_connect=self.timeouts.connect, sock_read=None
-                ),
-                auto_decompress=False,
-                # Engines set no cookies; skipping the jar saves work on every request.
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
-
     async def close(self) -> None:
         self.pool.close()
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
+        self.closed = True
 
     @contextlib.contextmanager
     def holding(self, request: InFlight) -> Iterator[None]:
@@ -255,22 +239,27 @@ class Backend:
         return False
 
     async def scrape(self, interval: float | None = None) -> None:
-        if self.session is None:
-            return  # closed after leaving the deployment set
+        if self.closed or self.pool.closed:
+            return  # left the deployment set
         if interval is not None:
             self.scrape_interval = interval
         started = time.monotonic()
         try:
-            async with self.session.get(
-                self.url + "/metrics", timeout=aiohttp.ClientTimeout(total=self.timeouts.scrape)
+            # One deadline for the whole scrape, connect included.
+            async with request(
+                self,
+                "/metrics",
+                first_byte=self.timeouts.scrape,
+                method=b"GET",
+                headers=b"",
+                idle=None,
             ) as resp:
+                body = await resp.read_all()
                 if resp.status != 200:
-                    raise aiohttp.ClientResponseError(
-                        resp.request_info, (), status=resp.status, message="metrics"
-                    )
-                # Prometheus text is UTF-8 by definition; anything else is not a metrics page.
-                text = (await resp.read()).decode()
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+                    raise UpstreamFailed(self, f"HTTP {resp.status}", status=resp.status)
+            # Prometheus text is UTF-8 by definition; anything else is not a metrics page.
+            text = body.decode()
+        except (UpstreamFailed, ValueError) as exc:
             self._scrape_failed(scrape_failure_kind(exc), exc)
             return
         now = time.monotonic()
@@ -296,8 +285,10 @@ class Backend:
         self._untaken_scrape_failures[kind] = self._untaken_scrape_failures.get(kind, 0) + 1
         if kind == SCRAPE_TIMEOUT:
             detail = f"no answer within {self.timeouts.scrape:g}s"
-        elif isinstance(exc, aiohttp.ClientResponseError):
+        elif isinstance(exc, UpstreamFailed) and exc.status is not None:
             detail = f"HTTP {exc.status}"
+        elif isinstance(exc, UpstreamFailed):
+            detail = str(exc).split(": ", 1)[-1]
         else:
             detail = str(exc) or exc.__class__.__name__
         self.last_scrape_error = f"{kind}: {detail}"

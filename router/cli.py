@@ -17,10 +17,11 @@ from aiohttp import web
 from router.backends import Timeouts, scrape_forever
 from router.managed import ControlPlaneClient
 from router.server import Router, ServerConfig, build_app
-from router.state import PD_PROTOCOLS, DeploymentSpec, PolicyRecord
+from router.state import PolicyRecord
 from router.workers import supervise
 from syshax.common.files import write_ready_file
 from syshax.common.policy_schema import KNOBS, PolicyError, validate_knobs
+from syshax.common.routing import PD_PROTOCOLS, DeploymentSpec
 
 log = logging.getLogger("syshax.router")
 
@@ -302,7 +303,9 @@ async def _policy_source(router: Router, args: argparse.Namespace) -> PolicySour
     return standalone
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def compose(args: argparse.Namespace) -> tuple[Router, web.Application, PolicySource]:
+    """The router the flags describe: its state, its app and its policy source, wired
+    together. The one place the parts meet; raises StartupError."""
     config = ServerConfig(
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
@@ -315,13 +318,28 @@ async def serve(args: argparse.Namespace) -> int:
         ),
     )
     router = Router(config)
+    source = await _policy_source(router, args)
+    return router, build_app(router), source
+
+
+def background(router: Router, source: PolicySource) -> list[asyncio.Task[None]]:
+    """What runs beside the listener: the policy source and the engine scrapes."""
+
+    def interval() -> float:
+        return router.state.default_policy().knobs.metrics_interval_seconds
+
+    return [
+        asyncio.create_task(source.run()),
+        asyncio.create_task(scrape_forever(lambda: list(router.state.backends.values()), interval)),
+    ]
+
+
+async def serve(args: argparse.Namespace) -> int:
     try:
-        source = await _policy_source(router, args)
+        router, app, source = await compose(args)
     except StartupError as exc:
         log.error("%s", exc)
         return 2
-
-    app = build_app(router)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, backlog=1024, reuse_port=args.reuse_port)
@@ -329,14 +347,7 @@ async def serve(args: argparse.Namespace) -> int:
     port = bound_port(site, args.port)
     log.info("router listening on http://%s:%s", args.host, port)
     source.attach(args.advertise_url or f"http://{args.host}:{port}")
-
-    def interval() -> float:
-        return router.state.default_policy().knobs.metrics_interval_seconds
-
-    tasks = [
-        asyncio.create_task(source.run()),
-        asyncio.create_task(scrape_forever(lambda: list(router.state.backends.values()), interval)),
-    ]
+    tasks = background(router, source)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGHUP, source.hangup)
     if args.ready_file:

@@ -18,15 +18,13 @@ from typing import Any
 import aiohttp
 
 from router.server import Router
-from router.state import DeploymentSpec, PolicyRecord, parse_policy
+from router.state import PolicyRecord, parse_policy
 from syshax.common import __version__
 from syshax.common.files import write_json_atomic
 from syshax.common.policy_schema import PolicyError
+from syshax.common.routing import parse_deployments
 
 log = logging.getLogger("syshax.router")
-
-# The control plane lists running deployments only; a row in any other state is skipped.
-ROUTABLE_STATES = frozenset({"running"})
 
 
 class StateCache:
@@ -52,20 +50,6 @@ class StateCache:
 
 def policy_document(record: PolicyRecord) -> dict[str, Any]:
     return {"name": record.name, "version": record.version, "knobs": record.knobs.as_dict()}
-
-
-def parse_deployments(data: Any) -> list[DeploymentSpec]:
-    """The routable deployments of a ``routing/deployments`` answer; ValueError if malformed."""
-    if not isinstance(data, dict) or not isinstance(data.get("deployments"), list):
-        raise ValueError("expected {'deployments': [...]}")
-    specs = []
-    for entry in data["deployments"]:
-        if not isinstance(entry, dict):
-            raise ValueError("each deployment must be an object")
-        if entry.get("state", "running") not in ROUTABLE_STATES:
-            continue
-        specs.append(DeploymentSpec.from_api(entry))
-    return specs
 
 
 class ControlPlaneClient:

@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from router.upstream import FAILURE_REASONS
+from router.transport import FAILURE_REASONS
 
 _LATENCY_BUCKETS = (
     0.001,

@@ -28,11 +28,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-
 from router.backends import Backend
 from router.decide import Decision, Route, cpu_allowed, decide_next_chunk, token_limit
-from router.upstream import UpstreamFailed, iter_body, post, session_of
+from router.transport import UpstreamFailed, call_json, request
 from syshax.common.sse import event_data, split_events
 
 if TYPE_CHECKING:
@@ -104,6 +102,21 @@ class Transfer:
     lease_expires_at: float
 
 
+class VllmProtocol:
+    """The ``vllm`` wire protocol; one instance serves every deployment that speaks it."""
+
+    name = "vllm"
+
+    def unspliceable(self, body: dict[str, Any]) -> str | None:
+        return spliceable(body)
+
+    async def run(self, ex: Exchange, decision: Decision) -> None:
+        await VllmPd(ex).run(decision)
+
+    async def resume(self, ex: Exchange, failed: Backend, why: str) -> bool:
+        return await resume_stream(ex, failed, why)
+
+
 class VllmPd:
     """One PD sequence on vLLM engines; writes into the exchange's client stream."""
 
@@ -120,7 +133,7 @@ class VllmPd:
         ex = self.ex
         finish = await self.prefill()
         if finish != "length" or self.remaining() == 0:
-            ex.finish_reason = finish
+            ex.out.finish_reason = finish
             return
         cpu = ex.deployment.cpu
         target = cpu if cpu is not None else ex.deployment.gpu
@@ -138,14 +151,14 @@ class VllmPd:
             try:
                 finish, moved = await self.decode(target, limit)
             except UpstreamFailed as exc:
-                if exc.client_error and not ex.pieces:
+                if exc.client_error and not ex.out.pieces:
                     raise
                 ex.record_failure(exc)
                 if target is ex.deployment.gpu:
                     raise
                 log.warning(
                     "%s: CPU decode failed after %d tokens (%s); resuming on the GPU",
-                    ex.request_id,
+                    ex.out.request_id,
                     len(self.generated),
                     exc,
                 )
@@ -155,7 +168,7 @@ class VllmPd:
             if not moved:
                 break
             target = ex.deployment.gpu
-        ex.finish_reason = finish
+        ex.out.finish_reason = finish
 
     def remaining(self) -> int | None:
         limit = self.ex.req.max_tokens
@@ -165,14 +178,14 @@ class VllmPd:
         """GPU prefill of the client's own request; emits the first token."""
         ex = self.ex
         gpu = ex.deployment.gpu
-        body = ex._base_body()
+        body = ex.base_body()
         body.update(
             stream=False,
             max_tokens=1,
             return_token_ids=True,
             kv_transfer_params={"do_remote_decode": True},
         )
-        data = await ex._prefill_on_gpu(body)
+        data = await ex.prefill_on_gpu(body)
         try:
             choice = data["choices"][0]
             text = (choice["message"]["content"] if ex.req.chat else choice["text"]) or ""
@@ -187,7 +200,7 @@ class VllmPd:
                 "prefill answer lacks token ids (an engine without return_token_ids: "
                 "vLLM >= 0.10.2 is required for the vllm PD protocol)",
             ) from None
-        ex.prompt_tokens = int(usage.get("prompt_tokens") or len(self.prompt_ids))
+        ex.out.prompt_tokens = int(usage.get("prompt_tokens") or len(self.prompt_ids))
         params = data.get("kv_transfer_params")
         if isinstance(params, dict) and params.get("transfer_id"):
             clean = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
@@ -207,9 +220,9 @@ class VllmPd:
                 gpu.url,
             )
         self.generated.extend(token_ids)
-        ex.prompt_token_ids = self.prompt_ids
+        ex.out.prompt_token_ids = self.prompt_ids
         if text or token_ids:
-            await ex.emit(text, len(token_ids), token_ids)
+            await ex.out.emit(text, len(token_ids), token_ids)
         return finish
 
     def _decode_body(self, limit_tokens: int | None, transfer: Transfer | None) -> bytes:
@@ -247,8 +260,9 @@ class VllmPd:
         buffer = bytearray()
         with target.holding(ex):
             try:
-                async with post(target, COMPLETIONS, body, first_byte=ex.first_byte) as resp:
-                    async for data in iter_body(resp, target, ex.first_byte):
+                async with request(target, COMPLETIONS, body, first_byte=ex.first_byte) as resp:
+                    await resp.raise_for_status()
+                    async for data in resp.iter_body():
                         buffer += data
                         for chunk in _chunks(buffer, target):
                             if "error" in chunk:
@@ -265,7 +279,7 @@ class VllmPd:
                                 self.generated.extend(ids)
                                 received += len(ids)
                                 since_decision += len(ids)
-                                await ex.emit(text, len(ids), ids)
+                                await ex.out.emit(text, len(ids), ids)
                             if choice.get("finish_reason"):
                                 finish = str(choice["finish_reason"])
                         if finish is not None or not on_cpu or not limit or since_decision < limit:
@@ -282,7 +296,7 @@ class VllmPd:
                             continue
                         log.info(
                             "%s moves to the GPU after %d tokens: %s",
-                            ex.request_id,
+                            ex.out.request_id,
                             len(self.generated),
                             nxt.reason,
                         )
@@ -304,12 +318,12 @@ class VllmPd:
             if reported != received:
                 log.warning(
                     "%s: %s engine reported %d completion tokens, sent %d token ids",
-                    ex.request_id,
+                    ex.out.request_id,
                     target.role,
                     reported,
                     received,
                 )
-                ex.completion_tokens += reported - received
+                ex.out.completion_tokens += reported - received
         self._check_kv(target, transfer, usage)
         return finish, False
 
@@ -366,16 +380,13 @@ def _chunks(buffer: bytearray, backend: Backend) -> Iterator[dict[str, Any]]:
 
 async def _tokenize(backend: Backend, body: dict[str, Any]) -> list[int]:
     """Token ids from the engine's own ``/tokenize`` (vLLM's tokenizer and chat template)."""
-    session = session_of(backend)
-    limit = aiohttp.ClientTimeout(total=backend.timeouts.first_byte)
+    data = await call_json(
+        backend, "/tokenize", body, within=backend.timeouts.first_byte, what="/tokenize"
+    )
     try:
-        async with session.post(backend.url + "/tokenize", json=body, timeout=limit) as resp:
-            if resp.status != 200:
-                raise UpstreamFailed(backend, f"/tokenize answered HTTP {resp.status}")
-            data = await resp.json()
-    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-        raise UpstreamFailed(backend, f"/tokenize failed: {exc!r}") from None
-    return [int(t) for t in data.get("tokens") or ()]
+        return [int(t) for t in data.get("tokens") or ()]
+    except (AttributeError, TypeError, ValueError):
+        raise UpstreamFailed(backend, "/tokenize answered without token ids") from None
 
 
 async def resume_stream(ex: Exchange, failed: Backend, why: str) -> bool:
@@ -397,18 +408,17 @@ async def resume_stream(ex: Exchange, failed: Backend, why: str) -> bool:
     elif other is deployment.gpu and knobs.mode == "cpu-only":
         refused = "the policy is cpu-only"
     if refused is not None or other is None:
-        log.info("%s: not resumed after %s: %s", ex.request_id, why, refused)
+        log.info("%s: not resumed after %s: %s", ex.out.request_id, why, refused)
         return False
-    relayed = b"".join(ex.relayed)
+    relayed = b"".join(ex.out.relayed)
     if relayed and not relayed.endswith(b"\n\n"):
         return False  # the client holds half an event: nothing can follow it cleanly
     text, finish = [], None
     buffer = bytearray(relayed)
     try:
         for chunk in _chunks(buffer, failed):
-            if "id" in chunk and "request_id" not in ex.__dict__:
-                ex.__dict__["request_id"] = str(chunk["id"])  # the stream keeps its id
-                ex.created = int(chunk.get("created") or ex.created)
+            if "id" in chunk:
+                ex.out.keep_id(str(chunk["id"]), int(chunk.get("created") or 0))
             for choice in chunk.get("choices") or []:
                 if ex.req.chat:
                     text.append((choice.get("delta") or {}).get("content") or "")
@@ -418,7 +428,7 @@ async def resume_stream(ex: Exchange, failed: Backend, why: str) -> bool:
     except (UpstreamFailed, ValueError):
         return False
     if finish is not None:
-        ex.finish_reason = str(finish)  # only the tail was lost
+        ex.out.finish_reason = str(finish)  # only the tail was lost
         return True
     body = ex.req.body
     try:
@@ -446,11 +456,11 @@ async def resume_stream(ex: Exchange, failed: Backend, why: str) -> bool:
             else []
         )
     except UpstreamFailed as exc:
-        log.warning("%s: cannot resume on the %s engine: %s", ex.request_id, other.role, exc)
+        log.warning("%s: cannot resume on the %s engine: %s", ex.out.request_id, other.role, exc)
         return False
     log.warning(
         "%s: %s engine failed after %d tokens (%d characters; %s); resuming on the %s engine",
-        ex.request_id,
+        ex.out.request_id,
         failed.role,
         len(generated),
         len(so_far),
@@ -460,11 +470,11 @@ async def resume_stream(ex: Exchange, failed: Backend, why: str) -> bool:
     ex.metrics.fallback(f"{failed.role}-stream-to-{other.role}")
     pd = VllmPd(ex)
     pd.prompt_ids, pd.generated = prompt_ids, generated
-    ex.prompt_tokens = len(prompt_ids)
-    ex.completion_tokens = len(generated)
-    ex.pieces.append(so_far)
+    ex.out.prompt_tokens = len(prompt_ids)
+    ex.out.completion_tokens = len(generated)
+    ex.out.pieces.append(so_far)
     try:
-        ex.finish_reason, _ = await pd.decode(other, 0)
+        ex.out.finish_reason, _ = await pd.decode(other, 0)
     except UpstreamFailed as exc:
         ex.record_failure(exc)
         return False

@@ -15,15 +15,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.backends import SCRAPE_FAILURE_KINDS, Backend, Timeouts
+from router.client_stream import ClientGone, ClientRequest
+from router.deadlines import DEADLINES
 from router.decide import Decision, Route, cpu_allowed, decide, retry_after_seconds
 from router.errors import RouterError, error_response, saturated, unavailable
-from router.flow import ClientGone, ClientRequest, Exchange
+from router.flow import Exchange
 from router.metrics import RouterMetrics
-from router.pd_vllm import spliceable
 from router.state import Deployment, RouterState
-from router.upstream import BackendRemoved, UpstreamFailed
+from router.transport import BackendRemoved, UpstreamFailed, request
 from router.validate import check_request, parse_body
-from router.watchdog import WATCHDOG, CancelTask
 from syshax.common.policy_schema import MODES, PolicyKnobs
 
 log = logging.getLogger("syshax.router")
@@ -132,8 +132,8 @@ def _plan(
         decision = Decision(Route.GPU_ONLY, reason="n > 1", code="n-above-1")
     if decision.route is Route.PD and deployment.cpu is None:
         decision = Decision(Route.GPU_ONLY, reason="deployment has no CPU engine", code="no-cpu")
-    if decision.route is Route.PD and deployment.spec.pd_protocol == "vllm":
-        why = spliceable(req.body)
+    if decision.route is Route.PD:
+        why = deployment.pd.unspliceable(req.body)
         if why is not None:
             decision = Decision(Route.GPU_ONLY, reason=why, code="not-spliceable")
     router.metrics.decision("new", decision.route.value, decision.code)
@@ -180,8 +180,6 @@ async def _serve(
 ) -> web.StreamResponse:
     metrics = router.metrics
     first_byte = router.config.timeouts.first_byte
-    # The request deadline is one entry in the shared watchdog (which cancels this task),
-    # not a timer armed and cancelled per request.
     task = asyncio.current_task()
     assert task is not None
     exchange = Exchange(http, req, router.state, deployment, metrics, first_byte, task)
@@ -189,19 +187,16 @@ async def _serve(
     failovers = 0
     label = decision.route.value
     outcome = "error"
-    deadline = asyncio.get_running_loop().time() + knobs.request_timeout_seconds
-    guard = WATCHDOG.watch(CancelTask(task), deadline)
     try:
-        try:
+        async with DEADLINES.cancel_after(knobs.request_timeout_seconds):
             while True:
                 if decision.fallback:
                     metrics.fallback(f"to-{decision.route.value}")
-                label = exchange.decision_label = decision.route.value
+                label = exchange.out.decision_label = decision.route.value
                 failure: UpstreamFailed
                 try:
                     if decision.route is Route.PD:
-                        await exchange.run_pd(decision)
-                        response = await exchange.finish()
+                        response = await exchange.run_pd(decision)
                     else:
                         backend = (
                             deployment.gpu if decision.route is Route.GPU_ONLY else deployment.cpu
@@ -217,7 +212,7 @@ async def _serve(
                     if removed is None:
                         raise
                     failure = removed
-                if failure.client_error and not exchange.started_output:
+                if failure.client_error and not exchange.out.started:
                     outcome = "client_error"
                     return web.Response(
                         status=failure.status or 400,
@@ -225,8 +220,8 @@ async def _serve(
                         content_type="application/json",
                     )
                 exchange.record_failure(failure)
-                if exchange.started_output:
-                    return await exchange.abort_stream(str(failure), client_gone_ok=True)
+                if exchange.out.started:
+                    return await exchange.out.abort(str(failure), client_gone_ok=True)
                 nxt = _fallback(router, deployment, decision.route, req)
                 if nxt is not None:
                     decision = nxt
@@ -253,14 +248,9 @@ async def _serve(
                     failure,
                 )
                 exchange = Exchange(http, req, router.state, deployment, metrics, first_byte, task)
-        except asyncio.CancelledError:
-            if not guard.fired:
-                raise
-            task.uncancel()
-            raise TimeoutError from None
     except TimeoutError:
-        if exchange.started_output:
-            return await exchange.abort_stream("request timed out", client_gone_ok=True)
+        if exchange.out.started:
+            return await exchange.out.abort("request timed out", client_gone_ok=True)
         raise RouterError(
             504,
             f"request exceeded {knobs.request_timeout_seconds:g}s",
@@ -269,12 +259,11 @@ async def _serve(
         ) from None
     except ClientGone:
         outcome = "cancelled"
-        return exchange.response or web.Response(status=499)
+        return exchange.out.response or web.Response(status=499)
     except asyncio.CancelledError:
         outcome = "cancelled"
         raise
     finally:
-        WATCHDOG.active.discard(guard)
         metrics.count_request(label, outcome)
 
 
@@ -449,33 +438,44 @@ async def proxy(http: web.Request) -> web.StreamResponse:
         raise RouterError(404, f"no route for {http.path}", code="not_found")
     now = time.monotonic()
     gpu = next((d.gpu for d in deployments if d.gpu.available(now)), deployments[0].gpu)
-    assert gpu.session is not None
-    headers = {k: v for k, v in http.headers.items() if k.lower() not in HOP_BY_HOP}
+    headers = "".join(
+        f"{name}: {value}\r\n"
+        for name, value in http.headers.items()
+        if name.lower() not in HOP_BY_HOP
+    ).encode("latin-1")
     body = await _read_body(http, router.config.max_body_bytes)
+    response: web.StreamResponse | None = None
     try:
-        async with asyncio.timeout(router.config.timeouts.first_byte):
-            upstream = await gpu.session.request(
-                http.method, gpu.url + http.path_qs, headers=headers, data=body
+        async with request(
+            gpu,
+            http.path_qs,
+            body,
+            first_byte=router.config.timeouts.first_byte,
+            method=http.method.encode(),
+            headers=headers,
+        ) as upstream:
+            response = web.StreamResponse(
+                status=upstream.status,
+                headers=[
+                    (name, value)
+                    for name, value in upstream.header_items()
+                    if name not in HOP_BY_HOP
+                ],
             )
-    except (TimeoutError, OSError, Exception) as exc:
+            await response.prepare(http)
+            async for data in upstream.iter_body():
+                await response.write(data)
+            await response.write_eof()
+            return response
+    except UpstreamFailed as exc:
+        if response is not None:
+            return response  # the answer started: it ends here, cut short
         raise RouterError(
             502,
-            f"GPU engine {gpu.url} did not answer: {exc.__class__.__name__}",
+            f"GPU engine {gpu.url} did not answer: {exc}",
             type_="server_error",
             code="backend_error",
         ) from None
-    try:
-        response = web.StreamResponse(
-            status=upstream.status,
-            headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP},
-        )
-        await response.prepare(http)
-        async for data in upstream.content.iter_any():
-            await response.write(data)
-        await response.write_eof()
-        return response
-    finally:
-        upstream.close()
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -17,11 +17,11 @@ from typing import Any
 from router.backends import Backend, Timeouts
 from router.decide import Loads
 from router.engine_metrics import UNAVAILABLE
+from router.pd import PROTOCOLS, PdProtocol
 from syshax.common.policy_schema import PolicyError, PolicyKnobs, validate_knobs
+from syshax.common.routing import DeploymentSpec
 
 log = logging.getLogger("syshax.router")
-
-PD_PROTOCOLS = ("syshax", "vllm")
 
 
 @dataclass(frozen=True)
@@ -32,95 +32,16 @@ class PolicyRecord:
     applied_at: float = field(default_factory=time.time)
 
 
-@dataclass(frozen=True)
-class DeploymentSpec:
-    """A deployment as the control plane (or the standalone flags) describes it."""
-
-    id: int
-    name: str
-    model: str
-    policy: str
-    pd_protocol: str
-    gpu_url: str
-    cpu_url: str | None
-    # The CPU engine's --max-num-seqs; None when the control plane does not say (older ones).
-    cpu_max_num_seqs: int | None = None
-    # The node's readings the deciders treat as limits (None: not reported).
-    gpu_temperature_c: float | None = None
-    host_memory_percent: float | None = None
-
-    @classmethod
-    def from_api(cls, data: dict[str, Any]) -> DeploymentSpec:
-        """Parse one entry of ``routing/deployments``; raises ValueError naming the bad field."""
-
-        def text(key: str, required: bool = True) -> str | None:
-            value = data.get(key)
-            if value is None or value == "":
-                if required:
-                    raise ValueError(f"deployment field {key!r} is required")
-                return None
-            if not isinstance(value, str):
-                raise ValueError(f"deployment field {key!r} must be a string")
-            return value
-
-        protocol = text("pd_protocol", required=False) or "vllm"
-        if protocol not in PD_PROTOCOLS:
-            raise ValueError(f"deployment pd_protocol must be one of {PD_PROTOCOLS}")
-        ident = data.get("id", 0)
-        if not isinstance(ident, int):
-            raise ValueError("deployment field 'id' must be an integer")
-        cpu_limit = data.get("cpu_max_num_seqs")
-        if cpu_limit is not None and (
-            not isinstance(cpu_limit, int) or isinstance(cpu_limit, bool) or cpu_limit < 1
-        ):
-            raise ValueError("deployment field 'cpu_max_num_seqs' must be a positive integer")
-        telemetry = data.get("telemetry") or {}
-        if not isinstance(telemetry, dict):
-            raise ValueError("deployment field 'telemetry' must be an object")
-
-        def reading(key: str) -> float | None:
-            value = telemetry.get(key)
-            if value is None:
-                return None
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"deployment telemetry {key!r} must be a number")
-            return float(value)
-
-        return cls(
-            id=ident,
-            name=text("name") or "",
-            model=text("model") or "",
-            policy=text("policy", required=False) or "default",
-            pd_protocol=protocol,
-            gpu_url=text("gpu_url") or "",
-            cpu_url=text("cpu_url", required=False),
-            cpu_max_num_seqs=cpu_limit,
-            gpu_temperature_c=reading("gpu_temperature_c"),
-            host_memory_percent=reading("host_memory_percent"),
-        )
-
-    def as_api(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "name": self.name,
-            "model": self.model,
-            "policy": self.policy,
-            "pd_protocol": self.pd_protocol,
-            "gpu_url": self.gpu_url,
-            "cpu_url": self.cpu_url,
-            "cpu_max_num_seqs": self.cpu_max_num_seqs,
-            "telemetry": {
-                "gpu_temperature_c": self.gpu_temperature_c,
-                "host_memory_percent": self.host_memory_percent,
-            },
-        }
-
-
 @dataclass
 class Deployment:
     spec: DeploymentSpec
     gpu: Backend
     cpu: Backend | None
+    # The deployment's PD wire protocol, chosen once from ``spec.pd_protocol``.
+    pd: PdProtocol = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pd = PROTOCOLS[self.spec.pd_protocol]
 
     def loads(self, now: float) -> Loads:
 
@@ -196,7 +117,6 @@ class RouterState:
         backend = self.backends.get(key)
         if backend is None:
             backend = Backend(key, role, self.timeouts)
-            backend.open()
         return backend
 
     def set_deployments(self, specs: list[DeploymentSpec]) -> None:

@@ -14,6 +14,7 @@ from controlplane.deployments.models import Deployment
 from controlplane.inventory.models import Heartbeat
 from controlplane.routers.models import RouterInstance, RouterStatsSample
 from syshax.common.errors import FieldError
+from syshax.common.routing import DeploymentSpec
 
 
 class RouterNameTaken(FieldError):
@@ -89,20 +90,20 @@ def routable_deployments() -> list[dict[str, Any]]:
         .order_by("pk")
     )
     return [
-        {
-            "id": d.pk,
-            "name": d.name,
-            "model": d.profile.model_name_for_clients,
-            "policy": d.policy.name if d.policy else "default",
-            "pd_protocol": d.profile.pd_protocol,
-            "generation": d.generation,
-            "state": d.state,
-            "gpu_url": d.gpu_endpoint,
-            "cpu_url": d.cpu_endpoint,
+        DeploymentSpec(
+            id=d.pk,
+            name=d.name,
+            model=d.profile.model_name_for_clients,
+            policy=d.policy.name if d.policy else "default",
+            pd_protocol=d.profile.pd_protocol,
+            generation=d.generation,
+            state=d.state,
+            gpu_url=d.gpu_endpoint,
+            cpu_url=d.cpu_endpoint or None,
             # The CPU engine's own --max-num-seqs: the router admits no more CPU decodes.
-            "cpu_max_num_seqs": d.profile.cpu_max_num_seqs if d.profile.enable_cpu_engine else None,
-            "telemetry": _telemetry(d),
-        }
+            cpu_max_num_seqs=d.profile.cpu_max_num_seqs if d.profile.enable_cpu_engine else None,
+            **_telemetry(d),
+        ).as_api()
         for d in rows
     ]
 

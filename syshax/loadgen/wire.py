@@ -4,8 +4,9 @@ Why not aiohttp for the timed path: with aiohttp every chunk wakes a coroutine, 
 concurrent streams on one core those wake-ups queue behind each other, so the stamp taken
 when the coroutine finally runs lags the chunk's arrival by tens of milliseconds (measured:
 docs/benchmarks.md, "Capacity"). Here ``data_received`` stamps each socket read with
-``time.perf_counter()`` and only stores the bytes; nothing else runs per chunk. The response
-is parsed once it is complete, and each SSE event gets the stamp of the read that completed it.
+``time.perf_counter()`` before anything else, then parses it (``syshax.common.http1``, the
+parser the router's engine client uses too) and keeps its body bytes with that stamp; no
+coroutine runs per chunk. Each SSE event gets the stamp of the read that completed it.
 
 Only what an OpenAI-compatible server sends is supported: a status line, headers, and a body
 that is chunked or has a Content-Length. Connections are kept alive and pooled per host.
@@ -14,86 +15,27 @@ that is chunked or has a Content-Length. Connections are kept alive and pooled p
 from __future__ import annotations
 
 import asyncio
-import bisect
 import socket
 import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import cast
 from urllib.parse import urlsplit
 
-_HEAD_END = b"\r\n\r\n"
-# A chunked body ends with a zero-size chunk; an SSE payload ends with a blank line and its
-# chunk with CRLF, so these bytes at the end of a read cannot be the middle of an event.
-_CHUNKED_END = b"\r\n0\r\n\r\n"
+from syshax.common.http1 import FramingError, ResponseParser
 
 
 class WireError(Exception):
     """The connection failed or the response could not be parsed."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Head:
     status: int
     reason: str
     headers: dict[str, str]  # lower-cased names; a repeated header keeps its last value
-
-    # Cached: data_received asks on every socket read, and the headers never change.
-    @cached_property
-    def chunked(self) -> bool:
-        return "chunked" in self.headers.get("transfer-encoding", "").lower()
-
-    @cached_property
-    def content_length(self) -> int | None:
-        value = self.headers.get("content-length")
-        return int(value) if value is not None and value.strip().isdigit() else None
-
-    @property
-    def keep_alive(self) -> bool:
-        return self.headers.get("connection", "").lower() != "close"
-
-
-def parse_head(raw: bytes) -> Head:
-    """Parse a status line and headers (without the blank line that ends them)."""
-    lines = raw.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
-        raise WireError(f"bad status line {lines[0]!r}")
-    headers = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if sep:
-            headers[name.strip().lower()] = value.strip()
-    return Head(int(parts[1]), parts[2] if len(parts) > 2 else "", headers)
-
-
-def decode_chunked(body: bytes, start: int) -> tuple[list[tuple[int, bytes]], bool]:
-    """Split a chunked body into (offset just past the chunk, payload) pairs.
-
-    ``start`` is the body's offset in the whole response, so offsets are response offsets.
-    Returns the chunks and whether the terminating zero-size chunk was seen.
-    """
-    chunks: list[tuple[int, bytes]] = []
-    position = 0
-    while True:
-        line_end = body.find(b"\r\n", position)
-        if line_end < 0:
-            return chunks, False
-        size_text = body[position:line_end].split(b";", 1)[0].strip()
-        try:
-            size = int(size_text, 16)
-        except ValueError:
-            raise WireError(f"bad chunk size {size_text[:20]!r}") from None
-        if size == 0:
-            return chunks, True
-        data_start = line_end + 2
-        data_end = data_start + size
-        if data_end + 2 > len(body):
-            return chunks, False
-        chunks.append((start + data_end + 2, body[data_start:data_end]))
-        position = data_end + 2
+    keep_alive: bool
 
 
 @dataclass
@@ -101,23 +43,22 @@ class Response:
     """A complete (or cut-off) response: its head, body pieces and when each arrived."""
 
     head: Head
-    # (perf_counter of the socket read that completed it, payload), in order
+    # (perf_counter of the socket read that brought it, payload), in order
     pieces: list[tuple[float, bytes]]
     complete: bool
     error: str = ""
 
 
 class _Connection(asyncio.Protocol):
-    """One TCP connection; stamps and stores every read, and nothing more."""
+    """One TCP connection: stamps every read first, then parses it (well under a
+    microsecond a read, docs/decisions.md) and keeps its body bytes with the stamp."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.reads: list[bytes] = []
-        self.read_times: list[float] = []
-        self.read_ends: list[int] = []  # response offset just past each read
-        self.size = 0
-        self.head_size = 0  # bytes of status line and headers incl. the blank line; 0: unknown
-        self.head: Head | None = None
+        self.parser = ResponseParser()
+        self.pieces: list[tuple[float, bytes]] = []
+        self.received = 0
+        self.error = ""
         self.done: asyncio.Future[None] | None = None
         self.lost: BaseException | None = None
         self.closed = False
@@ -132,27 +73,31 @@ class _Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        self.read_times.append(time.perf_counter())
-        self.reads.append(data)
-        self.size += len(data)
-        self.read_ends.append(self.size)
-        head = self.head
-        if head is None or (head.chunked and data.endswith(b"0\r\n\r\n")):
-            self._check_complete()
-        elif head.content_length is not None and self.size >= self.head_size + head.content_length:
+        arrived = time.perf_counter()  # first: the stamp is the point of this client
+        self.received += len(data)
+        try:
+            payload = self.parser.feed(data)
+        except FramingError as exc:
+            self.error = str(exc)
+            self._finish()
+            return
+        if payload:
+            self.pieces.append((arrived, payload))
+        if self.parser.complete:
             self._finish()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.lost = exc or ConnectionResetError("the server closed the connection")
+        self.parser.closed()
         self._finish()
 
     # -- one exchange -----------------------------------------------------------------------
 
     def begin(self, request: bytes) -> asyncio.Future[None]:
         assert self.transport is not None
-        self.reads, self.read_times, self.read_ends = [], [], []
-        self.size, self.head_size, self.head = 0, 0, None
+        self.parser.reset()
+        self.pieces, self.received, self.error = [], 0, ""
         self.done = asyncio.get_running_loop().create_future()
         self.transport.write(request)
         return self.done
@@ -161,52 +106,15 @@ class _Connection(asyncio.Protocol):
         if self.done is not None and not self.done.done():
             self.done.set_result(None)
 
-    def _read_head(self, raw: bytes) -> Head | None:
-        """The response head, parsed once it has fully arrived (None until then)."""
-        if self.head is None:
-            end = raw.find(_HEAD_END)
-            if end < 0:
-                return None
-            self.head = parse_head(raw[:end])
-            self.head_size = end + len(_HEAD_END)
-        return self.head
-
-    def _check_complete(self) -> None:
-        """Parse the head once it is in; finish when the body is complete."""
-        raw = b"".join(self.reads)
-        head = self._read_head(raw)
-        if head is None:
-            return
-        if head.chunked:
-            body_size = self.size - self.head_size
-            if raw.endswith(_CHUNKED_END) or (body_size == 5 and raw.endswith(b"0\r\n\r\n")):
-                self._finish()
-        elif (length := head.content_length) is not None and self.size >= self.head_size + length:
-            self._finish()
-        # Otherwise the body runs until the server closes the connection.
-
     def response(self) -> Response:
-        """The exchange's response, parsed from what arrived."""
-        raw = b"".join(self.reads)
-        head = self._read_head(raw)
-        if head is None:
-            raise WireError(f"no complete response head ({len(raw)} bytes arrived)")
-        body = raw[self.head_size :]
-        if head.chunked:
-            chunks, complete = decode_chunked(body, self.head_size)
-        elif head.content_length is not None:
-            complete = len(body) >= head.content_length
-            kept = min(len(body), head.content_length)
-            chunks = [(self.head_size + kept, body[:kept])]
-        else:
-            complete = self.closed
-            chunks = [(self.size, body)]
-        pieces = []
-        for end, payload in chunks:
-            # The read that brought the chunk's last byte is when the chunk arrived.
-            read = min(bisect.bisect_left(self.read_ends, end), len(self.read_times) - 1)
-            pieces.append((self.read_times[read], payload))
-        return Response(head, pieces, complete)
+        """The exchange's response, as far as it arrived."""
+        parser = self.parser
+        if not parser.head_complete:
+            raise WireError(
+                self.error or f"no complete response head ({self.received} bytes arrived)"
+            )
+        head = Head(parser.status, parser.reason, dict(parser.headers), parser.keep_alive)
+        return Response(head, self.pieces, parser.complete, self.error)
 
 
 @dataclass
@@ -298,7 +206,8 @@ async def post(
         response = connection.response()
         if not response.complete:
             lost = connection.lost
-            response.error = f"connection lost mid-response: {lost!r}" if lost else "incomplete"
+            cut = f"connection lost mid-response: {lost!r}" if lost else "incomplete"
+            response.error = response.error or cut
         reusable = response.complete and response.head.keep_alive and not connection.closed
         return response
     finally:

@@ -20,10 +20,10 @@ from router.backends import Backend, Timeouts
 from router.decide import Loads, Route, decide
 from router.engine_metrics import DeviceLoad
 from router.state import Deployment as RoutedDeployment
-from router.state import DeploymentSpec
 from syshax.common.engine_spec import EngineSpec
 from syshax.common.policy_schema import PolicyKnobs
 from syshax.common.presets import DEVICES, DevicePreset, device_preset
+from syshax.common.routing import DeploymentSpec
 from syshax.sim.cli import add_arguments as sim_arguments
 from syshax.sim.perfmodel import bind_cpu
 

@@ -8,32 +8,7 @@ import socket
 
 import pytest
 
-from syshax.loadgen.wire import ConnectionPool, WireError, decode_chunked, parse_head, post
-
-
-def test_parse_head() -> None:
-    head = parse_head(
-        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
-        b"X-Syshax-Route: pd"
-    )
-    assert head.status == 200 and head.reason == "OK"
-    assert head.chunked and head.content_length is None and head.keep_alive
-    assert head.headers["x-syshax-route"] == "pd"
-    closing = parse_head(b"HTTP/1.1 404 Not Found\r\nContent-Length: 12\r\nConnection: close")
-    assert closing.content_length == 12 and not closing.keep_alive and not closing.chunked
-    with pytest.raises(WireError):
-        parse_head(b"garbage")
-
-
-def test_decode_chunked_reports_response_offsets() -> None:
-    body = b"3\r\nabc\r\n2;ext=1\r\nde\r\n0\r\n\r\n"
-    chunks, complete = decode_chunked(body, start=100)
-    assert complete
-    assert chunks == [(108, b"abc"), (121, b"de")]
-    partial, complete = decode_chunked(b"3\r\nabc\r\n5\r\nxy", start=0)
-    assert partial == [(8, b"abc")] and not complete
-    with pytest.raises(WireError):
-        decode_chunked(b"zz\r\n", 0)
+from syshax.loadgen.wire import ConnectionPool, post
 
 
 def _run(coro):  # type: ignore[no-untyped-def]

@@ -48,6 +48,9 @@ def test_capacity_offloads_only_when_the_gpu_is_saturated(engines: Pair, router:
         )
         idle = ask(router.url, _body(chat=False, stream=False, max_tokens=24))
         assert idle["route"] == "gpu-only"
+        # A scrape taken while that answer decoded still says the GPU runs one sequence (and
+        # is saturated) until the next scrape: wait for the engine's gauge to say it is free.
+        wait_for(lambda: _gpu_scraped_running(router) == 0, timeout=10)
         # A long stream holds the GPU's one slot while the next request arrives (1800
         # tokens take the tiny model seconds; the next request goes at its first token).
         started = threading.Event()

@@ -10,9 +10,10 @@ from router.backends import Backend, Timeouts, ejection_seconds
 from router.engine_metrics import derive_load, parse_metrics_text
 from router.errors import RouterError
 from router.sse import ChunkBuilder, chunk_parts
-from router.state import DeploymentSpec, parse_policy
+from router.state import parse_policy
 from router.validate import check_request, parse_body
 from syshax.common.policy_schema import PolicyError, PolicyKnobs
+from syshax.common.routing import DeploymentSpec
 from syshax.common.sse import event_data, split_events
 
 METRICS = """\
@@ -229,31 +230,6 @@ def test_cli_help_lists_every_knob() -> None:
     assert parse_size("512") == 512
 
 
-def test_dechunk_handles_reads_split_anywhere() -> None:
-    from router.rawhttp import _Broken, _dechunk
-
-    body = b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
-    for cut in range(len(body) + 1):
-        out1, rest, done1 = _dechunk(body[:cut])
-        assert not done1 or cut == len(body)
-        out2, rest, done2 = (b"", b"", True) if done1 else _dechunk(rest + body[cut:])
-        assert out1 + out2 == b"hello world", cut
-        assert done2 and rest == b""
-    with pytest.raises(_Broken):
-        _dechunk(b"zz\r\nhello\r\n")
-    # Chunk extensions are allowed and ignored.
-    assert _dechunk(b"3;ext=1\r\nabc\r\n") == (b"abc", b"", False)
-
-
-def test_header_fields_are_found_case_insensitively() -> None:
-    from router.rawhttp import _field
-
-    block = b"\r\n" + b"Content-Type: text/event-stream\r\nTransfer-Encoding:  chunked\r\n".lower()
-    assert _field(block, b"transfer-encoding") == b"chunked"
-    assert _field(block, b"content-type") == b"text/event-stream"
-    assert _field(block, b"content-length") == b""
-
-
 @pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])
 def test_sse_events_split_on_any_line_end_even_across_reads(newline: bytes) -> None:
     # The specification allows CRLF, LF and CR line ends; a read may end anywhere, even
@@ -291,3 +267,11 @@ def test_sse_at_the_end_of_a_stream_the_rest_is_its_last_event() -> None:
     assert [event_data(e) for e in split_events(buffer, final=True)] == [b"last"]
     assert not buffer
     assert split_events(bytearray(b"\r\n"), final=True) == []  # a bare line end is no event
+
+
+def test_every_wire_protocol_of_the_contract_has_its_pd_protocol() -> None:
+    from router.pd import PROTOCOLS
+    from syshax.common.routing import PD_PROTOCOLS
+
+    assert sorted(PROTOCOLS) == sorted(PD_PROTOCOLS)
+    assert all(PROTOCOLS[name].name == name for name in PROTOCOLS)

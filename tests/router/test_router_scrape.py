@@ -73,7 +73,6 @@ async def fake_engine() -> AsyncIterator[FakeEngine]:
 @asynccontextmanager
 async def backend_for(url: str, timeouts: Timeouts = FAST) -> AsyncIterator[Backend]:
     backend = Backend(url, "gpu", timeouts)
-    backend.open()
     try:
         yield backend
     finally:
