@@ -27,6 +27,14 @@ import psutil
 from agents import __version__
 from syshax.common.affinity import Topology, format_cpu_list, parse_cpu_list
 from syshax.common.inventory import inventory_hash
+from syshax.common.reports import (
+    CardReading,
+    CardReport,
+    CpuReport,
+    HeartbeatReport,
+    InventoryReport,
+    NumaReport,
+)
 
 log = logging.getLogger("syshax.agent")
 
@@ -164,12 +172,10 @@ def cpu_model_and_flags(cpuinfo_text: str) -> tuple[str, list[str]]:
     return model or platform.processor() or "unknown", flags
 
 
-def numa_nodes(
-    sys_root: str | Path = "/sys", topology: Topology | None = None
-) -> list[dict[str, Any]]:
+def numa_nodes(sys_root: str | Path = "/sys", topology: Topology | None = None) -> list[NumaReport]:
     """``topology`` saves re-reading sysfs when the caller has it already."""
     topology = topology or read_topology(sys_root)
-    nodes = []
+    nodes: list[NumaReport] = []
     for node in topology.numa_nodes:
         meminfo = _read(Path(sys_root) / f"devices/system/node/node{node.index}/meminfo") or ""
         match = re.search(r"MemTotal:\s+(\d+)\s*kB", meminfo)
@@ -186,7 +192,7 @@ def cpu_inventory(
     sys_root: str | Path = "/sys",
     proc_root: str | Path = "/proc",
     topology: Topology | None = None,
-) -> dict[str, Any]:
+) -> CpuReport:
     model, flags = cpu_model_and_flags(_read(Path(proc_root) / "cpuinfo") or "")
     topology = topology or read_topology(sys_root)
     packages = set()
@@ -208,7 +214,7 @@ def cpu_inventory(
 # ---------------------------------------------------------------- accelerators
 
 
-def nvidia_accelerators() -> list[dict[str, Any]]:
+def nvidia_accelerators() -> list[CardReport]:
     """NVIDIA GPUs through NVML; an empty list when the driver or library is absent."""
     try:
         import pynvml
@@ -219,7 +225,7 @@ def nvidia_accelerators() -> list[dict[str, Any]]:
     except pynvml.NVMLError:
         return []
     try:
-        out = []
+        out: list[CardReport] = []
         for i in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             name = pynvml.nvmlDeviceGetName(handle)
@@ -243,9 +249,9 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def parse_npu_smi_list(text: str) -> list[dict[str, Any]]:
+def parse_npu_smi_list(text: str) -> list[CardReport]:
     """Parse ``npu-smi info -l`` (one block per NPU: ``NPU ID``, ``Product Name``, ...)."""
-    out: list[dict[str, Any]] = []
+    out: list[CardReport] = []
     for block in re.split(r"\n\s*\n", text):
         fields = {}
         for line in block.splitlines():
@@ -272,7 +278,7 @@ def parse_npu_smi_list(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def ascend_accelerators(npu_smi: str = "npu-smi") -> list[dict[str, Any]]:
+def ascend_accelerators(npu_smi: str = "npu-smi") -> list[CardReport]:
     path = shutil.which(npu_smi)
     if path is None:
         return []
@@ -283,8 +289,8 @@ def ascend_accelerators(npu_smi: str = "npu-smi") -> list[dict[str, Any]]:
     return parse_npu_smi_list(result.stdout) if result.returncode == 0 else []
 
 
-def simulated_accelerators(presets: Sequence[str], node_name: str) -> list[dict[str, Any]]:
-    out = []
+def simulated_accelerators(presets: Sequence[str], node_name: str) -> list[CardReport]:
+    out: list[CardReport] = []
     for index, name in enumerate(presets):
         preset = SIMULATED_PRESETS[name]
         # Stable per node and slot, so the inventory hash does not change between restarts.
@@ -326,7 +332,7 @@ def collect_inventory(
     sys_root: str | Path = "/sys",
     proc_root: str | Path = "/proc",
     npu_smi: str = "npu-smi",
-) -> dict[str, Any]:
+) -> InventoryReport:
     accelerators = nvidia_accelerators() + ascend_accelerators(npu_smi)
     sims = simulated_accelerators(simulated, node_name)
     for offset, acc in enumerate(sims):
@@ -390,7 +396,7 @@ def modelled_temperature_c(utilization_percent: float) -> float:
     return round(IDLE_TEMPERATURE_C + TEMPERATURE_C_PER_PERCENT * utilization_percent, 1)
 
 
-def simulated_load(acc: Mapping[str, Any], load: CardLoad | None) -> dict[str, Any]:
+def simulated_load(acc: Mapping[str, Any], load: CardLoad | None) -> CardReading:
     """The heartbeat figures of a simulated card: its engines' load, or idle without one."""
     if load is None:
         load = CardLoad(0.0, int(int(acc["memory_total_bytes"]) * IDLE_MEMORY_FRACTION))
@@ -509,7 +515,7 @@ def _device_reading(response: httpx.Response) -> DeviceReading | None:
         return None
 
 
-def nvidia_load() -> dict[str, dict[str, Any]]:
+def nvidia_load() -> dict[str, CardReading]:
     try:
         import pynvml
 
@@ -517,7 +523,7 @@ def nvidia_load() -> dict[str, dict[str, Any]]:
     except Exception:
         return {}
     try:
-        out = {}
+        out: dict[str, CardReading] = {}
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             uid = _text(pynvml.nvmlDeviceGetUUID(h))
@@ -540,7 +546,7 @@ def collect_heartbeat(
     *,
     simulated_loads: Mapping[str, CardLoad] | None = None,
     inventory_hash: str | None = None,
-) -> dict[str, Any]:
+) -> HeartbeatReport:
     """The heartbeat; ``simulated_loads`` (from ``SimulatedLoadReader``) holds the simulated
     cards that have an engine, and every other simulated card reports idle.
 
@@ -554,7 +560,7 @@ def collect_heartbeat(
         for acc in inventory.get("accelerators", [])
     )
     real = nvidia_load() if has_nvidia else {}
-    accelerators = []
+    accelerators: list[CardReading] = []
     for acc in inventory.get("accelerators", []):
         if acc.get("simulated"):
             accelerators.append(simulated_load(acc, sim_loads.get(acc["uuid"])))

@@ -17,7 +17,7 @@ import signal
 import socket
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,6 +35,7 @@ from agents.runtimes import Runtime
 from syshax.common.engine_spec import Mount, SpecPolicy
 from syshax.common.files import write_json_atomic
 from syshax.common.inventory import inventory_hash
+from syshax.common.reports import InventoryReport
 
 log = logging.getLogger("syshax.agent")
 T = TypeVar("T")
@@ -99,7 +100,7 @@ class Agent:
         self.node_name = ""
         self.interval = config.heartbeat_interval or 5.0
         self.info: dict[str, Any] = {}
-        self.inventory: dict[str, Any] = {}
+        self.inventory: Mapping[str, Any] = {}  # an InventoryReport once discovered
         self.reported_hash = ""
         self.executor: CommandExecutor | None = None
         self.command_wait = 20.0
@@ -171,7 +172,7 @@ class Agent:
             allow_commands=tuple(self.config.allow_commands),
         )
 
-    def discover(self) -> dict[str, Any]:
+    def discover(self) -> InventoryReport:
         return collect_inventory(
             node_name=self.node_name,
             simulated=self.config.simulate,
