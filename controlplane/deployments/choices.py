@@ -122,6 +122,22 @@ class CommandStatus(models.TextChoices):
     EXPIRED = "expired", "expired"
 
 
+_C = CommandStatus
+
+# An agent command is queued until its one result: the agent's, or the expiry's. A result
+# is a compare-and-set from the states here (workflow.record_command_result), so a repeat
+# or a late result after the expiry changes nothing.
+COMMAND_LIFECYCLE = Lifecycle(
+    "status",
+    {
+        _C.QUEUED: {_C.SUCCEEDED, _C.FAILED, _C.EXPIRED},
+        _C.SUCCEEDED: set(),
+        _C.FAILED: set(),
+        _C.EXPIRED: set(),
+    },
+)
+
+
 class CommandOutcome(models.TextChoices):
     """What an agent may report for a command."""
 

@@ -18,10 +18,11 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from controlplane.core import dispatch
+from controlplane.core import audit, dispatch
 from controlplane.deployments import delivery
 from controlplane.deployments.choices import (
     ADVANCE_TASK,
+    COMMAND_LIFECYCLE,
     CommandAction,
     CommandStatus,
     DeploymentState,
@@ -201,9 +202,15 @@ def _finish(deployment: Deployment, steps: tuple[Step, ...]) -> None:
 def record_command_result(
     command: AgentCommand, *, status: str, detail: str, output: dict[str, Any]
 ) -> bool:
-    """Store an agent's result once. Returns False for a repeat (already completed)."""
+    """Store an agent's result (or the expiry) once. Returns False for a repeat (already
+    completed). A status the command's table does not lead to raises TransitionError."""
+    sources = COMMAND_LIFECYCLE.sources(status)
+    if not sources:
+        COMMAND_LIFECYCLE.check(CommandStatus.QUEUED, status)
+    # The callers loaded the node with the command; the refresh below drops it.
+    actor = "control plane" if status == CommandStatus.EXPIRED else f"agent:{command.node.name}"
     with transaction.atomic():
-        updated = AgentCommand.objects.filter(pk=command.pk, status=CommandStatus.QUEUED).update(
+        updated = AgentCommand.objects.filter(pk=command.pk, status__in=sources).update(
             status=status, detail=detail[:10000], output=output, completed_at=timezone.now()
         )
         if not updated:
@@ -214,6 +221,18 @@ def record_command_result(
                 dispatch.enqueue(ADVANCE_TASK, command.deployment_id)
             return False
         command.refresh_from_db()
+        audit.record(
+            f"command.{status}",
+            command,
+            acting_user=actor,
+            detail={
+                "deployment": command.deployment_id,
+                "action": command.action,
+                "role": command.role,
+                "step": command.step,
+                "dispatch_id": str(command.dispatch_id),
+            },
+        )
         if command.deployment_id is not None:
             deployment = command.deployment
             assert deployment is not None

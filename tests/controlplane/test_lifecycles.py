@@ -14,9 +14,14 @@ from controlplane.benchmarks.models import BenchmarkRun, Scenario
 from controlplane.benchmarks.runner import _finish
 from controlplane.core.lifecycle import Lifecycle, TransitionError
 from controlplane.core.models import AuditEntry
-from controlplane.deployments import services
-from controlplane.deployments.choices import DEPLOYMENT_LIFECYCLE, DeploymentState
-from controlplane.deployments.models import ContainerInstance
+from controlplane.deployments import services, workflow
+from controlplane.deployments.choices import (
+    COMMAND_LIFECYCLE,
+    DEPLOYMENT_LIFECYCLE,
+    CommandStatus,
+    DeploymentState,
+)
+from controlplane.deployments.models import AgentCommand, ContainerInstance
 from controlplane.inventory.choices import NODE_LIFECYCLE, NodeStatus
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "lifecycles.md"
@@ -76,14 +81,45 @@ def test_the_documented_node_table_is_the_enforced_one() -> None:
     assert documented == enforced
 
 
-def test_the_documented_run_table_is_the_enforced_one() -> None:
-    states = [s.value for s in RunStatus]
+def _status_table(title: str, states: list[str]) -> dict[str, set[str]]:
+    """A "status | meaning | next" table: each status and the ones it may move to."""
     documented: dict[str, set[str]] = {}
-    for line in _section("Benchmark run").splitlines():
+    for line in _section(title).splitlines():
         cells = _cells(line)
         if len(cells) == 3 and cells[0] in states:
             documented[cells[0]] = {t.strip() for t in cells[2].split(";") if t.strip() in states}
-    assert documented == {s: set(t) for s, t in RUN_LIFECYCLE.moves.items()}
+    return documented
+
+
+@pytest.mark.parametrize(
+    ("title", "states", "lifecycle"),
+    [
+        ("Benchmark run", [s.value for s in RunStatus], RUN_LIFECYCLE),
+        ("Agent command", [s.value for s in CommandStatus], COMMAND_LIFECYCLE),
+    ],
+)
+def test_the_documented_status_tables_are_the_enforced_ones(title, states, lifecycle) -> None:
+    enforced = {s: set(t) for s, t in lifecycle.moves.items()}
+    assert _status_table(title, states) == enforced
+    assert set(enforced) == set(states)  # every status has a row
+
+
+def test_a_command_takes_one_result_and_leaves_one_audit_row(node) -> None:
+    command = AgentCommand.objects.create(node=node, action="stop", role="gpu", spec={})
+    command = AgentCommand.objects.select_related("node").get(pk=command.pk)
+    assert workflow.record_command_result(command, status="succeeded", detail="", output={})
+    late = AgentCommand.objects.select_related("node").get(pk=command.pk)
+    assert not workflow.record_command_result(late, status="expired", detail="late", output={})
+    late.refresh_from_db()
+    assert (late.status, late.detail) == ("succeeded", "")
+    rows = AuditEntry.objects.filter(
+        object_type="deployments.agentcommand", object_id=str(command.pk)
+    )
+    assert [(r.action, r.actor_label) for r in rows] == [
+        ("command.succeeded", f"agent:{node.name}")
+    ]
+    with pytest.raises(TransitionError, match="cannot go from queued to queued"):
+        workflow.record_command_result(late, status="queued", detail="", output={})
 
 
 @pytest.mark.parametrize(
