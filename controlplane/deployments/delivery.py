@@ -94,6 +94,13 @@ def _block(node_id: int, seconds: float) -> None:
 def take(node_id: int, session: str, limit: int = MAX_COMMANDS_PER_FETCH) -> list[AgentCommand]:
     """The node's queued commands not yet handed to ``session``, oldest first, marked as
     handed to it."""
+    waiting = AgentCommand.objects.filter(node_id=node_id, status=CommandStatus.QUEUED).exclude(
+        delivered_to=session
+    )
+    # Nearly every fetch finds nothing: one plain read answers it, without the transaction
+    # and the row locks a hand-out needs.
+    if not waiting.exists():
+        return []
     with transaction.atomic():
         pending = list(
             AgentCommand.objects.select_for_update(skip_locked=True)

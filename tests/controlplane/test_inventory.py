@@ -191,3 +191,50 @@ def test_a_deploy_interrupted_by_a_lost_node_resumes_when_the_node_returns(
     assert (deployment.state, deployment.step) == ("deploying", "start-gpu")
     assert deployment.state_reason == "node is back; resuming at start-gpu"
     assert queued  # advance queued: the workflow carries on from its step
+
+
+def _with_cards(count: int, memory_gb: int = 80) -> dict:
+    card = KUNPENG["accelerators"][0]
+    cards = [
+        {**card, "index": i, "uuid": f"GPU-{i}", "memory_total_bytes": memory_gb * 1024**3}
+        for i in range(count)
+    ]
+    return {**KUNPENG, "accelerators": cards}
+
+
+def test_a_changed_inventory_costs_the_same_queries_for_one_card_or_eight(
+    make_node, django_assert_num_queries
+) -> None:
+    from rest_framework.test import APIClient
+
+    from controlplane.access.models import MachineCredential
+
+    counts = []
+    for cards in (1, 8):
+        node = make_node(f"node-{cards}")
+        client = APIClient()
+        token = MachineCredential.issue("agent", f"a-{cards}", node=node)[1]
+        client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+        url = f"/api/v1/nodes/{node.pk}/inventory"
+        assert client.put(url, _with_cards(cards), format="json").json()["changed"]
+        from django.db import connection
+        from django.test.utils import CaptureQueriesContext
+
+        with CaptureQueriesContext(connection) as ctx:
+            answer = client.put(url, _with_cards(cards, memory_gb=40), format="json")
+        assert answer.json()["changed"] is True
+        counts.append(len([q for q in ctx.captured_queries if "SAVEPOINT" not in q["sql"]]))
+        node.refresh_from_db()
+        assert [a.memory_total_bytes for a in node.accelerators.all()] == [40 * 1024**3] * cards
+    assert counts[0] == counts[1] <= 11, counts  # 28 for eight cards with a write per card
+
+
+def test_a_card_that_left_is_removed_and_a_replacement_takes_its_index(node, agent_client) -> None:
+    url = f"/api/v1/nodes/{node.pk}/inventory"
+    agent_client.put(url, _with_cards(2), format="json")
+    first = node.accelerators.get(uuid="GPU-0")
+    replaced = _with_cards(2)
+    replaced["accelerators"][1] = {**replaced["accelerators"][1], "uuid": "GPU-new"}
+    assert agent_client.put(url, replaced, format="json").json()["changed"] is True
+    cards = {a.uuid: (a.pk, a.index) for a in node.accelerators.all()}
+    assert cards == {"GPU-0": (first.pk, 0), "GPU-new": (cards["GPU-new"][0], 1)}

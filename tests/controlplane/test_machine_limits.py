@@ -148,3 +148,30 @@ def test_a_form_body_past_the_field_limit_is_a_400_naming_the_limit(agent_client
     error = answer.json()["error"]
     assert error["code"] == "parse_error"
     assert "1000" in error["message"] and "fields" in error["message"]
+
+
+def test_a_request_is_counted_in_one_cache_round_trip(monkeypatch) -> None:
+    from django.core.cache import caches
+    from django.core.cache.backends.redis import RedisCache
+
+    from controlplane.access import throttling
+
+    key = "throttle-machine-round-trips"
+    if not isinstance(caches["default"], RedisCache):
+        # The in-memory cache (embedded defaults): counted all the same, no network.
+        assert [throttling._count(key, 60) for _ in range(3)] == [1, 2, 3]
+        return
+    import redis.connection
+
+    sent: list[object] = []
+    real = redis.connection.Connection.send_packed_command
+
+    def counting(self, command, check_health=True):  # type: ignore[no-untyped-def]
+        sent.append(command)
+        return real(self, command, check_health)
+
+    throttling._count(key, 60)  # the connection is opened outside the count
+    monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counting)
+    assert [throttling._count(key, 60) for _ in range(3)] == [2, 3, 4]
+    assert len(sent) == 3  # INCR and EXPIRE NX leave in one write each time
+    assert 0 < throttling._seconds_left(key, 60) <= 60

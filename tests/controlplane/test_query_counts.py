@@ -24,6 +24,8 @@ HEARTBEAT_QUERIES = 5
 TRANSACTION_STATEMENTS = 2
 # Authenticate; read the policy (or the running deployments) the ETag is made of.
 NOT_MODIFIED_QUERIES = 2
+# Authenticate; is anything queued for this session (no transaction, no row lock).
+EMPTY_FETCH_QUERIES = 2
 
 
 def _queries(ctx: CaptureQueriesContext) -> list[str]:
@@ -89,6 +91,24 @@ def test_a_heartbeat_costs_the_same_queries_for_any_number_of_cards(make_node, c
     work = [sql for sql in statements if sql not in transaction]
     # No card, no UPDATE of the cards.
     assert len(work) == (HEARTBEAT_QUERIES if cards else HEARTBEAT_QUERIES - 1), work
+
+
+def test_a_fetch_with_nothing_queued_costs_two_queries(eight_card_node: Node, agent_of_eight):
+    from controlplane.deployments.models import AgentCommand
+
+    url = "/api/v1/agent/commands"
+    assert agent_of_eight.get(url, {"session": "s1", "wait": "0"}).json() == {"commands": []}
+    with CaptureQueriesContext(connection) as ctx:
+        answer = agent_of_eight.get(url, {"session": "s1", "wait": "0"})
+    assert answer.json() == {"commands": []}
+    assert len(ctx.captured_queries) == EMPTY_FETCH_QUERIES, _queries(ctx)
+    # With a command queued, it is handed out (with the node's name) once per session.
+    command = AgentCommand.objects.create(node=eight_card_node, action="stop", role="gpu")
+    handed = agent_of_eight.get(url, {"session": "s1", "wait": "0"}).json()["commands"]
+    assert [(c["dispatch_id"], c["node"]) for c in handed] == [
+        (str(command.dispatch_id), eight_card_node.name)
+    ]
+    assert agent_of_eight.get(url, {"session": "s1", "wait": "0"}).json() == {"commands": []}
 
 
 def test_one_update_stores_every_cards_readings(eight_card_node: Node, agent_of_eight) -> None:

@@ -199,20 +199,22 @@ class AgentCommandsView(_AgentOnlyView):
     )
     def get(self, request: Request) -> Response:
         user = request.user
-        if not isinstance(user, MachinePrincipal) or not user.is_agent:
+        if not isinstance(user, MachinePrincipal) or not user.is_agent or user.node_id is None:
             self.permission_denied(request, message="only an agent token has commands")
         query = CommandFetchSerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         wait = min(query.validated_data["wait"], settings.AGENT_COMMAND_WAIT_SECONDS)
-        node = get_object_or_404(Node, pk=user.node_id)
         credential = user.credential
         commands = delivery.fetch(
-            node.pk,
+            user.node_id,
             query.validated_data["session"],
             wait,
             still_authorized=lambda: MachineCredential.objects.filter(
                 pk=credential.pk, revoked_at__isnull=True
             ).exists(),
         )
-        body = {"commands": [delivery.as_message(c, node.name) for c in commands]}
+        # The node's name only when there is something to hand out (most fetches: nothing).
+        names = Node.objects.filter(pk=user.node_id).values_list("name", flat=True)
+        name = (names.first() or "") if commands else ""
+        body = {"commands": [delivery.as_message(c, name) for c in commands]}
         return Response(CommandBatchSerializer(body).data)
