@@ -31,6 +31,7 @@ import random
 import resource
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -101,6 +102,110 @@ def start(args: list[str], workdir: Path, name: str, pythonpath: str | None = No
             raise RuntimeError(f"{name} did not start; see {workdir / (name + '.log')}")
         time.sleep(0.05)
     return Child(popen, f"http://127.0.0.1:{ready.read_text().strip()}")
+
+
+# -- the router under gunicorn (--gunicorn), for docs/decisions.md ---------------------------
+
+GUNICORN_ARGV = "ROUTER_OVERHEAD_ROUTER_ARGV"
+
+
+async def gunicorn_app() -> Any:
+    """The app factory gunicorn's aiohttp worker calls once per worker process: the router
+    composed from the same flags as ``syshax router`` (``router.cli.compose``), with its
+    policy source and scrapes running beside the app."""
+    sys.path.insert(0, str(ROOT))
+    from router.cli import add_arguments, background, compose  # lazy: after the path is set
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    router_args = parser.parse_args(json.loads(os.environ[GUNICORN_ARGV]))
+    router, app, source = await compose(router_args)
+
+    async def lifetime(_: Any) -> Any:
+        tasks = background(router, source)
+        yield
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await router.state.close()
+
+    app.cleanup_ctx.append(lifetime)
+    return app
+
+
+def start_gunicorn(router_args: list[str], workers: int, workdir: Path) -> Child:
+    """The router as gunicorn runs it: a master and ``workers`` aiohttp (uvloop) workers
+    sharing the master's one listening socket."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    log = open(workdir / "gunicorn.log", "wb")  # noqa: SIM115 - lives as long as the child
+    popen = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--chdir",
+            str(ROOT / "scripts"),
+            "-k",
+            "aiohttp.GunicornUVLoopWebWorker",
+            "-w",
+            str(workers),
+            "-b",
+            f"127.0.0.1:{port}",
+            "--backlog",
+            "1024",
+            "--log-level",
+            "warning",
+            "router_overhead:gunicorn_app",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, GUNICORN_ARGV: json.dumps(router_args), "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        if popen.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"gunicorn did not start; see {workdir / 'gunicorn.log'}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+                conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                if conn.recv(12).startswith(b"HTTP/1.1"):
+                    break
+        except OSError:
+            pass
+        time.sleep(0.1)
+    time.sleep(1.0)  # every worker booted and scraped once
+    return Child(popen, url)
+
+
+def connection_spread(url: str, connections: int = 64, rounds: int = 7) -> dict[str, Any]:
+    """How the kernel (or a shared accept loop) spreads new connections over the workers:
+    ``connections`` keep-alive connections opened at once ask ``/health`` which process
+    answered; the share of the busiest worker, per round (0.5 is even for two workers)."""
+
+    async def one_round() -> float:
+        host, port = urlsplit(url).hostname or "127.0.0.1", urlsplit(url).port or 80
+
+        async def ask() -> tuple[int, asyncio.StreamWriter]:
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: spread\r\n\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            body = json.loads(await reader.readexactly(length))
+            return int(body["pid"]), writer  # kept open until every connection answered
+
+        answers = await asyncio.gather(*(ask() for _ in range(connections)))
+        for _, writer in answers:
+            writer.close()
+        pids = [pid for pid, _ in answers]
+        return max(pids.count(p) for p in set(pids)) / len(pids)
+
+    shares = [asyncio.run(one_round()) for _ in range(rounds)]
+    return {"busiest_worker_share": shares, "median": statistics.median(shares)}
 
 
 # -- the load generator (its own process) ---------------------------------------------------
@@ -353,7 +458,7 @@ def summarise(name: str, streams: int, windows: list[dict[str, Any]]) -> dict[st
     """Medians over repetitions; each window maps a side (direct, router, relay) to its
     load-generator result, plus ``router_cpu_s``."""
     med = statistics.median
-    sides = [side for side in ("router", "baseline", "relay") if side in windows[0]]
+    sides = [side for side in ("router", "baseline", "gunicorn", "relay") if side in windows[0]]
     p50 = {s: [pct(w[s]["ttfts"], 0.5) * 1000 for w in windows] for s in ("direct", *sides)}
     p99 = {s: [pct(w[s]["ttfts"], 0.99) * 1000 for w in windows] for s in ("direct", *sides)}
     gen_busy = max(w[s]["cpu_s"] / w[s]["wall_s"] for w in windows for s in ("direct", *sides))
@@ -563,6 +668,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 pythonpath=args.baseline,
             )
             children.append(baseline)
+        gunicorn = None
+        if args.gunicorn:
+            gunicorn = start_gunicorn(
+                [*common, "--gpu-url", gpu.url, "--mode", "gpu-only"], args.workers, work
+            )
+            children.append(gunicorn)
         relay = None
         if not args.no_relay:
             relay = start_relay(gpu.url, work)
@@ -589,8 +700,24 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             urls["relay"] = relay.url
         if baseline is not None:
             urls["baseline"] = baseline.url
-        rows = ttft_rows(gen, urls, {"router": router, "relay": relay, "baseline": baseline}, args)
+        if gunicorn is not None:
+            urls["gunicorn"] = gunicorn.url
+        procs = {"router": router, "relay": relay, "baseline": baseline, "gunicorn": gunicorn}
+        rows = ttft_rows(gen, urls, procs, args)
         figures = {} if args.no_throughput else throughput_phase(tp_router, pd_router, gen, args)
+        if gunicorn is not None:
+            spread = {
+                "router": connection_spread(router.url),
+                "gunicorn": connection_spread(gunicorn.url),
+            }
+            for side, fig in spread.items():
+                print(
+                    f"connection spread ({side}, {args.workers} workers, 64 new connections): "
+                    f"busiest worker took {100 * fig['median']:.0f}% (median of 7 rounds; "
+                    f"{', '.join(f'{100 * v:.0f}' for v in fig['busiest_worker_share'])})",
+                    flush=True,
+                )
+            figures["connection_spread"] = spread
         end_load = os.getloadavg()
         print(f"load average at the end {end_load[0]:.2f} {end_load[1]:.2f} {end_load[2]:.2f}")
         for row in rows:
@@ -651,6 +778,12 @@ def main() -> int:
         metavar="DIR",
         help="also measure the router package found in DIR (e.g. an older version: "
         "mkdir -p DIR/router; git show REV:router/X.py > DIR/router/X.py for each file)",
+    )
+    parser.add_argument(
+        "--gunicorn",
+        action="store_true",
+        help="also measure the router run by gunicorn's aiohttp worker (as many workers as "
+        "--workers), beside its own supervisor",
     )
     parser.add_argument(
         "--no-relay", action="store_true", help="skip the minimal TCP relay (floor) column"
