@@ -4,9 +4,9 @@ Why not aiohttp for the timed path: with aiohttp every chunk wakes a coroutine, 
 concurrent streams on one core those wake-ups queue behind each other, so the stamp taken
 when the coroutine finally runs lags the chunk's arrival by tens of milliseconds (measured:
 docs/benchmarks.md, "Capacity"). Here ``data_received`` stamps each socket read with
-``time.perf_counter()`` before anything else, then parses it (``syshax.common.http1``, the
-parser the router's engine client uses too) and keeps its body bytes with that stamp; no
-coroutine runs per chunk. Each SSE event gets the stamp of the read that completed it.
+``time.perf_counter()`` and stores the bytes; nothing else runs per chunk. The response is
+parsed once it is complete (``syshax.common.http1``, the parser the router's engine client
+uses too), and each SSE event gets the stamp of the read that completed it.
 
 Only what an OpenAI-compatible server sends is supported: a status line, headers, and a body
 that is chunked or has a Content-Length. Connections are kept alive and pooled per host.
@@ -50,13 +50,19 @@ class Response:
 
 
 class _Connection(asyncio.Protocol):
-    """One TCP connection: stamps every read first, then parses it (well under a
-    microsecond a read, docs/decisions.md) and keeps its body bytes with the stamp."""
+    """One TCP connection: stamps every read first. The head is parsed as it arrives; after
+    it, a read is only stored with its stamp (a cheap look at its last bytes tells whether
+    the body may be complete), and the stored reads are parsed once it is: at 256 streams on
+    one core, parsing each read as it came delayed the stamps of the reads queued behind it
+    (docs/benchmarks.md)."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.parser = ResponseParser()
         self.pieces: list[tuple[float, bytes]] = []
+        self.stored: list[tuple[float, bytes]] = []
+        self.body_bytes = 0  # parsed body bytes plus stored raw bytes
+        self.tail = b""  # the last bytes stored
         self.received = 0
         self.error = ""
         self.done: asyncio.Future[None] | None = None
@@ -75,29 +81,60 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         arrived = time.perf_counter()  # first: the stamp is the point of this client
         self.received += len(data)
-        try:
-            payload = self.parser.feed(data)
-        except FramingError as exc:
-            self.error = str(exc)
-            self._finish()
+        parser = self.parser
+        if not parser.head_complete:
+            self._parse([(arrived, data)])
             return
-        if payload:
-            self.pieces.append((arrived, payload))
-        if self.parser.complete:
-            self._finish()
+        self.stored.append((arrived, data))
+        self.body_bytes += len(data)
+        if parser.chunked:
+            # The last chunk (or a trailer's end), even when its bytes span two reads.
+            self.tail = (self.tail + data)[-5:]
+            maybe_complete = self.tail == b"0\r\n\r\n"
+        else:
+            length = parser.content_length
+            maybe_complete = length is not None and self.body_bytes >= length
+        if maybe_complete:
+            self._parse_stored()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.lost = exc or ConnectionResetError("the server closed the connection")
+        self._parse_stored()
         self.parser.closed()
         self._finish()
+
+    # -- parsing ----------------------------------------------------------------------------
+
+    def _parse(self, reads: list[tuple[float, bytes]]) -> None:
+        if self.error:
+            return
+        for arrived, data in reads:
+            try:
+                payload = self.parser.feed(data)
+            except FramingError as exc:
+                self.error = str(exc)
+                self._finish()
+                return
+            if payload:
+                self.pieces.append((arrived, payload))
+                self.body_bytes += len(payload)
+        if self.parser.complete:
+            self._finish()
+
+    def _parse_stored(self) -> None:
+        stored, self.stored = self.stored, []
+        self.body_bytes -= sum(len(data) for _, data in stored)
+        self._parse(stored)
 
     # -- one exchange -----------------------------------------------------------------------
 
     def begin(self, request: bytes) -> asyncio.Future[None]:
         assert self.transport is not None
         self.parser.reset()
-        self.pieces, self.received, self.error = [], 0, ""
+        self.pieces, self.stored, self.body_bytes, self.received = [], [], 0, 0
+        self.tail = b""
+        self.error = ""
         self.done = asyncio.get_running_loop().create_future()
         self.transport.write(request)
         return self.done
@@ -108,6 +145,7 @@ class _Connection(asyncio.Protocol):
 
     def response(self) -> Response:
         """The exchange's response, as far as it arrived."""
+        self._parse_stored()
         parser = self.parser
         if not parser.head_complete:
             raise WireError(

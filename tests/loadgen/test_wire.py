@@ -93,3 +93,25 @@ def test_a_connection_idle_too_long_is_not_reused(fast_sim: str) -> None:
 
     first, second = _run(go())
     assert first != second
+
+
+def test_a_response_whose_end_spans_reads_completes_with_every_stamp_kept() -> None:
+    from syshax.loadgen.wire import _Connection
+
+    async def check() -> None:
+        conn = _Connection()
+        done = asyncio.get_running_loop().create_future()
+        conn.done = done
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        conn.data_received(head + b"7\r\ndata: a\r\n")
+        conn.data_received(b"7\r\ndata: b\r\n0\r\n\r")
+        assert not done.done()  # the blank line after the last chunk is not in yet
+        conn.data_received(b"\n")
+        assert done.done()
+        response = conn.response()
+        assert response.complete and response.head.status == 200
+        assert [p for _, p in response.pieces] == [b"data: a", b"data: b"]
+        stamps = [t for t, _ in response.pieces]
+        assert stamps[0] < stamps[1]  # each piece keeps the stamp of the read that brought it
+
+    asyncio.run(check())
