@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 MAX_HEAD = 1 << 16
 # Reads queued for a busy coroutine before the engine socket stops being read.
 MAX_PENDING = 64
-JSON = b"application/json"
 # The request's own idle timeout is the backend's unless a call says otherwise.
 _BACKEND_IDLE = -1.0
 

@@ -119,6 +119,37 @@ def test_heartbeat_and_container_numbers_fit_their_columns(
     response = agent_client.put(f"/api/v1/nodes/{node.pk}/containers", report, format="json")
     assert response.status_code == 400
     assert "generation: Ensure this value is less than or equal to 2147483647" in error(response)
+    # A deployment id past the id column (found by the API fuzz test) and an exit code past
+    # its column are named too, not a database error.
+    for field, value, limit in (
+        ("deployment_id", 2**70, "9223372036854775807"),
+        ("exit_code", 2**40, "2147483647"),
+    ):
+        entry = {**report["containers"][0], "generation": 1, field: value}
+        response = agent_client.put(
+            f"/api/v1/nodes/{node.pk}/containers", {"containers": [entry]}, format="json"
+        )
+        assert response.status_code == 400, (field, response.content)
+        assert f"{field}: Ensure this value is less than or equal to {limit}" in error(response)
+
+
+def test_router_stats_and_rollbacks_fit_their_columns(router_client, admin_client) -> None:
+    from controlplane.policy.services import ensure_default_policy
+
+    ensure_default_policy()
+    registered = router_client.post(
+        "/api/v1/routers/register", {"name": "r-bounds", "version": "1"}, format="json"
+    )
+    assert registered.status_code in (200, 201), registered.content
+    router_id = registered.json()["id"]
+    stats = router_client.post(
+        f"/api/v1/routers/{router_id}/stats", {"policy_version": 2**40}, format="json"
+    )
+    assert stats.status_code == 400 and "policy_version" in error(stats)
+    rollback = admin_client.post(
+        "/api/v1/policies/default/rollback/", {"version": 2**70, "reason": "x"}, format="json"
+    )
+    assert rollback.status_code == 400 and "version" in error(rollback)
 
 
 def test_a_person_cannot_set_a_node_to_pending(admin_client, node) -> None:

@@ -208,9 +208,14 @@ class DeploymentSerializer(serializers.ModelSerializer):  # type: ignore[type-ar
         return list(ContainerSerializer(current, many=True).data)
 
 
+# Column limits: a number past them made the database refuse the statement (a 500).
+MAX_ID = 2**63 - 1  # BigAutoField
+MAX_INT = 2**31 - 1  # IntegerField
+
+
 class ContainerStateSerializer(serializers.Serializer):  # type: ignore[type-arg]
-    deployment_id = serializers.IntegerField(min_value=1)
-    generation = serializers.IntegerField(min_value=0, max_value=2**31 - 1)
+    deployment_id = serializers.IntegerField(min_value=1, max_value=MAX_ID)
+    generation = serializers.IntegerField(min_value=0, max_value=MAX_INT)
     role = serializers.ChoiceField(choices=EngineRole.choices)
     engine_id = serializers.CharField(max_length=128, allow_blank=True, required=False, default="")
     name = serializers.CharField(max_length=128, allow_blank=True, required=False, default="")
@@ -218,7 +223,9 @@ class ContainerStateSerializer(serializers.Serializer):  # type: ignore[type-arg
     health = serializers.ChoiceField(
         choices=ContainerHealth.choices, required=False, default="unknown"
     )
-    exit_code = serializers.IntegerField(required=False, allow_null=True, default=None)
+    exit_code = serializers.IntegerField(
+        min_value=-MAX_INT - 1, max_value=MAX_INT, required=False, allow_null=True, default=None
+    )
     endpoint = serializers.CharField(max_length=255, allow_blank=True, required=False, default="")
 
 
@@ -230,7 +237,9 @@ class ContainerReportSerializer(serializers.Serializer):  # type: ignore[type-ar
 class CommandResultSerializer(serializers.Serializer):  # type: ignore[type-arg]
     status = serializers.ChoiceField(choices=CommandOutcome.choices)
     detail = serializers.CharField(allow_blank=True, required=False, default="", max_length=20000)
-    containers = ContainerStateSerializer(many=True, required=False, default=list)
+    containers = ContainerStateSerializer(  # type: ignore[call-arg]
+        many=True, required=False, default=list, max_length=1000
+    )
     output = serializers.DictField(required=False, default=dict)
 
 

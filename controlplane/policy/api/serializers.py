@@ -34,7 +34,7 @@ class PolicyChangeSerializer(serializers.Serializer):  # type: ignore[type-arg]
 
 
 class RollbackSerializer(serializers.Serializer):  # type: ignore[type-arg]
-    version = serializers.IntegerField(min_value=1)
+    version = serializers.IntegerField(min_value=1, max_value=2**31 - 1)
     reason = serializers.CharField(max_length=2000, required=False, allow_blank=True, default="")
 
 

@@ -39,8 +39,8 @@ class RegisterSerializer(serializers.Serializer):  # type: ignore[type-arg]
 
 
 class StatsSerializer(serializers.Serializer):  # type: ignore[type-arg]
-    policy_version = serializers.IntegerField(
-        min_value=0, required=False, allow_null=True, default=None
+    policy_version = serializers.IntegerField(  # a PositiveIntegerField column
+        min_value=0, max_value=2**31 - 1, required=False, allow_null=True, default=None
     )
     uptime_seconds = serializers.FloatField(min_value=0, required=False, default=0.0)
     requests_total = serializers.IntegerField(min_value=0, required=False, default=0)
