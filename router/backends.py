@@ -239,8 +239,8 @@ class Backend:
         return False
 
     async def scrape(self, interval: float | None = None) -> None:
-        if self.closed or self.pool.closed:
-            return  # left the deployment set
+        if self.pool.closed:
+            return  # left the deployment set (closed with it, or about to be)
         if interval is not None:
             self.scrape_interval = interval
         started = time.monotonic()
@@ -288,7 +288,7 @@ class Backend:
         elif isinstance(exc, UpstreamFailed) and exc.status is not None:
             detail = f"HTTP {exc.status}"
         elif isinstance(exc, UpstreamFailed):
-            detail = str(exc).split(": ", 1)[-1]
+            detail = exc.detail
         else:
             detail = str(exc) or exc.__class__.__name__
         self.last_scrape_error = f"{kind}: {detail}"

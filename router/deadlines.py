@@ -60,9 +60,6 @@ class Deadlines:
         self._active: set[Deadline] = set()
         self._task: asyncio.Task[None] | None = None
 
-    def __len__(self) -> int:
-        return len(self._active)
-
     @contextmanager
     def closing(self, target: Closeable, seconds: float) -> Iterator[Deadline]:
         """Close ``target`` if the block is still running ``seconds`` from now (or after the

@@ -37,7 +37,3 @@ class PdProtocol(Protocol):
 
 
 PROTOCOLS: dict[str, PdProtocol] = {p.name: p for p in (VllmProtocol(), SyshaxPd())}
-
-
-def protocol_for(name: str) -> PdProtocol:
-    return PROTOCOLS[name]

@@ -64,6 +64,7 @@ class UpstreamFailed(Exception):
     ) -> None:
         super().__init__(f"{backend.role} engine {backend.url}: {message}")
         self.backend = backend
+        self.detail = message  # what failed, without the engine's name
         self.connect_failed = connect_failed
         self.timed_out = timed_out
         self.status = status

@@ -102,12 +102,7 @@ def take(node_id: int, session: str, limit: int = MAX_COMMANDS_PER_FETCH) -> lis
     if not waiting.exists():
         return []
     with transaction.atomic():
-        pending = list(
-            AgentCommand.objects.select_for_update(skip_locked=True)
-            .filter(node_id=node_id, status=CommandStatus.QUEUED)
-            .exclude(delivered_to=session)
-            .order_by("created_at")[:limit]
-        )
+        pending = list(waiting.select_for_update(skip_locked=True).order_by("created_at")[:limit])
         if pending:
             now = timezone.now()
             AgentCommand.objects.filter(pk__in=[c.pk for c in pending]).update(
