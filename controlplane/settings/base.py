@@ -127,6 +127,11 @@ MAX_REQUEST_BODY_BYTES = env_int("MAX_REQUEST_BODY_BYTES", 2 * 1024 * 1024, mini
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
 
 REST_FRAMEWORK = {
+    "DEFAULT_PARSER_CLASSES": [
+        "controlplane.core.parsers.StrictJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "controlplane.access.authentication.MachineTokenAuthentication",
         "controlplane.access.authentication.PersonalTokenAuthentication",

@@ -230,3 +230,22 @@ def test_a_profile_sets_its_cpu_engine_limit_as_cpu_max_num_seqs(
     assert response.json()["cpu_max_num_seqs"] == 4
     profile.refresh_from_db()
     assert profile.cpu_max_num_seqs == 4
+
+
+def test_a_nul_character_in_any_json_string_is_a_400(agent_client, node) -> None:
+    """PostgreSQL cannot store U+0000 in text or jsonb; it once made a command result a 500."""
+    from controlplane.deployments.models import AgentCommand
+
+    command = AgentCommand.objects.create(node=node, action="inspect")
+    for body in (
+        {"status": "succeeded", "output": {"log": "a\x00b"}},
+        {"status": "succeeded", "output": {"k\x00": 1}},
+        {"status": "succeeded", "detail": ["x", "\x00"]},
+    ):
+        response = agent_client.post(
+            f"/api/v1/commands/{command.dispatch_id}/result", body, format="json"
+        )
+        assert response.status_code == 400, body
+        assert "NUL" in error(response)
+    command.refresh_from_db()
+    assert command.status == "queued"
