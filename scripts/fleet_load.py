@@ -616,6 +616,12 @@ def step_setup(out: Path) -> dict[str, Any]:
         routers.append({"name": name, "token": MachineCredential.issue("router", name)[1]})
     if not ARGS.fresh_inventory:
         preload_inventories(Node.objects.filter(name__in=names))
+    if ARGS.online:
+        from django.utils import timezone
+
+        Node.objects.filter(name__in=names).update(
+            status="online", last_heartbeat_at=timezone.now()
+        )
     user = User.objects.create_superuser("fleet-operator", "", secrets.token_urlsafe(24))
     _, operator_token = PersonalToken.issue(user, "fleet operator")
     out.write_text(json.dumps({"nodes": nodes, "routers": routers, "operator": operator_token}))
@@ -1003,6 +1009,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--redis", default="redis://127.0.0.1:6379/13")
     p.add_argument("--no-celery", action="store_true", help="no worker, beat or benchmark")
     p.add_argument(
+        "--online",
+        action="store_true",
+        help="the nodes start online, as a control plane restarted under a running fleet "
+        "finds them (default: pending, so each first heartbeat brings its node online)",
+    )
+    p.add_argument(
+        "--gateway",
+        action="store_true",
+        help="put `syshax gateway` in front of `syshax web`, as the machines' address",
+    )
+    p.add_argument(
         "--fresh-inventory",
         action="store_true",
         help="nodes start with no inventory: every agent's first PUT stores its hardware "
@@ -1060,10 +1077,16 @@ def main() -> int:
         data = json.loads(tokens.read_text())
         stack = Stack(env, var_dir)
         port, ARGS.gpu_port = free_port(), free_port()
-        web = ["web", "--bind", f"{HOST}:{port}", "--no-migrate"]
+        web_port = free_port() if ARGS.gateway else port
+        web = ["web", "--bind", f"{HOST}:{web_port}", "--no-migrate"]
         stack.start(
             "web", syshax(*web, "--workers", str(ARGS.workers), "--threads", str(ARGS.threads))
         )
+        if ARGS.gateway:
+            upstream = f"http://{HOST}:{web_port}"
+            stack.start(
+                "gateway", syshax("gateway", "--bind", f"{HOST}:{port}", "--upstream", upstream)
+            )
         if not ARGS.no_celery:
             stack.start("worker", syshax("worker", "--concurrency", "1", "--loglevel", "WARNING"))
             bench = ("worker", "--queues", "benchmarks", "--concurrency", "1")
@@ -1098,7 +1121,10 @@ def main() -> int:
                 sorted(sampler.waits.items(), key=lambda kv: -kv[1])[:12]
             ),
             "busiest other processes (CPU s)": [(n, round(s, 1)) for n, s in others],
-            "setup": {"web": f"{ARGS.workers} workers x {ARGS.threads} threads"},
+            "setup": {
+                "web": f"{ARGS.workers} workers x {ARGS.threads} threads",
+                "gateway": bool(ARGS.gateway),
+            },
         }
         figures = report(result, sampler.totals(), extra)
         figures["queries_sql"] = queries
@@ -1117,7 +1143,11 @@ def _sizes() -> list[str]:
         "--stale",
         str(ARGS.stale),
     ]
-    return [*sizes, "--fresh-inventory"] if ARGS.fresh_inventory else sizes
+    if ARGS.fresh_inventory:
+        sizes.append("--fresh-inventory")
+    if ARGS.online:
+        sizes.append("--online")
+    return sizes
 
 
 NODES: list[Any] = []

@@ -24,6 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("syshax.commands.profile", "render a profile's engine commands or docker run"),
     "manage": ("syshax.commands.manage", "run a Django management command of the control plane"),
     "web": ("syshax.commands.web", "serve the control plane (dashboard, admin, REST API)"),
+    "gateway": (
+        "syshax.commands.gateway",
+        "serve agents' and routers' hottest requests in front of `web`",
+    ),
     "worker": ("syshax.commands.worker", "run a Celery worker of the control plane"),
     "beat": ("syshax.commands.beat", "run Celery beat with the database scheduler"),
     "sim": ("syshax.sim.cli", "run a simulated vLLM-compatible engine"),

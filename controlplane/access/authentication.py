@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -18,7 +19,7 @@ from controlplane.access.models import (
 from controlplane.access.principal import MachinePrincipal
 
 
-def _note_use(model: type[models.Model], pk: Any, last_used_at: Any) -> None:
+def note_use(model: type[models.Model], pk: Any, last_used_at: Any) -> None:
     # last_used_at is informative: written at most once per TOKEN_LAST_USED_SECONDS a token.
     # Every request would double the write load; even once a minute, 5,000 agents would add
     # 80 writes a second to their 500 heartbeats (docs/scale.md).
@@ -26,6 +27,43 @@ def _note_use(model: type[models.Model], pk: Any, last_used_at: Any) -> None:
     resolution = timedelta(seconds=settings.TOKEN_LAST_USED_SECONDS)
     if last_used_at is None or now - last_used_at > resolution:
         model._default_manager.filter(pk=pk).update(last_used_at=now)
+
+
+def active_machine_credentials(tokens: Iterable[str]) -> dict[str, MachineCredential]:
+    """The active credentials of machine tokens (``sxa_``/``sxr_``), by ``key_hash``, their
+    use noted; unknown, revoked and other tokens are left out. The machine gateway's lookup,
+    one query for many tokens; :class:`MachineTokenAuthentication` is the one that explains a
+    refusal."""
+    hashes = {hash_token(t) for t in tokens if t.startswith(("sxa_", "sxr_"))}
+    if not hashes:
+        return {}
+    found = {
+        c.key_hash: c
+        for c in MachineCredential.objects.filter(
+            key_hash__in=hashes, revoked_at__isnull=True
+        ).only("pk", "kind", "node_id", "key_hash", "last_used_at")
+    }
+    now = timezone.now()
+    resolution = timedelta(seconds=settings.TOKEN_LAST_USED_SECONDS)
+    stale = [
+        c.pk for c in found.values() if c.last_used_at is None or now - c.last_used_at > resolution
+    ]
+    if stale:
+        MachineCredential.objects.filter(pk__in=stale).update(last_used_at=now)
+    return found
+
+
+def credentials_fingerprint() -> tuple[Any, ...]:
+    """Changes whenever a machine credential is issued, revoked or deleted: the gateway drops
+    its cached lookups when it does."""
+    totals = MachineCredential.objects.aggregate(
+        n=models.Count("pk"),
+        top=models.Max("pk"),
+        ids=models.Sum("pk"),
+        revoked=models.Count("revoked_at"),
+        last=models.Max("revoked_at"),
+    )
+    return tuple(totals[k] for k in ("n", "top", "ids", "revoked", "last"))
 
 
 def _authorization(request: Request) -> list[str]:
@@ -54,7 +92,7 @@ class MachineTokenAuthentication(authentication.BaseAuthentication):
             raise exceptions.AuthenticationFailed("unknown machine token") from None
         if not credential.active:
             raise exceptions.AuthenticationFailed("machine token revoked")
-        _note_use(MachineCredential, credential.pk, credential.last_used_at)
+        note_use(MachineCredential, credential.pk, credential.last_used_at)
         return MachinePrincipal(credential), credential
 
     def authenticate_header(self, request: Request) -> str:
@@ -89,7 +127,7 @@ class PersonalTokenAuthentication(authentication.BaseAuthentication):
             raise exceptions.AuthenticationFailed("token expired")
         if not token.user.is_active:
             raise exceptions.AuthenticationFailed("user inactive")
-        _note_use(PersonalToken, token.pk, token.last_used_at)
+        note_use(PersonalToken, token.pk, token.last_used_at)
         return token.user, token
 
     def authenticate_header(self, request: Request) -> str:

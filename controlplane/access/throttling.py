@@ -89,4 +89,16 @@ class MachineRateThrottle(SimpleRateThrottle):
         user = request.user
         if not isinstance(user, MachinePrincipal):
             return None
-        return f"throttle-machine-{user.credential.pk}"
+        return self.key_for(user.credential.pk)
+
+    @staticmethod
+    def key_for(credential_pk: int) -> str:
+        """The cache key counting a credential's requests (the machine gateway counts there
+        too, so a credential has one rate across both)."""
+        return f"throttle-machine-{credential_pk}"
+
+    def window(self) -> tuple[int, int] | None:
+        """``(requests, seconds)`` of the configured rate; None when unlimited."""
+        if self.rate is None:
+            return None
+        return int(self.num_requests), int(self.duration)  # type: ignore[attr-defined]

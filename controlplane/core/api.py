@@ -118,6 +118,10 @@ def health(request: Request) -> Response:
 
 
 def etag_matches(request: HttpRequest | Request, etag: str) -> bool:
-    header = request.headers.get("If-None-Match", "")
-    candidates = {tag.strip() for tag in header.split(",")}
+    return etag_listed(request.headers.get("If-None-Match", ""), etag)
+
+
+def etag_listed(if_none_match: str, etag: str) -> bool:
+    """Whether an ``If-None-Match`` header's value names ``etag`` (weakly or strongly) or ``*``."""
+    candidates = {tag.strip() for tag in if_none_match.split(",")}
     return etag in candidates or f"W/{etag}" in candidates or "*" in candidates

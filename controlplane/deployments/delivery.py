@@ -114,6 +114,23 @@ def take(node_id: int, session: str, limit: int = MAX_COMMANDS_PER_FETCH) -> lis
     return pending
 
 
+def queued_sessions() -> dict[int, set[str]]:
+    """For every node with a queued command, the sessions its queued commands were last handed
+    to ("" for none yet). A fetch by a session finds something exactly when its node has a
+    queued command not handed to that session: one read answers that for the whole fleet,
+    which is how the machine gateway answers empty fetches without a query each."""
+    queued: dict[int, set[str]] = {}
+    rows = (
+        AgentCommand.objects.filter(status=CommandStatus.QUEUED)
+        .order_by()
+        .values_list("node_id", "delivered_to")
+        .distinct()
+    )
+    for node_id, session in rows:
+        queued.setdefault(node_id, set()).add(session or "")
+    return queued
+
+
 def fetch(
     node_id: int,
     session: str,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -113,7 +115,7 @@ def record_heartbeat(node: Node, payload: dict[str, Any]) -> Node:
             memory_total_bytes=payload.get("memory_total_bytes", 0),
             accelerators=readings,
         )
-        _store_readings(node, readings)
+        store_readings([(node.pk, readings)])
         came_back = _mark_seen(node, now)
         if came_back:
             audit.record("node.online", node, acting_user="agent")
@@ -122,33 +124,118 @@ def record_heartbeat(node: Node, payload: dict[str, Any]) -> Node:
     return node
 
 
-def _store_readings(node: Node, readings: list[dict[str, Any]]) -> None:
-    """Every card's live readings in one UPDATE joined to a VALUES list.
+def record_steady_heartbeats(
+    reports: Sequence[tuple[int, dict[str, Any]]],
+) -> dict[int, tuple[str, str]]:
+    """Many nodes' heartbeats in one transaction of three statements, for the machine
+    gateway's group commit (docs/scale.md): each node's ``last_heartbeat_at``, its heartbeat
+    row and its cards' readings, as :func:`record_heartbeat` stores them.
+
+    Only nodes whose status a heartbeat leaves as it is (online, draining) are recorded; the
+    answer maps each of them to its ``(status, inventory_hash)``. A node not in the answer
+    (returning from offline, pending, or unknown) was left untouched, and its heartbeat must
+    go through :func:`record_heartbeat`, which brings it back and announces it. ``reports``
+    are validated payloads (``HeartbeatInSerializer``'s ``validated_data`` form).
+    """
+    if not reports:
+        return {}
+    quote = connection.ops.quote_name
+    now = connection.ops.adapt_datetimefield_value(timezone.now())
+    node_ids = sorted({node_id for node_id, _ in reports})
+    steady = sorted(_STEADY)
+    source, params = _rows(["BIGINT"], [(node_id,) for node_id in node_ids])
+    pk, status = quote(str(Node._meta.pk.column)), quote("status")  # type: ignore[union-attr]
+    mark = (
+        f"UPDATE {quote(Node._meta.db_table)} SET {quote('last_heartbeat_at')} = %s FROM {source}"
+        f" WHERE {pk} = r.column1 AND {status} IN ({', '.join(['%s'] * len(steady))})"
+        f" RETURNING {pk}, {status}, {quote('inventory_hash')}"
+    )
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(mark, [now, *params, *steady])
+        seen = {int(row[0]): (str(row[1]), str(row[2])) for row in cursor.fetchall()}
+        recorded = [(node_id, payload) for node_id, payload in reports if node_id in seen]
+        if recorded:
+            _insert_heartbeats(cursor, now, recorded)
+            store_readings((node_id, p.get("accelerators", [])) for node_id, p in recorded)
+    return seen
+
+
+def _insert_heartbeats(cursor: Any, now: Any, recorded: list[tuple[int, dict[str, Any]]]) -> None:
+    quote = connection.ops.quote_name
+    fields = ["received_at", "node", "cpu_percent", "memory_used_bytes", "memory_total_bytes"]
+    columns = [
+        quote(str(Heartbeat._meta.get_field(f).column))  # type: ignore[union-attr]
+        for f in [*fields, "accelerators"]
+    ]
+    source, params = _rows(
+        ["BIGINT", "DOUBLE PRECISION", "BIGINT", "BIGINT", "TEXT"],
+        [
+            (
+                node_id,
+                payload.get("cpu_percent", 0.0),
+                payload.get("memory_used_bytes", 0),
+                payload.get("memory_total_bytes", 0),
+                json.dumps(payload.get("accelerators", [])),
+            )
+            for node_id, payload in recorded
+        ],
+    )
+    cards = "CAST(r.column5 AS jsonb)" if connection.vendor == "postgresql" else "r.column5"
+    cursor.execute(
+        f"INSERT INTO {quote(Heartbeat._meta.db_table)} ({', '.join(columns)})"
+        f" SELECT %s, r.column1, r.column2, r.column3, r.column4, {cards} FROM {source}",
+        [now, *params],
+    )
+
+
+def _rows(types: Sequence[str], rows: Sequence[Sequence[Any]]) -> tuple[str, list[Any]]:
+    """A table of ``rows`` (at least one) to join or select from, as ``r`` with columns
+    ``column1``, ``column2``…, and its parameters. On PostgreSQL it is one array parameter a
+    column (``unnest``), so the statement's text is the same for any number of rows and the
+    driver parses it once; elsewhere a ``VALUES`` list."""
+    if connection.vendor == "postgresql":
+        names = ", ".join(f"column{i}" for i in range(1, len(types) + 1))
+        arrays = ", ".join(f"CAST(%s AS {t}[])" for t in types)
+        columns = [list(column) for column in zip(*rows, strict=True)]
+        return f"unnest({arrays}) AS r({names})", columns
+    row = "(" + ", ".join(f"CAST(%s AS {t})" for t in types) + ")"
+    return f"(VALUES {', '.join([row] * len(rows))}) AS r", [v for r in rows for v in r]
+
+
+def store_readings(reports: Iterable[tuple[int, list[dict[str, Any]]]]) -> None:
+    """Every card's live readings, of any number of nodes, in one UPDATE joined to a table of
+    them (:func:`_rows`). A card reported twice keeps its last readings.
 
     The ORM's form of this (a CASE per column and card, or ``bulk_update``) costs several
     milliseconds of CPU to compile on every heartbeat; this statement costs none, and runs on
     PostgreSQL and SQLite (3.33+) alike.
     """
-    by_uuid = {reading["uuid"]: reading for reading in readings}
-    if not by_uuid:
+    cards: dict[tuple[int, str], dict[str, Any]] = {}
+    for node_id, readings in reports:
+        for reading in readings:
+            cards[(node_id, reading["uuid"])] = reading
+    if not cards:
         return
     quote = connection.ops.quote_name
     column = {
         name: quote(str(Accelerator._meta.get_field(name).column))  # type: ignore[union-attr]
         for name in ("node", "uuid", *_READINGS)
     }
-    row = "(%s, CAST(%s AS DOUBLE PRECISION), CAST(%s AS BIGINT), CAST(%s AS DOUBLE PRECISION))"
-    params: list[Any] = []
-    for uuid, reading in by_uuid.items():
-        params += [uuid, *(reading.get(name, default) for name, default in _READINGS.items())]
+    source, params = _rows(
+        ["BIGINT", "TEXT", "DOUBLE PRECISION", "BIGINT", "DOUBLE PRECISION"],
+        [
+            (node_id, uuid, *(reading.get(name, default) for name, default in _READINGS.items()))
+            for (node_id, uuid), reading in cards.items()
+        ],
+    )
     sql = (
         f"UPDATE {quote(Accelerator._meta.db_table)} SET "
-        + ", ".join(f"{column[name]} = reading.column{i}" for i, name in enumerate(_READINGS, 2))
-        + f" FROM (VALUES {', '.join([row] * len(by_uuid))}) AS reading"
-        f" WHERE {column['node']} = %s AND {column['uuid']} = reading.column1"
+        + ", ".join(f"{column[name]} = r.column{i}" for i, name in enumerate(_READINGS, 3))
+        + f" FROM {source}"
+        f" WHERE {column['node']} = r.column1 AND {column['uuid']} = r.column2"
     )
     with connection.cursor() as cursor:
-        cursor.execute(sql, [*params, node.pk])
+        cursor.execute(sql, params)
 
 
 # The live readings a heartbeat carries per card, with their defaults, in the VALUES order.
@@ -183,6 +270,8 @@ def _mark_seen(node: Node, now: datetime) -> bool:
 # The states a heartbeat brings a node online from: its table's, except a drain, which a
 # heartbeat never undoes.
 _RETURNING = NODE_LIFECYCLE.sources(NodeStatus.ONLINE) - {NodeStatus.DRAINING}
+# The states a heartbeat leaves as they are (it only refreshes ``last_heartbeat_at``).
+_STEADY = frozenset(str(s) for s in NodeStatus) - {str(s) for s in _RETURNING}
 
 
 def _listening_long_enough(now: datetime, grace: timedelta) -> bool:

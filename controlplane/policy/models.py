@@ -96,7 +96,11 @@ class SchedulingPolicy(TimeStampedModel):
 
     @property
     def etag(self) -> str:
-        return f'"policy-{self.pk}-v{self.version}"'
+        return self.etag_for(self.pk, self.version)
+
+    @staticmethod
+    def etag_for(pk: int, version: int) -> str:
+        return f'"policy-{pk}-v{version}"'
 
 
 class PolicyRevision(models.Model):

@@ -1,0 +1,295 @@
+"""What the gateway knows of the fleet, read from and written to the database off its event
+loop: machine credentials (cached), a snapshot of what routers and idle agents poll for, and
+the heartbeats' group commit.
+
+Every database call runs in one of two threads, each with its own Django connection: one
+writes (the heartbeat batches), one reads (credentials, the snapshot), so a slow commit never
+delays a read. The statements are the control plane's own service functions; nothing here
+knows a table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from django.db import close_old_connections, connections
+
+from controlplane.access.authentication import (
+    active_machine_credentials,
+    credentials_fingerprint,
+)
+from controlplane.access.models import hash_token
+from controlplane.deployments.delivery import queued_sessions
+from controlplane.inventory.models import Node
+from controlplane.inventory.services import record_steady_heartbeats
+from controlplane.policy.models import SchedulingPolicy
+from controlplane.routers.services import deployments_etag, routable_deployments
+
+log = logging.getLogger("controlplane.gateway")
+T = TypeVar("T")
+
+
+def _job(fn: Callable[..., T], *args: Any) -> T:
+    close_old_connections()  # a broken or expired connection is replaced, as per request
+    return fn(*args)
+
+
+class Database:
+    def __init__(self) -> None:
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="gateway-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="gateway-write")
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._reader, _job, fn, *args)
+
+    async def write(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._writer, _job, fn, *args)
+
+    def close(self) -> None:
+        """Close each thread's connection, then the threads."""
+        for pool in (self._reader, self._writer):
+            pool.submit(connections.close_all).result(timeout=30)
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """An active machine credential, as the gateway needs it."""
+
+    credential_id: int
+    kind: str  # "agent" or "router"
+    node_id: int | None
+
+
+def _lookup(tokens: list[str]) -> dict[str, Machine]:
+    return {
+        key: Machine(c.pk, str(c.kind), c.node_id)
+        for key, c in active_machine_credentials(tokens).items()
+    }
+
+
+class Credentials:
+    """Machine tokens to their credentials. A token is looked up once, then its answer kept
+    for ``ttl`` seconds or until any machine credential is issued, revoked or deleted (the
+    snapshot's fingerprint changes, at most one snapshot later): a revoked token passes the
+    gateway's own answers for up to one snapshot interval (docs/decisions.md). Lookups that
+    arrive together are one query (5,000 agents starting at once are a few queries)."""
+
+    MAX_ENTRIES = 50_000
+    MAX_BATCH = 1000
+
+    def __init__(self, db: Database, ttl: float) -> None:
+        self.db, self.ttl = db, ttl
+        self._cache: dict[str, tuple[float, Machine | None]] = {}
+        self._waiting: dict[str, tuple[str, list[asyncio.Future[Machine | None]]]] = {}
+        self._wake = asyncio.Event()
+        self.lookups = 0
+
+    def forget(self) -> None:
+        self._cache.clear()
+
+    async def get(self, token: str) -> Machine | None:
+        key = hash_token(token)
+        cached = self._cache.get(key)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1]
+        future: asyncio.Future[Machine | None] = asyncio.get_running_loop().create_future()
+        waiting = self._waiting.setdefault(key, (token, []))
+        waiting[1].append(future)
+        self._wake.set()
+        return await future
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._waiting:
+                keys = list(self._waiting)[: self.MAX_BATCH]
+                batch = {key: self._waiting.pop(key) for key in keys}
+                try:
+                    found = await self.db.read(_lookup, [token for token, _ in batch.values()])
+                except Exception as exc:
+                    for _, futures in batch.values():
+                        for future in futures:
+                            if not future.done():
+                                future.set_exception(exc)
+                    continue
+                self.lookups += 1
+                self._remember(batch, found)
+
+    def _remember(
+        self,
+        batch: dict[str, tuple[str, list[asyncio.Future[Machine | None]]]],
+        found: dict[str, Machine],
+    ) -> None:
+        now = time.monotonic()
+        if len(self._cache) + len(batch) > self.MAX_ENTRIES:
+            self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
+            if len(self._cache) + len(batch) > self.MAX_ENTRIES:
+                self._cache.clear()
+        for key, (_, futures) in batch.items():
+            machine = found.get(key)
+            self._cache[key] = (now + self.ttl, machine)
+            for future in futures:
+                if not future.done():
+                    future.set_result(machine)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What routers and idle agents ask about, read once for all of them."""
+
+    taken_at: float  # time.monotonic()
+    policy_etags: dict[str, str] = field(default_factory=dict)  # policy name -> its ETag
+    deployments_etag: str = ""
+    queued: dict[int, set[str]] = field(default_factory=dict)  # see queued_sessions()
+    credentials: tuple[Any, ...] = ()  # credentials_fingerprint()
+
+    def has_commands_for(self, node_id: int, session: str) -> bool:
+        """Whether a fetch by ``session`` would find a command (it must go to the control
+        plane, which hands it out)."""
+        return any(held != session for held in self.queued.get(node_id, ()))
+
+
+def _take_snapshot() -> Snapshot:
+    policies = SchedulingPolicy.objects.values_list("name", "pk", "version")
+    return Snapshot(
+        taken_at=time.monotonic(),
+        policy_etags={
+            name: SchedulingPolicy.etag_for(pk, version) for name, pk, version in policies
+        },
+        deployments_etag=deployments_etag(routable_deployments()),
+        queued=queued_sessions(),
+        credentials=credentials_fingerprint(),
+    )
+
+
+class Watcher:
+    """Takes a :class:`Snapshot` every ``interval`` seconds. One older than ``max_age`` is not
+    used: the gateway then hands those requests to the control plane."""
+
+    def __init__(self, db: Database, interval: float, credentials: Credentials) -> None:
+        self.db, self.interval, self.credentials = db, interval, credentials
+        self.max_age = 2 * interval + 1.0
+        self.snapshot: Snapshot | None = None
+        self._tick: asyncio.Event = asyncio.Event()
+
+    def current(self) -> Snapshot | None:
+        snapshot = self.snapshot
+        if snapshot is None or time.monotonic() - snapshot.taken_at > self.max_age:
+            return None
+        return snapshot
+
+    async def next(self, within: float) -> None:
+        """Wait for the next snapshot, at most ``within`` seconds."""
+        tick = self._tick
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(tick.wait(), within)
+
+    async def run(self) -> None:
+        failing = False
+        while True:
+            started = time.monotonic()
+            try:
+                snapshot = await self.db.read(_take_snapshot)
+                if self.snapshot is None or snapshot.credentials != self.snapshot.credentials:
+                    self.credentials.forget()
+                self.snapshot = snapshot
+                if failing:
+                    log.info("snapshot taken again")
+                failing = False
+            except Exception as exc:
+                if not failing:
+                    log.warning("snapshot failed, handing its requests on: %s", exc)
+                failing = True
+            tick, self._tick = self._tick, asyncio.Event()
+            tick.set()
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+
+def _inventory_hashes(node_ids: list[int]) -> dict[int, str]:
+    return dict(Node.objects.filter(pk__in=node_ids).values_list("pk", "inventory_hash"))
+
+
+class InventoryHashes:
+    """Nodes' stored inventory hashes, read together for the inventory PUTs that arrive
+    together (a fleet starting at once)."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._waiting: dict[int, list[asyncio.Future[str | None]]] = {}
+        self._wake = asyncio.Event()
+
+    async def get(self, node_id: int) -> str | None:
+        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(node_id, []).append(future)
+        self._wake.set()
+        return await future
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._waiting:
+                batch, self._waiting = self._waiting, {}
+                try:
+                    found = await self.db.read(_inventory_hashes, list(batch))
+                except Exception as exc:
+                    log.warning("inventory hashes not read: %s", exc)
+                    found = {}
+                for node_id, futures in batch.items():
+                    for future in futures:
+                        if not future.done():
+                            future.set_result(found.get(node_id))
+
+
+Pending = tuple[int, dict[str, Any], "asyncio.Future[tuple[str, str] | None]"]
+
+
+class HeartbeatBatcher:
+    """The heartbeats' group commit: every heartbeat that arrives while one batch is being
+    written goes into the next, so a busy fleet costs one transaction per commit time, not
+    one per heartbeat, and an idle one adds no wait. An answer leaves only after its batch
+    committed: nothing acknowledged is lost if the gateway dies."""
+
+    def __init__(self, db: Database, max_batch: int = 500) -> None:
+        self.db, self.max_batch = db, max_batch
+        self._pending: list[Pending] = []
+        self._wake = asyncio.Event()
+        self.batches = 0
+        self.heartbeats = 0
+
+    async def submit(self, node_id: int, payload: dict[str, Any]) -> tuple[str, str] | None:
+        """The node's ``(status, inventory_hash)`` once its heartbeat is committed; None when
+        it was not recorded here (the node is not steadily online, or the write failed) and
+        must go to the control plane."""
+        future: asyncio.Future[tuple[str, str] | None] = asyncio.get_running_loop().create_future()
+        self._pending.append((node_id, payload, future))
+        self._wake.set()
+        return await future
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                batch = self._pending[: self.max_batch]
+                del self._pending[: self.max_batch]
+                reports = [(node_id, payload) for node_id, payload, _ in batch]
+                try:
+                    seen = await self.db.write(record_steady_heartbeats, reports)
+                except Exception as exc:
+                    log.warning("heartbeat batch of %d not written: %s", len(batch), exc)
+                    seen = {}
+                self.batches += 1
+                self.heartbeats += len(batch)
+                for node_id, _, future in batch:
+                    if not future.done():
+                        future.set_result(seen.get(node_id))

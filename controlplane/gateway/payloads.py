@@ -1,0 +1,99 @@
+"""The gateway's fast reading of the requests it answers itself.
+
+Each function returns exactly what the control plane's own validator (a DRF serializer)
+returns for the same input, or None for anything it is not sure of: the gateway then hands
+the request to the control plane, whose serializer stays the one validator and the one voice
+of every error (``tests/controlplane/test_gateway.py`` holds the two to that). So these may
+refuse more than the serializers do (a number sent as a string, a ``true`` for a number) but
+never accept anything they refuse, or read it differently.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from controlplane.inventory.api.serializers import MAX_BYTES
+
+MAX_CARDS = 1024
+SESSION = re.compile(r"[A-Za-z0-9_-]{1,64}")
+WAIT = re.compile(r"\d{1,3}(\.\d{1,6})?")
+MAX_WAIT = 60.0
+
+
+def _number(value: Any, low: float, high: float) -> float | None:
+    if type(value) not in (int, float) or not math.isfinite(value):
+        return None
+    return float(value) if low <= value <= high else None
+
+
+def _count(value: Any) -> int | None:
+    if type(value) is not int or not 0 <= value <= MAX_BYTES:
+        return None
+    return value
+
+
+def _text(value: Any, limit: int, *, blank: bool) -> str | None:
+    # The serializers trim white space and refuse NUL; a value with either is left to them.
+    if type(value) is not str or len(value) > limit or value != value.strip() or "\x00" in value:
+        return None
+    return value if value or blank else None
+
+
+def _reading(card: Any) -> dict[str, Any] | None:
+    if type(card) is not dict or "uuid" not in card:
+        return None
+    uuid = _text(card["uuid"], 128, blank=False)
+    utilization = _number(card.get("utilization_percent", 0.0), 0, 100)
+    memory = _count(card.get("memory_used_bytes", 0))
+    temperature = card.get("temperature_c")
+    celsius = None if temperature is None else _number(temperature, -50, 200)
+    if uuid is None or utilization is None or memory is None:
+        return None
+    if temperature is not None and celsius is None:
+        return None
+    return {
+        "uuid": uuid,
+        "utilization_percent": utilization,
+        "memory_used_bytes": memory,
+        "temperature_c": celsius,
+    }
+
+
+def heartbeat(payload: Any) -> dict[str, Any] | None:
+    """``HeartbeatInSerializer(data=payload).validated_data``, or None."""
+    if type(payload) is not dict:
+        return None
+    cpu = _number(payload.get("cpu_percent", 0.0), 0, 100)
+    used = _count(payload.get("memory_used_bytes", 0))
+    total = _count(payload.get("memory_total_bytes", 0))
+    digest = _text(payload.get("inventory_hash", ""), 64, blank=True)
+    cards = payload.get("accelerators", [])
+    if cpu is None or used is None or total is None or digest is None:
+        return None
+    if type(cards) is not list or len(cards) > MAX_CARDS:
+        return None
+    readings = [_reading(card) for card in cards]
+    if any(reading is None for reading in readings):
+        return None
+    return {
+        "cpu_percent": cpu,
+        "memory_used_bytes": used,
+        "memory_total_bytes": total,
+        "inventory_hash": digest,
+        "accelerators": readings,
+    }
+
+
+def command_query(query: Mapping[str, list[str]]) -> tuple[str, float] | None:
+    """``(session, wait)`` as ``CommandFetchSerializer`` reads the query of
+    ``GET agent/commands`` (each name to all its values), or None."""
+    sessions, waits = query.get("session", []), query.get("wait", ["0"])
+    if len(sessions) != 1 or len(waits) != 1 or set(query) - {"session", "wait"}:
+        return None
+    if not SESSION.fullmatch(sessions[0]) or not WAIT.fullmatch(waits[0]):
+        return None
+    wait = float(waits[0])
+    return (sessions[0], wait) if wait <= MAX_WAIT else None

@@ -1,0 +1,81 @@
+# lazy imports: a verb loads Django and the parts it drives only when it runs, after the
+# settings are chosen, so every other verb starts fast and never needs a database.
+
+"""``syshax gateway``: the machine gateway in front of ``syshax web`` (docs/scale.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from syshax.webworker import limits_from_env
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def _seconds(low: float, high: float):  # type: ignore[no-untyped-def]
+    def parse(value: str) -> float:
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+        if not low <= seconds <= high:
+            raise argparse.ArgumentTypeError(f"{value!r} must be between {low:g} and {high:g}")
+        return seconds
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--bind", type=_host_port, default=("127.0.0.1", 8000), help="HOST:PORT to listen on"
+    )
+    parser.add_argument(
+        "--upstream",
+        default="http://127.0.0.1:8001",
+        help="the control plane's own address (`syshax web --bind`), default %(default)s",
+    )
+    parser.add_argument(
+        "--snapshot-interval",
+        type=_seconds(0.05, 5.0),
+        default=0.25,
+        help="seconds between reads of what routers and idle agents poll for (default 0.25)",
+    )
+    parser.add_argument(
+        "--credential-ttl",
+        type=_seconds(0.0, 3600.0),
+        help="seconds a machine token's lookup is kept at most (default: "
+        "TOKEN_LAST_USED_SECONDS); any issued, revoked or deleted credential drops them all "
+        "at the next snapshot",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings.local")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from syshax.commands._django import setup
+
+    setup()
+    import uvloop
+
+    from controlplane.gateway.server import serve
+
+    uvloop.install()
+    host, port = args.bind
+    serve(
+        host,
+        port,
+        args.upstream,
+        snapshot_interval=args.snapshot_interval,
+        credential_ttl=args.credential_ttl,
+        read_timeout=limits_from_env(os.environ).timeout,
+    )
+    return 0

@@ -1,0 +1,463 @@
+"""The machine gateway in front of the real control plane (pytest-django's live server): what
+it answers itself is what the control plane would have answered and stored, and everything
+else reaches the control plane unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from controlplane.access.models import MachineCredential
+from controlplane.core.models import AuditEntry
+from controlplane.deployments.models import AgentCommand
+from controlplane.gateway import payloads
+from controlplane.gateway.server import Gateway
+from controlplane.inventory.api.serializers import HeartbeatInSerializer
+from controlplane.inventory.models import Accelerator, Heartbeat, Node
+from controlplane.inventory.services import record_steady_heartbeats
+from controlplane.policy.models import SchedulingPolicy
+from syshax.common.supervisor import free_port
+from tests.controlplane.test_inventory import KUNPENG
+from tests.support.factories import build_node
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@dataclass
+class Running:
+    url: str
+    gateway: Gateway
+
+
+@pytest.fixture
+def gateway(live_server: Any) -> Iterator[Running]:
+    """A gateway on its own event loop thread, in front of the live server."""
+    gw = Gateway(live_server.url, snapshot_interval=0.1, credential_ttl=0.0)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(gw.app())
+    port = free_port()
+    started = threading.Event()
+
+    def main() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        started.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=main, name="gateway", daemon=True)
+    thread.start()
+    assert started.wait(30)
+    deadline = time.monotonic() + 30
+    while gw.watcher.current() is None:
+        assert time.monotonic() < deadline, "the gateway took no snapshot"
+        time.sleep(0.05)
+    try:
+        yield Running(f"http://127.0.0.1:{port}", gw)
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+
+
+def _next_snapshot(gateway: Running) -> None:
+    """Wait until the gateway has read the database as it is now."""
+    now = time.monotonic()
+    deadline = now + 10
+    while (snapshot := gateway.gateway.watcher.current()) is None or snapshot.taken_at <= now:
+        assert time.monotonic() < deadline, "no new snapshot"
+        time.sleep(0.02)
+
+
+def _agent(node: Node, name: str = "agent") -> httpx.Client:
+    token = MachineCredential.issue("agent", f"{name}-{node.pk}", node=node)[1]
+    return httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+
+def _beat(temperature: float = 61.0) -> dict[str, Any]:
+    return {
+        "cpu_percent": 12.5,
+        "memory_used_bytes": 3 * 2**30,
+        "memory_total_bytes": 64 * 2**30,
+        "inventory_hash": "abc",
+        "accelerators": [
+            {
+                "uuid": "GPU-0",
+                "utilization_percent": 40,
+                "memory_used_bytes": 2**30,
+                "temperature_c": temperature,
+            },
+        ],
+    }
+
+
+def _node(status: str) -> Node:
+    node = build_node(status=status)
+    Accelerator.objects.filter(node=node).update(uuid="GPU-0")
+    return node
+
+
+def test_a_steady_heartbeat_is_answered_and_stored_as_the_control_plane_would(
+    gateway: Running,
+) -> None:
+    node, twin = _node("online"), _node("online")
+    via_gateway = _agent(node).post(f"{gateway.url}/api/v1/nodes/{node.pk}/heartbeat", json=_beat())
+    direct = _agent(twin).post(
+        f"{gateway.gateway.upstream}/api/v1/nodes/{twin.pk}/heartbeat", json=_beat()
+    )
+    assert via_gateway.status_code == direct.status_code == 200
+    assert via_gateway.json() == direct.json()
+    assert gateway.gateway.batcher.heartbeats == 1 and gateway.gateway.proxied == 0
+    fields = ["cpu_percent", "memory_used_bytes", "memory_total_bytes", "accelerators"]
+    ours = Heartbeat.objects.filter(node=node).values(*fields).get()
+    theirs = Heartbeat.objects.filter(node=twin).values(*fields).get()
+    assert ours == theirs
+    card = ["utilization_percent", "memory_used_bytes", "temperature_c"]
+    assert (
+        Accelerator.objects.filter(node=node).values(*card).get()
+        == Accelerator.objects.filter(node=twin).values(*card).get()
+        == {"utilization_percent": 40.0, "memory_used_bytes": 2**30, "temperature_c": 61.0}
+    )
+    node.refresh_from_db()
+    assert node.status == "online" and node.last_heartbeat_at is not None
+
+
+def test_a_returning_node_and_a_bad_payload_go_to_the_control_plane(gateway: Running) -> None:
+    offline = _node("offline")
+    client = _agent(offline)
+    answer = client.post(f"{gateway.url}/api/v1/nodes/{offline.pk}/heartbeat", json=_beat())
+    assert answer.status_code == 200 and answer.json()["status"] == "online"
+    assert AuditEntry.objects.filter(action="node.online", object_id=str(offline.pk)).exists()
+    assert Heartbeat.objects.filter(node=offline).count() == 1  # stored once, by Django
+    bad = client.post(
+        f"{gateway.url}/api/v1/nodes/{offline.pk}/heartbeat", json={**_beat(), "cpu_percent": 150}
+    )
+    assert bad.status_code == 400 and "cpu_percent" in bad.json()["error"]["fields"]
+    other = _node("online")
+    foreign = client.post(f"{gateway.url}/api/v1/nodes/{other.pk}/heartbeat", json=_beat())
+    assert foreign.status_code in (403, 404)
+    assert not Heartbeat.objects.filter(node=other).exists()
+    assert gateway.gateway.proxied == 3
+
+
+def test_a_revoked_or_unknown_token_gets_the_control_planes_refusal(gateway: Running) -> None:
+    """Lookups are kept (an hour here), but a revocation drops them at the next snapshot."""
+    gateway.gateway.credentials.ttl = 3600
+    node = _node("online")
+    client = _agent(node)
+    _next_snapshot(gateway)  # one that knows the new credential: it forgets nothing after
+    url = f"{gateway.url}/api/v1/nodes/{node.pk}/heartbeat"
+    assert client.post(url, json=_beat()).status_code == 200
+    lookups = gateway.gateway.credentials.lookups
+    assert client.post(url, json=_beat()).status_code == 200
+    assert gateway.gateway.credentials.lookups == lookups, "the second used the kept lookup"
+    credential = MachineCredential.objects.get(node=node)
+    credential.revoked_at = credential.created_at
+    credential.save()
+    _next_snapshot(gateway)
+    refused = client.post(url, json=_beat())
+    assert refused.status_code == 401 and "revoked" in refused.json()["error"]["message"]
+    stranger = httpx.post(url, json=_beat(), headers={"Authorization": "Bearer sxa_nope"})
+    assert stranger.status_code == 401 and "error" in stranger.json()
+    assert Heartbeat.objects.filter(node=node).count() == 2
+
+
+def test_router_polls_are_answered_304_from_the_snapshot_and_changes_reach_them(
+    gateway: Running,
+) -> None:
+    SchedulingPolicy.objects.get_or_create(name="default")
+    _next_snapshot(gateway)
+    token = MachineCredential.issue("router", "router-a")[1]
+    router = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    for path in ("routing/policies/default", "routing/deployments"):
+        first = router.get(f"{gateway.url}/api/v1/{path}")
+        assert first.status_code == 200, first.text
+        etag = first.headers["ETag"]
+        proxied = gateway.gateway.proxied
+        again = router.get(f"{gateway.url}/api/v1/{path}", headers={"If-None-Match": etag})
+        assert again.status_code == 304 and again.headers["ETag"] == etag
+        assert gateway.gateway.proxied == proxied, "answered by the gateway"
+    policy = SchedulingPolicy.objects.get(name="default")
+    old = policy.etag
+    SchedulingPolicy.objects.filter(pk=policy.pk).update(version=policy.version + 1)
+    # The gateway's 304s lag a change by at most one snapshot (0.1 s here).
+    changed_at = time.monotonic()
+    while True:
+        changed = router.get(
+            f"{gateway.url}/api/v1/routing/policies/default", headers={"If-None-Match": old}
+        )
+        if changed.status_code != 304:
+            break
+        assert time.monotonic() - changed_at < 2, "the change never reached the gateway"
+        time.sleep(0.02)
+    assert changed.status_code == 200 and changed.headers["ETag"] != old
+    # An agent's token never reads routing: the control plane refuses it.
+    agent = _agent(_node("online"))
+    refused = agent.get(f"{gateway.url}/api/v1/routing/deployments", headers={"If-None-Match": "*"})
+    assert refused.status_code == 403
+
+
+def test_an_idle_fetch_is_held_by_the_gateway_and_a_queued_command_reaches_it(
+    gateway: Running,
+) -> None:
+    node = _node("online")
+    client = _agent(node)
+    url = f"{gateway.url}/api/v1/agent/commands"
+    empty = client.get(url, params={"session": "s1"})
+    assert empty.status_code == 200 and empty.json() == {"commands": []}
+    assert gateway.gateway.proxied == 0
+
+    def queue_later() -> None:
+        time.sleep(0.5)
+        AgentCommand.objects.create(node=node, action="inspect", spec={"what": "x"})
+
+    threading.Thread(target=queue_later).start()
+    started = time.monotonic()
+    held = client.get(url, params={"session": "s1", "wait": "5"})
+    assert held.status_code == 200 and len(held.json()["commands"]) == 1
+    assert 0.4 < time.monotonic() - started < 4
+    assert gateway.gateway.proxied == 1, "handed out by the control plane"
+    # Handed to s1: its next fetch is idle again, a new session gets the command once more.
+    assert client.get(url, params={"session": "s1"}).json() == {"commands": []}
+    _next_snapshot(gateway)  # one taken after the hand-out
+    assert len(client.get(url, params={"session": "s2"}).json()["commands"]) == 1
+    bad = client.get(url, params={"session": "no spaces"})
+    assert bad.status_code == 400 and "session" in bad.json()["error"]["fields"]
+
+
+def test_everything_else_reaches_the_control_plane_unchanged(gateway: Running) -> None:
+    health = httpx.get(f"{gateway.url}/api/v1/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    anonymous = httpx.get(f"{gateway.url}/api/v1/nodes")
+    assert anonymous.status_code == 401
+    too_big = httpx.post(
+        f"{gateway.url}/api/v1/nodes/1/heartbeat",
+        content=b"x" * (2 * 1024 * 1024 + 1),
+        headers={"Content-Type": "application/json"},
+    )
+    assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "payload_too_large"
+
+
+def test_a_credential_over_its_rate_is_handed_to_the_control_planes_throttle(
+    gateway: Running,
+) -> None:
+    node = _node("online")
+    client = _agent(node)
+    gateway.gateway.throttle.window = (2, 60)
+    url = f"{gateway.url}/api/v1/nodes/{node.pk}/heartbeat"
+    for _ in range(3):
+        assert client.post(url, json=_beat()).status_code == 200
+    assert gateway.gateway.batcher.heartbeats == 2
+    assert gateway.gateway.proxied == 1, "the third went to the control plane's own throttle"
+
+
+def test_steady_heartbeats_of_many_nodes_are_one_transaction_of_three_statements() -> None:
+    online, draining, offline = _node("online"), _node("draining"), _node("offline")
+    reports = []
+    for n in (online, draining, offline):
+        serializer = HeartbeatInSerializer(data=_beat(temperature=70.0))
+        assert serializer.is_valid()
+        reports.append((n.pk, serializer.validated_data))
+    with CaptureQueriesContext(connection) as queries:
+        seen = record_steady_heartbeats(reports)
+    statements = [q["sql"].split()[0].upper() for q in queries.captured_queries]
+    assert statements.count("UPDATE") == 2 and statements.count("INSERT") == 1
+    assert len([s for s in statements if s not in ("BEGIN", "COMMIT", "SAVEPOINT")]) == 3
+    assert seen == {online.pk: ("online", ""), draining.pk: ("draining", "")}
+    assert Heartbeat.objects.filter(node=offline).count() == 0
+    offline.refresh_from_db()
+    assert offline.status == "offline" and offline.last_heartbeat_at is None
+    assert Accelerator.objects.get(node=draining).temperature_c == 70.0
+    assert Accelerator.objects.get(node=offline).temperature_c != 70.0
+
+
+# --- the fast readers never accept what the serializers refuse, nor read it differently ------
+
+
+def _noise(rng: random.Random) -> Any:
+    return rng.choice(
+        [
+            0,
+            1,
+            -1,
+            100,
+            101,
+            2**63 - 1,
+            2**63,
+            12.5,
+            -0.5,
+            1e308,
+            float("nan"),
+            float("inf"),
+            True,
+            False,
+            None,
+            "",
+            " x",
+            "12",
+            "GPU-1",
+            "a" * 65,
+            "b" * 129,
+            [],
+            {},
+            [1],
+            {"a": 1},
+        ]
+    )
+
+
+def _payload(rng: random.Random) -> Any:
+    fields = ["cpu_percent", "memory_used_bytes", "memory_total_bytes", "inventory_hash"]
+    body: dict[str, Any] = {}
+    for name in fields:
+        if rng.random() < 0.7:
+            body[name] = _noise(rng) if rng.random() < 0.3 else _beat()[name]
+    if rng.random() < 0.8:
+        cards = []
+        for i in range(rng.randint(0, 3)):
+            card: dict[str, Any] = {"uuid": f"GPU-{i}"}
+            for name, good in (
+                ("utilization_percent", 50.0),
+                ("memory_used_bytes", 5),
+                ("temperature_c", 60.5),
+                ("uuid", "GPU-9"),
+            ):
+                if rng.random() < 0.6:
+                    card[name] = _noise(rng) if rng.random() < 0.3 else good
+            cards.append(card if rng.random() < 0.95 else _noise(rng))
+        body["accelerators"] = cards if rng.random() < 0.95 else _noise(rng)
+    return body if rng.random() < 0.97 else _noise(rng)
+
+
+def _plain(data: Any) -> Any:
+    return json.loads(json.dumps(data))
+
+
+def test_the_heartbeat_reader_agrees_with_the_serializer() -> None:
+    rng = random.Random(20261202)
+    accepted = 0
+    for _ in range(3000):
+        body = _payload(rng)
+        ours = payloads.heartbeat(body)
+        serializer = HeartbeatInSerializer(data=body)
+        valid = serializer.is_valid()
+        if ours is not None:
+            accepted += 1
+            assert valid, (body, serializer.errors)
+            assert _plain(ours) == _plain(serializer.validated_data), body
+            assert all(type(c["utilization_percent"]) is float for c in ours["accelerators"])
+    assert accepted > 300, "the reader accepts the common payloads"
+    assert payloads.heartbeat(_beat()) is not None
+
+
+def test_the_command_query_reader_agrees_with_the_serializer() -> None:
+    from controlplane.deployments.api.serializers import CommandFetchSerializer
+
+    cases = [
+        {"session": ["s1"]},
+        {"session": ["s1"], "wait": ["20"]},
+        {"session": ["s1"], "wait": ["0.5"]},
+        {"session": ["s1"], "wait": ["61"]},
+        {"session": ["a b"]},
+        {"session": ["x" * 65]},
+        {"session": ["s1", "s2"]},
+        {"wait": ["1"]},
+        {"session": ["s1"], "wait": ["-1"]},
+        {"session": ["s1"], "wait": ["nan"]},
+        {"session": ["s1"], "extra": ["1"]},
+        {"session": [""]},
+        {"session": ["ok_-9"], "wait": ["60"]},
+    ]
+    for query in cases:
+        ours = payloads.command_query(query)
+        serializer = CommandFetchSerializer(data={k: v[-1] for k, v in query.items()})
+        if ours is not None:
+            assert serializer.is_valid(), (query, serializer.errors)
+            data = serializer.validated_data
+            assert ours == (data["session"], data["wait"]), query
+    assert payloads.command_query({"session": ["s1"], "wait": ["20"]}) == ("s1", 20.0)
+
+
+def test_an_unchanged_inventory_is_answered_and_a_changed_one_stored(gateway: Running) -> None:
+    node = _node("online")
+    client = _agent(node)
+    url = f"{gateway.url}/api/v1/nodes/{node.pk}/inventory"
+    report = copy.deepcopy(KUNPENG)
+    report["accelerators"][0]["preset"] = "a100-80gb"  # an agent-only field: not stored
+    first = client.put(url, json=report)
+    assert first.status_code == 200 and first.json()["changed"] is True
+    assert gateway.gateway.proxied == 1
+    again = client.put(url, json=report)
+    assert again.json() == {"changed": False, "inventory_hash": first.json()["inventory_hash"]}
+    assert gateway.gateway.proxied == 1, "answered by the gateway"
+    report["hostname"] = "kp-02"
+    changed = client.put(url, json=report)
+    assert changed.status_code == 200 and changed.json()["changed"] is True
+    assert gateway.gateway.proxied == 2
+    node.refresh_from_db()
+    assert node.inventory_hash == changed.json()["inventory_hash"]
+
+
+def test_syshax_gateway_serves_in_front_of_the_web_server(live_server: Any) -> None:
+    """The command itself: Django set up, the loop started, requests handed on."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "syshax.cli",
+            "gateway",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--upstream",
+            live_server.url,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/api/v1/health", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the gateway never listened"
+                time.sleep(0.2)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_syshax_gateway_names_a_bad_option() -> None:
+    bad = subprocess.run(
+        [sys.executable, "-m", "syshax.cli", "gateway", "--bind", "nowhere"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "--bind" in bad.stderr and "HOST:PORT" in bad.stderr
+    slow = subprocess.run(
+        [sys.executable, "-m", "syshax.cli", "gateway", "--snapshot-interval", "9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert slow.returncode == 2 and "--snapshot-interval" in slow.stderr and "5" in slow.stderr
