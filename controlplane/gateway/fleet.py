@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from django.db import close_old_connections, connections
 
@@ -34,6 +34,8 @@ from controlplane.routers.services import deployments_etag, routable_deployments
 
 log = logging.getLogger("controlplane.gateway")
 T = TypeVar("T")
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 def _job(fn: Callable[..., T], *args: Any) -> T:
@@ -69,40 +71,31 @@ class Machine:
 
 
 def _lookup(tokens: list[str]) -> dict[str, Machine]:
-    return {
-        key: Machine(c.pk, str(c.kind), c.node_id)
-        for key, c in active_machine_credentials(tokens).items()
-    }
+    found = active_machine_credentials(tokens)
+    machines = {}
+    for token in tokens:
+        credential = found.get(hash_token(token))
+        if credential is not None:
+            machines[token] = Machine(credential.pk, str(credential.kind), credential.node_id)
+    return machines
 
 
-class Credentials:
-    """Machine tokens to their credentials. A token is looked up once, then its answer kept
-    for ``ttl`` seconds or until any machine credential is issued, revoked or deleted (the
-    snapshot's fingerprint changes, at most one snapshot later): a revoked token passes the
-    gateway's own answers for up to one snapshot interval (docs/decisions.md). Lookups that
-    arrive together are one query (5,000 agents starting at once are a few queries)."""
+class Batched(Generic[K, V]):
+    """Lookups that arrive together, answered by one call of ``fetch`` in the database's
+    reader thread (at most ``MAX_BATCH`` keys a call): 5,000 agents starting at once are a
+    few queries, not 5,000. ``fetch`` leaves out the keys it finds nothing for."""
 
-    MAX_ENTRIES = 50_000
     MAX_BATCH = 1000
 
-    def __init__(self, db: Database, ttl: float) -> None:
-        self.db, self.ttl = db, ttl
-        self._cache: dict[str, tuple[float, Machine | None]] = {}
-        self._waiting: dict[str, tuple[str, list[asyncio.Future[Machine | None]]]] = {}
+    def __init__(self, db: Database, fetch: Callable[[list[K]], dict[K, V]]) -> None:
+        self.db, self.fetch = db, fetch
+        self._waiting: dict[K, list[asyncio.Future[V | None]]] = {}
         self._wake = asyncio.Event()
-        self.lookups = 0
+        self.calls = 0
 
-    def forget(self) -> None:
-        self._cache.clear()
-
-    async def get(self, token: str) -> Machine | None:
-        key = hash_token(token)
-        cached = self._cache.get(key)
-        if cached is not None and cached[0] > time.monotonic():
-            return cached[1]
-        future: asyncio.Future[Machine | None] = asyncio.get_running_loop().create_future()
-        waiting = self._waiting.setdefault(key, (token, []))
-        waiting[1].append(future)
+    async def get(self, key: K) -> V | None:
+        future: asyncio.Future[V | None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(key, []).append(future)
         self._wake.set()
         return await future
 
@@ -114,32 +107,53 @@ class Credentials:
                 keys = list(self._waiting)[: self.MAX_BATCH]
                 batch = {key: self._waiting.pop(key) for key in keys}
                 try:
-                    found = await self.db.read(_lookup, [token for token, _ in batch.values()])
+                    found = await self.db.read(self.fetch, keys)
+                    self.calls += 1
                 except Exception as exc:
-                    for _, futures in batch.values():
+                    for futures in batch.values():
                         for future in futures:
                             if not future.done():
                                 future.set_exception(exc)
                     continue
-                self.lookups += 1
-                self._remember(batch, found)
+                for key, futures in batch.items():
+                    self.found(key, found.get(key))
+                    for future in futures:
+                        if not future.done():
+                            future.set_result(found.get(key))
 
-    def _remember(
-        self,
-        batch: dict[str, tuple[str, list[asyncio.Future[Machine | None]]]],
-        found: dict[str, Machine],
-    ) -> None:
+    def found(self, key: K, value: V | None) -> None:
+        """Called with each answer as it arrives (a subclass may keep it)."""
+
+
+class Credentials(Batched[str, Machine]):
+    """Machine tokens to their credentials. A token is looked up once, then its answer kept
+    for ``ttl`` seconds or until any machine credential is issued, revoked or deleted (the
+    snapshot's fingerprint changes, at most one snapshot later): a revoked token passes the
+    gateway's own answers for up to one snapshot interval (docs/decisions.md)."""
+
+    MAX_ENTRIES = 50_000
+
+    def __init__(self, db: Database, ttl: float) -> None:
+        super().__init__(db, _lookup)
+        self.ttl = ttl
+        self._cache: dict[str, tuple[float, Machine | None]] = {}  # by the token's hash
+
+    def forget(self) -> None:
+        self._cache.clear()
+
+    async def get(self, key: str) -> Machine | None:
+        cached = self._cache.get(hash_token(key))
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1]
+        return await super().get(key)
+
+    def found(self, key: str, value: Machine | None) -> None:
         now = time.monotonic()
-        if len(self._cache) + len(batch) > self.MAX_ENTRIES:
+        if len(self._cache) >= self.MAX_ENTRIES:
             self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
-            if len(self._cache) + len(batch) > self.MAX_ENTRIES:
+            if len(self._cache) >= self.MAX_ENTRIES:
                 self._cache.clear()
-        for key, (_, futures) in batch.items():
-            machine = found.get(key)
-            self._cache[key] = (now + self.ttl, machine)
-            for future in futures:
-                if not future.done():
-                    future.set_result(machine)
+        self._cache[hash_token(key)] = (now + self.ttl, value)
 
 
 @dataclass(frozen=True)
@@ -214,40 +228,14 @@ class Watcher:
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
 
-def _inventory_hashes(node_ids: list[int]) -> dict[int, str]:
-    return dict(Node.objects.filter(pk__in=node_ids).values_list("pk", "inventory_hash"))
-
-
-class InventoryHashes:
+def inventory_hashes(db: Database) -> Batched[int, str]:
     """Nodes' stored inventory hashes, read together for the inventory PUTs that arrive
     together (a fleet starting at once)."""
 
-    def __init__(self, db: Database) -> None:
-        self.db = db
-        self._waiting: dict[int, list[asyncio.Future[str | None]]] = {}
-        self._wake = asyncio.Event()
+    def fetch(node_ids: list[int]) -> dict[int, str]:
+        return dict(Node.objects.filter(pk__in=node_ids).values_list("pk", "inventory_hash"))
 
-    async def get(self, node_id: int) -> str | None:
-        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(node_id, []).append(future)
-        self._wake.set()
-        return await future
-
-    async def run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._waiting:
-                batch, self._waiting = self._waiting, {}
-                try:
-                    found = await self.db.read(_inventory_hashes, list(batch))
-                except Exception as exc:
-                    log.warning("inventory hashes not read: %s", exc)
-                    found = {}
-                for node_id, futures in batch.items():
-                    for future in futures:
-                        if not future.done():
-                            future.set_result(found.get(node_id))
+    return Batched(db, fetch)
 
 
 Pending = tuple[int, dict[str, Any], "asyncio.Future[tuple[str, str] | None]"]

@@ -38,9 +38,9 @@ from controlplane.gateway.fleet import (
     Credentials,
     Database,
     HeartbeatBatcher,
-    InventoryHashes,
     Machine,
     Watcher,
+    inventory_hashes,
 )
 from syshax.common.inventory import inventory_hash
 from syshax.common.reports import AGENT_ONLY, CardReport
@@ -149,7 +149,7 @@ class Gateway:
         self.credentials = Credentials(self.db, ttl)
         self.watcher = Watcher(self.db, snapshot_interval, self.credentials)
         self.batcher = HeartbeatBatcher(self.db)
-        self.inventories = InventoryHashes(self.db)
+        self.inventories = inventory_hashes(self.db)
         self.throttle = Throttle()
         self.session: aiohttp.ClientSession | None = None
         self.answered = 0
@@ -197,7 +197,7 @@ class Gateway:
                 self.proxied,
                 b.heartbeats,
                 b.batches,
-                self.credentials.lookups,
+                self.credentials.calls,
             )
 
     # --- dispatch --------------------------------------------------------------------------

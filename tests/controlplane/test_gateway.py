@@ -163,9 +163,9 @@ def test_a_revoked_or_unknown_token_gets_the_control_planes_refusal(gateway: Run
     _next_snapshot(gateway)  # one that knows the new credential: it forgets nothing after
     url = f"{gateway.url}/api/v1/nodes/{node.pk}/heartbeat"
     assert client.post(url, json=_beat()).status_code == 200
-    lookups = gateway.gateway.credentials.lookups
+    lookups = gateway.gateway.credentials.calls
     assert client.post(url, json=_beat()).status_code == 200
-    assert gateway.gateway.credentials.lookups == lookups, "the second used the kept lookup"
+    assert gateway.gateway.credentials.calls == lookups, "the second used the kept lookup"
     credential = MachineCredential.objects.get(node=node)
     credential.revoked_at = credential.created_at
     credential.save()
