@@ -30,17 +30,17 @@ def note_use(model: type[models.Model], pk: Any, last_used_at: Any) -> None:
 
 
 def active_machine_credentials(tokens: Iterable[str]) -> dict[str, MachineCredential]:
-    """The active credentials of machine tokens (``sxa_``/``sxr_``), by ``key_hash``, their
-    use noted; unknown, revoked and other tokens are left out. The machine gateway's lookup,
-    one query for many tokens; :class:`MachineTokenAuthentication` is the one that explains a
+    """The active credentials of machine tokens (``sxa_``/``sxr_``), by token, their use
+    noted; unknown, revoked and other tokens are left out. The machine gateway's lookup, one
+    query for many tokens; :class:`MachineTokenAuthentication` is the one that explains a
     refusal."""
-    hashes = {hash_token(t) for t in tokens if t.startswith(("sxa_", "sxr_"))}
-    if not hashes:
+    by_hash = {hash_token(t): t for t in tokens if t.startswith(("sxa_", "sxr_"))}
+    if not by_hash:
         return {}
     found = {
-        c.key_hash: c
+        by_hash[c.key_hash]: c
         for c in MachineCredential.objects.filter(
-            key_hash__in=hashes, revoked_at__isnull=True
+            key_hash__in=by_hash, revoked_at__isnull=True
         ).only("pk", "kind", "node_id", "key_hash", "last_used_at")
     }
     now = timezone.now()

@@ -71,16 +71,34 @@ class Machine:
 
 
 def _lookup(tokens: list[str]) -> dict[str, Machine]:
-    found = active_machine_credentials(tokens)
-    machines = {}
-    for token in tokens:
-        credential = found.get(hash_token(token))
-        if credential is not None:
-            machines[token] = Machine(credential.pk, str(credential.kind), credential.node_id)
-    return machines
+    return {
+        token: Machine(c.pk, str(c.kind), c.node_id)
+        for token, c in active_machine_credentials(tokens).items()
+    }
 
 
-class Batched(Generic[K, V]):
+class Coalescing:
+    """Requests that arrive while one batch is being served wait for the next, so a busy
+    gateway makes one database call per batch and an idle one adds no wait."""
+
+    def __init__(self) -> None:
+        self._wake = asyncio.Event()
+
+    def _waiting_any(self) -> bool:
+        raise NotImplementedError
+
+    async def _serve_batch(self) -> None:
+        raise NotImplementedError
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._waiting_any():
+                await self._serve_batch()
+
+
+class Batched(Coalescing, Generic[K, V]):
     """Lookups that arrive together, answered by one call of ``fetch`` in the database's
     reader thread (at most ``MAX_BATCH`` keys a call): 5,000 agents starting at once are a
     few queries, not 5,000. ``fetch`` leaves out the keys it finds nothing for."""
@@ -88,9 +106,9 @@ class Batched(Generic[K, V]):
     MAX_BATCH = 1000
 
     def __init__(self, db: Database, fetch: Callable[[list[K]], dict[K, V]]) -> None:
+        super().__init__()
         self.db, self.fetch = db, fetch
         self._waiting: dict[K, list[asyncio.Future[V | None]]] = {}
-        self._wake = asyncio.Event()
         self.calls = 0
 
     async def get(self, key: K) -> V | None:
@@ -99,27 +117,26 @@ class Batched(Generic[K, V]):
         self._wake.set()
         return await future
 
-    async def run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._waiting:
-                keys = list(self._waiting)[: self.MAX_BATCH]
-                batch = {key: self._waiting.pop(key) for key in keys}
-                try:
-                    found = await self.db.read(self.fetch, keys)
-                    self.calls += 1
-                except Exception as exc:
-                    for futures in batch.values():
-                        for future in futures:
-                            if not future.done():
-                                future.set_exception(exc)
-                    continue
-                for key, futures in batch.items():
-                    self.found(key, found.get(key))
-                    for future in futures:
-                        if not future.done():
-                            future.set_result(found.get(key))
+    def _waiting_any(self) -> bool:
+        return bool(self._waiting)
+
+    async def _serve_batch(self) -> None:
+        keys = list(self._waiting)[: self.MAX_BATCH]
+        batch = {key: self._waiting.pop(key) for key in keys}
+        try:
+            found = await self.db.read(self.fetch, keys)
+            self.calls += 1
+        except Exception as exc:
+            for futures in batch.values():
+                for future in futures:
+                    if not future.done():
+                        future.set_exception(exc)
+            return
+        for key, futures in batch.items():
+            self.found(key, found.get(key))
+            for future in futures:
+                if not future.done():
+                    future.set_result(found.get(key))
 
     def found(self, key: K, value: V | None) -> None:
         """Called with each answer as it arrives (a subclass may keep it)."""
@@ -136,7 +153,8 @@ class Credentials(Batched[str, Machine]):
     def __init__(self, db: Database, ttl: float) -> None:
         super().__init__(db, _lookup)
         self.ttl = ttl
-        self._cache: dict[str, tuple[float, Machine | None]] = {}  # by the token's hash
+        # By the token's hash, so the cache itself holds no secret.
+        self._cache: dict[str, tuple[float, Machine | None]] = {}
 
     def forget(self) -> None:
         self._cache.clear()
@@ -241,16 +259,16 @@ def inventory_hashes(db: Database) -> Batched[int, str]:
 Pending = tuple[int, dict[str, Any], "asyncio.Future[tuple[str, str] | None]"]
 
 
-class HeartbeatBatcher:
+class HeartbeatBatcher(Coalescing):
     """The heartbeats' group commit: every heartbeat that arrives while one batch is being
     written goes into the next, so a busy fleet costs one transaction per commit time, not
     one per heartbeat, and an idle one adds no wait. An answer leaves only after its batch
     committed: nothing acknowledged is lost if the gateway dies."""
 
     def __init__(self, db: Database, max_batch: int = 500) -> None:
+        super().__init__()
         self.db, self.max_batch = db, max_batch
         self._pending: list[Pending] = []
-        self._wake = asyncio.Event()
         self.batches = 0
         self.heartbeats = 0
 
@@ -263,21 +281,20 @@ class HeartbeatBatcher:
         self._wake.set()
         return await future
 
-    async def run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._pending:
-                batch = self._pending[: self.max_batch]
-                del self._pending[: self.max_batch]
-                reports = [(node_id, payload) for node_id, payload, _ in batch]
-                try:
-                    seen = await self.db.write(record_steady_heartbeats, reports)
-                except Exception as exc:
-                    log.warning("heartbeat batch of %d not written: %s", len(batch), exc)
-                    seen = {}
-                self.batches += 1
-                self.heartbeats += len(batch)
-                for node_id, _, future in batch:
-                    if not future.done():
-                        future.set_result(seen.get(node_id))
+    def _waiting_any(self) -> bool:
+        return bool(self._pending)
+
+    async def _serve_batch(self) -> None:
+        batch = self._pending[: self.max_batch]
+        del self._pending[: self.max_batch]
+        reports = [(node_id, payload) for node_id, payload, _ in batch]
+        try:
+            seen = await self.db.write(record_steady_heartbeats, reports)
+        except Exception as exc:
+            log.warning("heartbeat batch of %d not written: %s", len(batch), exc)
+            seen = {}
+        self.batches += 1
+        self.heartbeats += len(batch)
+        for node_id, _, future in batch:
+            if not future.done():
+                future.set_result(seen.get(node_id))

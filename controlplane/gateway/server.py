@@ -233,25 +233,36 @@ class Gateway:
             return None
         return machine
 
-    async def _heartbeat(self, request: web.Request, node_id: int) -> web.StreamResponse | None:
+    async def _agent_report(
+        self, request: web.Request, node_id: int, limit: int
+    ) -> tuple[Machine, Any] | web.Response | None:
+        """An agent's JSON report on its own node: the agent and the parsed body; an error
+        answer when the body is too large or too slow; None to hand the request on."""
         machine = await self._machine(request, "agent")
         if machine is None or machine.node_id != node_id:
             return None
         length = request.content_length
-        if length is None or length > MAX_HEARTBEAT or request.content_type != "application/json":
+        if length is None or length > limit or request.content_type != "application/json":
             return None
         body = await self._body(request)
         if isinstance(body, web.Response):
             return body
         try:
-            payload = payloads.heartbeat(json.loads(body))
+            return machine, json.loads(body)
         except ValueError:
-            payload = None
+            return None
+
+    async def _heartbeat(self, request: web.Request, node_id: int) -> web.StreamResponse | None:
+        report = await self._agent_report(request, node_id, MAX_HEARTBEAT)
+        if not isinstance(report, tuple):
+            return report
+        machine, data = report
+        payload = payloads.heartbeat(data)
         if payload is None or not self.throttle.allow(machine):
-            return await self.proxy(request, body)
+            return None
         seen = await self.batcher.submit(node_id, payload)
         if seen is None:
-            return await self.proxy(request, body)
+            return None
         status, digest = seen
         return _json(
             {
@@ -269,23 +280,16 @@ class Gateway:
         already accepted, and ``apply_inventory`` would find it unchanged and write nothing.
         Anything else (a changed inventory, a report in another form) goes to the control
         plane."""
-        machine = await self._machine(request, "agent")
-        if machine is None or machine.node_id != node_id:
-            return None
-        length = request.content_length
-        if length is None or length > MAX_INVENTORY or request.content_type != "application/json":
-            return None
-        body = await self._body(request)
-        if isinstance(body, web.Response):
-            return body
+        report = await self._agent_report(request, node_id, MAX_INVENTORY)
+        if not isinstance(report, tuple):
+            return report
+        machine, data = report
         try:
-            digest = inventory_hash(_as_stored(json.loads(body)))
+            digest = inventory_hash(_as_stored(data))
         except (TypeError, ValueError):
-            digest = ""
-        if not digest or not self.throttle.allow(machine):
-            return await self.proxy(request, body)
-        if await self.inventories.get(node_id) != digest:
-            return await self.proxy(request, body)
+            return None
+        if not self.throttle.allow(machine) or await self.inventories.get(node_id) != digest:
+            return None
         return _json({"changed": False, "inventory_hash": digest})
 
     async def _commands(self, request: web.Request) -> web.StreamResponse | None:
@@ -308,7 +312,7 @@ class Gateway:
             snapshot = self.watcher.current()
             if snapshot is None or snapshot.has_commands_for(machine.node_id, session):
                 # The control plane hands it out (or finds nothing, if another took it).
-                return await self.proxy(request)
+                return None
             if await self.credentials.get(token) != machine:
                 break  # revoked while waiting: handed nothing, as the control plane does
         return _json({"commands": []})
@@ -355,11 +359,13 @@ class Gateway:
                 413, "payload_too_large", f"request body is over the limit of {limit} bytes"
             )
 
-    async def proxy(self, request: web.Request, body: bytes | None = None) -> web.StreamResponse:
-        """Hand the request to the control plane and stream its answer back unchanged."""
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        """Hand the request to the control plane and stream its answer back unchanged. A
+        body a handler already read is not read again (aiohttp keeps it)."""
         assert self.session is not None
         self.proxied += 1
-        if body is None and request.can_read_body:
+        body = None
+        if request.body_exists:
             read = await self._body(request)
             if isinstance(read, web.Response):
                 return read

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Callable
 
 from syshax.webworker import limits_from_env
 
@@ -19,7 +20,7 @@ def _host_port(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _seconds(low: float, high: float):  # type: ignore[no-untyped-def]
+def _seconds(low: float, high: float) -> Callable[[str], float]:
     def parse(value: str) -> float:
         try:
             seconds = float(value)
