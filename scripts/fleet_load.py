@@ -136,10 +136,10 @@ class Stack:
     logs: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def start(self, name: str, argv: list[str]) -> None:
+    def start(self, name: str, argv: list[str], **env: str) -> None:
         log = (self.logs / f"{name}.log").open("wb")
         self.procs[name] = subprocess.Popen(
-            argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+            argv, env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
         )
 
     def stop(self) -> None:
@@ -872,10 +872,13 @@ async def load(base: str, data: dict[str, Any], sampler: CpuSampler) -> dict[str
 
 
 def start_profiles(stack: Stack) -> list[subprocess.Popen[bytes]]:
-    """py-spy on each gunicorn worker (not the master) for the measured window."""
+    """py-spy on each gunicorn worker (not the master), and on the gateway when there is one,
+    for the measured window."""
     ARGS.profile.mkdir(parents=True, exist_ok=True)
     spy = Path(sys.executable).with_name("py-spy")
-    workers = process_tree(stack.procs["web"].pid)[1:]
+    targets = [(f"web-{w.pid}", w.pid) for w in process_tree(stack.procs["web"].pid)[1:]]
+    if "gateway" in stack.procs:
+        targets.append(("gateway", stack.procs["gateway"].pid))
     return [
         subprocess.Popen(
             [
@@ -886,15 +889,16 @@ def start_profiles(stack: Stack) -> list[subprocess.Popen[bytes]]:
                 "--rate",
                 "50",
                 "--nonblocking",
+                "--threads",
                 "--pid",
-                str(w.pid),
+                str(pid),
                 "--output",
-                str(ARGS.profile / f"web-{w.pid}.txt"),
+                str(ARGS.profile / f"{name}.txt"),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        for w in workers
+        for name, pid in targets
     ]
 
 
@@ -1028,8 +1032,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--keep-db", action="store_true")
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument(
-        "--profile", type=Path, help="py-spy each web worker over the window (collapsed stacks)"
+        "--profile",
+        type=Path,
+        help="py-spy each web worker and the gateway over the window (collapsed stacks)",
     )
+    p.add_argument("--logs", type=Path, help="keep each service's log in this folder")
     p.add_argument("--warmup", type=float, help="seconds before measuring (default: two periods)")
     p.add_argument("--step", choices=["setup", "queries", "reaper"], help=argparse.SUPPRESS)
     p.add_argument("--tokens", help=argparse.SUPPRESS)
@@ -1075,7 +1082,9 @@ def main() -> int:
             print("reaper pass:", json.dumps(in_django(env, "reaper", *_sizes())))
             return 0
         data = json.loads(tokens.read_text())
-        stack = Stack(env, var_dir)
+        if ARGS.logs:
+            ARGS.logs.mkdir(parents=True, exist_ok=True)
+        stack = Stack(env, ARGS.logs or var_dir)
         port, ARGS.gpu_port = free_port(), free_port()
         web_port = free_port() if ARGS.gateway else port
         web = ["web", "--bind", f"{HOST}:{web_port}", "--no-migrate"]
@@ -1085,7 +1094,9 @@ def main() -> int:
         if ARGS.gateway:
             upstream = f"http://{HOST}:{web_port}"
             stack.start(
-                "gateway", syshax("gateway", "--bind", f"{HOST}:{port}", "--upstream", upstream)
+                "gateway",
+                syshax("gateway", "--bind", f"{HOST}:{port}", "--upstream", upstream),
+                LOG_LEVEL="INFO",  # its counts, every 30 s
             )
         if not ARGS.no_celery:
             stack.start("worker", syshax("worker", "--concurrency", "1", "--loglevel", "WARNING"))

@@ -271,6 +271,8 @@ class HeartbeatBatcher(Coalescing):
         self._pending: list[Pending] = []
         self.batches = 0
         self.heartbeats = 0
+        self.write_seconds = 0.0  # wall time spent in the batches' transactions
+        self.largest = 0
 
     async def submit(self, node_id: int, payload: dict[str, Any]) -> tuple[str, str] | None:
         """The node's ``(status, inventory_hash)`` once its heartbeat is committed; None when
@@ -288,13 +290,16 @@ class HeartbeatBatcher(Coalescing):
         batch = self._pending[: self.max_batch]
         del self._pending[: self.max_batch]
         reports = [(node_id, payload) for node_id, payload, _ in batch]
+        started = time.monotonic()
         try:
             seen = await self.db.write(record_steady_heartbeats, reports)
         except Exception as exc:
             log.warning("heartbeat batch of %d not written: %s", len(batch), exc)
             seen = {}
+        self.write_seconds += time.monotonic() - started
         self.batches += 1
         self.heartbeats += len(batch)
+        self.largest = max(self.largest, len(batch))
         for node_id, _, future in batch:
             if not future.done():
                 future.set_result(seen.get(node_id))

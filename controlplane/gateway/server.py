@@ -192,11 +192,14 @@ class Gateway:
             await asyncio.sleep(every)
             b = self.batcher
             log.info(
-                "answered %d, handed on %d; %d heartbeats in %d batches; %d credential lookups",
+                "answered %d, handed on %d; %d heartbeats in %d batches (largest %d, %.1f s"
+                " writing); %d credential lookups",
                 self.answered,
                 self.proxied,
                 b.heartbeats,
                 b.batches,
+                b.largest,
+                b.write_seconds,
                 self.credentials.calls,
             )
 

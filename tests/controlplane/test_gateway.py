@@ -49,7 +49,7 @@ def gateway(live_server: Any) -> Iterator[Running]:
     """A gateway on its own event loop thread, in front of the live server."""
     gw = Gateway(live_server.url, snapshot_interval=0.1, credential_ttl=0.0)
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(gw.app())
+    runner = web.AppRunner(gw.app(), access_log=None)
     port = free_port()
     started = threading.Event()
 
