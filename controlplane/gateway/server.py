@@ -154,6 +154,8 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self.answered = 0
         self.proxied = 0
+        # Seconds from a heartbeat's dispatch to its answer, since the last report.
+        self.heartbeat_times: list[float] = []
 
     def app(self) -> web.Application:
         # Bodies are read whole (within the read timeout), as the web worker reads them.
@@ -190,18 +192,23 @@ class Gateway:
         """What the gateway did, in its log, every ``every`` seconds."""
         while True:
             await asyncio.sleep(every)
-            b = self.batcher
-            log.info(
-                "answered %d, handed on %d; %d heartbeats in %d batches (largest %d, %.1f s"
-                " writing); %d credential lookups",
-                self.answered,
-                self.proxied,
-                b.heartbeats,
-                b.batches,
-                b.largest,
-                b.write_seconds,
-                self.credentials.calls,
-            )
+            log.info("%s", self.report())
+
+    def report(self) -> str:
+        """Its counts since it started, and its heartbeats' times since the last report."""
+        b = self.batcher
+        times, self.heartbeat_times = sorted(self.heartbeat_times), []
+        p50, p99 = (
+            (times[len(times) // 2] * 1000, times[int(len(times) * 0.99)] * 1000)
+            if times
+            else (0.0, 0.0)
+        )
+        return (
+            f"answered {self.answered}, handed on {self.proxied}; {b.heartbeats} heartbeats in"
+            f" {b.batches} batches (largest {b.largest}, {b.write_seconds:.1f} s writing),"
+            f" answered in {p50:.0f} / {p99:.0f} ms (p50 / p99 of the last {len(times)});"
+            f" {self.credentials.calls} credential lookups"
+        )
 
     # --- dispatch --------------------------------------------------------------------------
 
@@ -209,7 +216,10 @@ class Gateway:
         path, method = request.path, request.method
         answer: web.StreamResponse | None = None
         if method == "POST" and (match := HEARTBEAT.fullmatch(path)):
+            started = time.monotonic()
             answer = await self._heartbeat(request, int(match[1]))
+            if answer is not None:
+                self.heartbeat_times.append(time.monotonic() - started)
         elif method == "PUT" and (match := INVENTORY.fullmatch(path)):
             answer = await self._inventory(request, int(match[1]))
         elif method == "GET" and path == COMMANDS:

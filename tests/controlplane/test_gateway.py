@@ -135,6 +135,9 @@ def test_a_steady_heartbeat_is_answered_and_stored_as_the_control_plane_would(
     )
     node.refresh_from_db()
     assert node.status == "online" and node.last_heartbeat_at is not None
+    report = gateway.gateway.report()  # what its log says every 30 s
+    assert "1 heartbeats in 1 batches" in report and "(p50 / p99 of the last 1)" in report
+    assert "of the last 0)" in gateway.gateway.report()  # the times start again
 
 
 def test_a_returning_node_and_a_bad_payload_go_to_the_control_plane(gateway: Running) -> None:
