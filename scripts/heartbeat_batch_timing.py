@@ -20,6 +20,7 @@ its temporary tables.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -38,8 +39,6 @@ READINGS = ["BIGINT", "TEXT", "DOUBLE PRECISION", "BIGINT", "DOUBLE PRECISION"]
 
 def arrays(types: Sequence[str], rows: Sequence[Sequence[Any]]) -> tuple[str, list[Any]]:
     """The earlier form: one array parameter a column, ``unnest`` joins them into rows."""
-    import json
-
     names = ", ".join(f"column{i}" for i in range(1, len(types) + 1))
     # An array of jsonb was sent as text, each element cast by the statement.
     sent = ["TEXT" if t == "JSONB" else t for t in types]
@@ -114,10 +113,9 @@ def main() -> int:
             "CREATE TEMP TABLE card (node BIGINT, uuid TEXT, util DOUBLE PRECISION,"
             " used BIGINT, temp DOUBLE PRECISION, PRIMARY KEY (node, uuid))"
         )
+        source, params = _rows(READINGS, readings)
         cursor.execute(
-            "INSERT INTO card SELECT r.column1, r.column2, 0, 0, NULL FROM"
-            f" {_rows(READINGS, readings)[0]}",
-            _rows(READINGS, readings)[1],
+            f"INSERT INTO card SELECT r.column1, r.column2, 0, 0, NULL FROM {source}", params
         )
 
     def insert(form: Callable[..., tuple[str, list[Any]]]) -> Callable[[], None]:

@@ -44,6 +44,7 @@ from controlplane.gateway.fleet import (
 )
 from syshax.common.inventory import inventory_hash
 from syshax.common.reports import AGENT_ONLY, CardReport
+from syshax.loadgen.stats import percentile
 
 log = logging.getLogger("controlplane.gateway")
 
@@ -197,12 +198,8 @@ class Gateway:
     def report(self) -> str:
         """Its counts since it started, and its heartbeats' times since the last report."""
         b = self.batcher
-        times, self.heartbeat_times = sorted(self.heartbeat_times), []
-        p50, p99 = (
-            (times[len(times) // 2] * 1000, times[int(len(times) * 0.99)] * 1000)
-            if times
-            else (0.0, 0.0)
-        )
+        times, self.heartbeat_times = self.heartbeat_times, []
+        p50, p99 = (percentile(times, q) * 1000 if times else 0.0 for q in (50, 99))
         return (
             f"answered {self.answered}, handed on {self.proxied}; {b.heartbeats} heartbeats in"
             f" {b.batches} batches (largest {b.largest}, {b.write_seconds:.1f} s writing),"

@@ -167,21 +167,17 @@ def _insert_heartbeats(cursor: Any, now: Any, recorded: list[tuple[int, dict[str
         quote(str(Heartbeat._meta.get_field(f).column))  # type: ignore[union-attr]
         for f in [*fields, "accelerators"]
     ]
-    # On PostgreSQL the readings travel as JSON inside _rows' one document; elsewhere as
-    # JSON text, which the column stores as it is.
-    native = connection.vendor == "postgresql"
     source, params = _rows(
-        ["BIGINT", "DOUBLE PRECISION", "BIGINT", "BIGINT", "JSONB" if native else "TEXT"],
+        ["BIGINT", "DOUBLE PRECISION", "BIGINT", "BIGINT", "JSONB"],
         [
             (
                 node_id,
                 payload.get("cpu_percent", 0.0),
                 payload.get("memory_used_bytes", 0),
                 payload.get("memory_total_bytes", 0),
-                cards if native else json.dumps(cards),
+                payload.get("accelerators", []),
             )
             for node_id, payload in recorded
-            for cards in [payload.get("accelerators", [])]
         ],
     )
     cursor.execute(
@@ -193,14 +189,15 @@ def _insert_heartbeats(cursor: Any, now: Any, recorded: list[tuple[int, dict[str
 
 def _rows(types: Sequence[str], rows: Sequence[Sequence[Any]]) -> tuple[str, list[Any]]:
     """A table of ``rows`` (at least one) to join or select from, as ``r`` with columns
-    ``column1``, ``column2``…, and its parameters.
+    ``column1``, ``column2``…, and its parameters. A ``JSONB`` column takes any JSON value.
 
     On PostgreSQL it is one JSON document (``jsonb_to_recordset``): the statement's text is
     the same for any number of rows, and the whole table is one string the driver quotes at
     C speed. An array parameter a column cost five times the CPU for the heartbeat rows
     (psycopg quotes each element of a list in Python: 14.4 against 2.7 ms for 100 heartbeats,
     ``scripts/heartbeat_batch_timing.py``, docs/scale.md), and that CPU is the machine
-    gateway's, under its one lock. Elsewhere it is a ``VALUES`` list."""
+    gateway's, under its one lock. Elsewhere it is a ``VALUES`` list, with a ``JSONB``
+    column's values as JSON text."""
     if connection.vendor == "postgresql":
         names = [f"column{i}" for i in range(1, len(types) + 1)]
         columns = ", ".join(f"{name} {t}" for name, t in zip(names, types, strict=True))
@@ -210,8 +207,12 @@ def _rows(types: Sequence[str], rows: Sequence[Sequence[Any]]) -> tuple[str, lis
             separators=(",", ":"),
         )
         return f"jsonb_to_recordset(CAST(%s AS jsonb)) AS r({columns})", [table]
-    row = "(" + ", ".join(f"CAST(%s AS {t})" for t in types) + ")"
-    return f"(VALUES {', '.join([row] * len(rows))}) AS r", [v for r in rows for v in r]
+    sent = ["TEXT" if t == "JSONB" else t for t in types]
+    row = "(" + ", ".join(f"CAST(%s AS {t})" for t in sent) + ")"
+    values = [
+        json.dumps(v) if t == "JSONB" else v for r in rows for v, t in zip(r, types, strict=True)
+    ]
+    return f"(VALUES {', '.join([row] * len(rows))}) AS r", values
 
 
 def store_readings(reports: Iterable[tuple[int, list[dict[str, Any]]]]) -> None:
