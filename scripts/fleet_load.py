@@ -50,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -497,6 +497,8 @@ class CpuSampler:
         self.waits: dict[str, int] = defaultdict(int)  # backend state / wait event -> samples
         self.started = time.monotonic()
         self.stopped = self.started
+        # Each sample's cores busy since the one before: (wall time, the machine, per group).
+        self.timeline: list[tuple[float, float, dict[str, float]]] = []
 
     def _groups(self) -> Iterator[tuple[str, Any]]:
         import psutil
@@ -526,7 +528,9 @@ class CpuSampler:
 
         times = psutil.cpu_times()
         busy = sum(times) - times.idle - getattr(times, "iowait", 0.0)
+        machine_before = self.machine[1] if self.machine else busy
         self.machine = (self.machine[0] if self.machine else busy, busy)
+        before, since = dict(self.last), time.monotonic() - self.stopped
         for group, proc in self._groups():
             with suppress(psutil.Error):
                 times = proc.cpu_times()
@@ -535,6 +539,11 @@ class CpuSampler:
                 self.first.setdefault(key, seconds)
                 self.last[key] = seconds
         self.stopped = time.monotonic()
+        if before and since > 0:
+            groups: dict[str, float] = defaultdict(float)
+            for key, seconds in self.last.items():
+                groups[key[0]] += (seconds - before.get(key, self.first[key])) / since
+            self.timeline.append((time.time(), (busy - machine_before) / since, dict(groups)))
 
     def totals(self) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
@@ -562,6 +571,20 @@ def db_counters(db_url: str, db_name: str) -> dict[str, int]:
         ).fetchone()
     keys = ("commits", "rollbacks", "rows inserted", "rows updated", "rows deleted")
     return dict(zip(keys, (int(v) for v in row), strict=True))
+
+
+def tcp_counters() -> dict[str, int]:
+    """This machine's TCP counters that show connections waiting to be accepted: a full
+    listen queue drops a SYN, and the client sends it again 1 s later, then 3 s (Linux's
+    ``/proc/net/netstat``; every listener on the machine counts)."""
+    wanted = {"ListenOverflows": "listen queue overflows", "TCPSynRetrans": "SYN retransmits"}
+    lines = Path("/proc/net/netstat").read_text().splitlines()
+    found: dict[str, int] = {}
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            pairs = zip(names.split()[1:], values.split()[1:], strict=True)
+            found = {wanted[k]: int(v) for k, v in pairs if k in wanted}
+    return found
 
 
 def busy_others(before: dict[int, tuple[str, float]], ours: set[int]) -> list[tuple[str, float]]:
@@ -845,6 +868,7 @@ async def load(base: str, data: dict[str, Any], sampler: CpuSampler) -> dict[str
         spies = start_profiles(sampler.stack) if ARGS.profile else []
         sampler.sample()
         counters_before = db_counters(ARGS.db_url, ARGS.db_name)
+        tcp_before = tcp_counters()
         side = [
             asyncio.create_task(
                 operator(api, data["operator"], data["nodes"][0], (ARGS.gpu_port, free_port()))
@@ -858,6 +882,7 @@ async def load(base: str, data: dict[str, Any], sampler: CpuSampler) -> dict[str
             await asyncio.to_thread(sampler.sample)
         recorder.measuring = False
         counters_after = db_counters(ARGS.db_url, ARGS.db_name)
+        tcp_after = tcp_counters()
         # Nodes the reaper took for lost although their agents kept heartbeating.
         recorder.events["offline, not silent"] = await asyncio.to_thread(offline_nodes, lost)
         for spy in spies:
@@ -868,7 +893,8 @@ async def load(base: str, data: dict[str, Any], sampler: CpuSampler) -> dict[str
             task.cancel()
         await asyncio.gather(*tasks, *side, return_exceptions=True)
     counters = {k: counters_after[k] - counters_before[k] for k in counters_before}
-    return {"recorder": recorder, "seen": seen, "db": counters}
+    tcp = {k: tcp_after[k] - tcp_before.get(k, 0) for k in tcp_after}
+    return {"recorder": recorder, "seen": seen, "db": counters, "tcp": tcp}
 
 
 def start_profiles(stack: Stack) -> list[subprocess.Popen[bytes]]:
@@ -910,7 +936,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def report(result: dict[str, Any], cpu: dict[str, float], extra: dict[str, Any]) -> dict[str, Any]:
+def report(
+    result: dict[str, Any],
+    cpu: dict[str, float],
+    extra: dict[str, Any],
+    sampler_timeline: list[Any],
+) -> dict[str, Any]:
     recorder: Recorder = result["recorder"]
     seconds = ARGS.seconds
     rows = []
@@ -943,6 +974,7 @@ def report(result: dict[str, Any], cpu: dict[str, float], extra: dict[str, Any])
     beats = len(recorder.endpoints["POST heartbeat"].latencies) or 1
     print("\ndatabase counters:", json.dumps(result["db"]))
     print(f"  per heartbeat: {result['db']['rows updated'] / beats:.1f} rows updated")
+    print("TCP over the window, the whole machine:", json.dumps(result["tcp"]))
     events = recorder.events
     timeline = {}
     if "deploy_running" in events:
@@ -976,18 +1008,39 @@ def report(result: dict[str, Any], cpu: dict[str, float], extra: dict[str, Any])
             events["lost_all_offline"] - events["lost_silent_at"]
         )
     print("\noperator:", json.dumps({k: round(v, 2) for k, v in timeline.items()}))
-    by_second: dict[int, list[float]] = defaultdict(list)
-    for when, _, took in recorder.slow:
-        by_second[int(when)].append(took)
-    worst = sorted(by_second.items(), key=lambda kv: -max(kv[1]))[:5]
-    print(
-        "seconds with answers over 100 ms (second: count, worst ms):",
-        ", ".join(f"{t}: {len(v)}, {max(v) * 1000:.0f}" for t, v in sorted(worst)) or "none",
-    )
+    by_second: dict[int, list[tuple[str, float]]] = defaultdict(list)
+    for when, name, took in recorder.slow:
+        by_second[int(when)].append((name, took))
+    worst = sorted(by_second.items(), key=lambda kv: -max(t for _, t in kv[1]))[:5]
+    print("seconds with answers over 100 ms (second: count, worst ms; the count by endpoint):")
+    for t, slow in sorted(worst):
+        names = Counter(name for name, _ in slow).most_common(3)
+        mix = ", ".join(f"{name} {n}" for name, n in names)
+        print(f"  {t}: {len(slow)}, {max(took for _, took in slow) * 1000:.0f} ({mix})")
+    if not worst:
+        print("  none")
+    # When the operator and the lost agents acted, to set beside those seconds.
+    acted = {k: round(v - START_WALL, 1) for k, v in events.items() if v > START_WALL - 60}
+    print("events (seconds into the window):", json.dumps(acted))
+    print("cores busy in the seconds around those (the machine; the busiest groups):")
+    around = {t + d for t, _ in worst for d in (-1, 0, 1)}
+    for when, machine, groups in sampler_timeline:
+        second = int(when - START_WALL)
+        if second in around:
+            top = sorted(groups.items(), key=lambda kv: -kv[1])[:4]
+            print(f"  {second}: {machine:.2f};", ", ".join(f"{g} {c:.2f}" for g, c in top))
     for key, value in extra.items():
         print(f"\n{key}: {json.dumps(value)}")
     sizes = {"agents": ARGS.agents, "routers": ARGS.routers, "seconds": seconds}
-    return {**sizes, "rows": rows, "cpu": cpu, "db": result["db"], "timeline": timeline, **extra}
+    return {
+        **sizes,
+        "rows": rows,
+        "cpu": cpu,
+        "db": result["db"],
+        "tcp": result["tcp"],
+        "timeline": timeline,
+        **extra,
+    }
 
 
 # ------------------------------------------------------------------ main
@@ -1137,7 +1190,7 @@ def main() -> int:
                 "gateway": bool(ARGS.gateway),
             },
         }
-        figures = report(result, sampler.totals(), extra)
+        figures = report(result, sampler.totals(), extra, sampler.timeline)
         figures["queries_sql"] = queries
         if ARGS.json:
             ARGS.json.write_text(json.dumps(figures, indent=2, default=str))
