@@ -259,11 +259,33 @@ def inventory_hashes(db: Database) -> Batched[int, str]:
 Pending = tuple[int, dict[str, Any], "asyncio.Future[tuple[str, str] | None]"]
 
 
+def _record_timed(
+    reports: list[tuple[int, dict[str, Any]]],
+) -> tuple[dict[int, tuple[str, str]], list[float]]:
+    """``record_steady_heartbeats``, with each statement's wall seconds and then the rest
+    (the transaction's begin and commit, and the Python around them)."""
+    took: list[float] = []
+
+    def timed(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return execute(sql, params, many, context)
+        finally:
+            took.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    with connections["default"].execute_wrapper(timed):
+        seen = record_steady_heartbeats(reports)
+    return seen, [*took, time.perf_counter() - started - sum(took)]
+
+
 class HeartbeatBatcher(Coalescing):
     """The heartbeats' group commit: every heartbeat that arrives while one batch is being
     written goes into the next, so a busy fleet costs one transaction per commit time, not
     one per heartbeat, and an idle one adds no wait. An answer leaves only after its batch
     committed: nothing acknowledged is lost if the gateway dies."""
+
+    SLOW = 0.1  # a batch that takes longer is logged, with its statements' times
 
     def __init__(self, db: Database, max_batch: int = 500) -> None:
         super().__init__()
@@ -273,6 +295,7 @@ class HeartbeatBatcher(Coalescing):
         self.heartbeats = 0
         self.write_seconds = 0.0  # wall time spent in the batches' transactions
         self.largest = 0
+        self.slowest = (0.0, 0)  # the slowest batch since the last report: (seconds, size)
 
     async def submit(self, node_id: int, payload: dict[str, Any]) -> tuple[str, str] | None:
         """The node's ``(status, inventory_hash)`` once its heartbeat is committed; None when
@@ -291,12 +314,23 @@ class HeartbeatBatcher(Coalescing):
         del self._pending[: self.max_batch]
         reports = [(node_id, payload) for node_id, payload, _ in batch]
         started = time.monotonic()
+        steps: list[float] = []
         try:
-            seen = await self.db.write(record_steady_heartbeats, reports)
+            seen, steps = await self.db.write(_record_timed, reports)
         except Exception as exc:
             log.warning("heartbeat batch of %d not written: %s", len(batch), exc)
             seen = {}
-        self.write_seconds += time.monotonic() - started
+        took = time.monotonic() - started
+        if took > self.SLOW:
+            log.info(
+                "heartbeat batch of %d took %.0f ms (in the writer: %s ms)",
+                len(batch),
+                took * 1000,
+                " / ".join(f"{step * 1000:.0f}" for step in steps),
+            )
+        self.write_seconds += took
+        if took > self.slowest[0]:
+            self.slowest = (took, len(batch))
         self.batches += 1
         self.heartbeats += len(batch)
         self.largest = max(self.largest, len(batch))

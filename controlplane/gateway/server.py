@@ -7,8 +7,9 @@ It answers, for an active machine token of the right kind within its rate:
 - ``PUT nodes/<id>/inventory`` from that node's agent, when the report is the one stored;
 - ``GET agent/commands`` when the agent's node has nothing queued for its session, holding a
   long poll (``wait``) in the event loop until a command is queued or the wait ends;
-- ``GET routing/policies/<name>`` and ``GET routing/deployments`` from a router whose
-  ``If-None-Match`` names the current ETag: 304.
+- ``GET routing/policies/<name>`` and ``GET routing/deployments`` from a router: 304 when
+  its ``If-None-Match`` names the current ETag, else the control plane's own answer for that
+  ETag when the gateway kept one (:class:`RoutingAnswers`).
 
 Everything else, and any of these it is not sure of (a payload its reader refuses, a node
 coming back online, a stale snapshot, a failed write), goes to the control plane unchanged,
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import re
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -57,6 +60,11 @@ COMMANDS = "/api/v1/agent/commands"
 # left to the control plane.
 MAX_HEARTBEAT = 256 * 1024
 MAX_INVENTORY = 1024 * 1024
+# Connections the kernel holds for the gateway to accept. A fleet reconnecting at once (the
+# gateway or the network back) fills a short queue in a moment; each connection it drops
+# waits for the client to send its SYN again, 1 s later and then 3 s (docs/scale.md). Linux
+# caps this at net.core.somaxconn.
+BACKLOG = 4096
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -70,6 +78,8 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
+# What a kept answer leaves out of the control plane's fields: it gets its own.
+KEPT_WITHOUT = HOP_BY_HOP | {"date"}
 SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
@@ -134,6 +144,47 @@ class Throttle:
         return count + 1 <= limit
 
 
+@dataclass(frozen=True)
+class Kept:
+    """The control plane's whole 200 answer to a router's GET, for one ETag."""
+
+    etag: str
+    headers: tuple[tuple[str, str], ...]  # as it sent them, less hop-by-hop fields and Date
+    body: bytes
+
+
+class RoutingAnswers:
+    """The control plane's last answer to each routing GET, kept with its ETag.
+
+    Every router asks again after a change (a policy's new version, a deployment's new
+    state), and each got the same answer from the control plane: the body is a function of
+    its ETag (a policy's id and version; the deployments' digest). So the first router's
+    request goes to the control plane and the gateway keeps its answer; the routers that ask
+    meanwhile wait for it, and those after get it while the snapshot still names its ETag.
+    A change is then one request to Django, not one a router: 200 routers at once had taken
+    the web server from a tenth of a core to a whole one for a second (docs/scale.md)."""
+
+    MAX_BODY = 1024 * 1024
+
+    def __init__(self) -> None:
+        self.kept: dict[str, Kept] = {}
+        self.fetching: dict[str, asyncio.Future[None]] = {}
+
+    def current(self, path: str, etag: str) -> Kept | None:
+        kept = self.kept.get(path)
+        return kept if kept is not None and kept.etag == etag else None
+
+    def keep(self, path: str, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+        fields = {name.lower(): value for name, value in headers}
+        etag = fields.get("etag", "")
+        if status != 200 or not etag or "set-cookie" in fields or "content-encoding" in fields:
+            return
+        if len(body) > self.MAX_BODY:
+            return
+        kept = tuple((k, v) for k, v in headers if k.lower() not in KEPT_WITHOUT)
+        self.kept[path] = Kept(etag, kept, body)
+
+
 class Gateway:
     def __init__(
         self,
@@ -152,11 +203,17 @@ class Gateway:
         self.batcher = HeartbeatBatcher(self.db)
         self.inventories = inventory_hashes(self.db)
         self.throttle = Throttle()
+        self.routing = RoutingAnswers()
         self.session: aiohttp.ClientSession | None = None
         self.answered = 0
         self.proxied = 0
         # Seconds from a heartbeat's dispatch to its answer, since the last report.
         self.heartbeat_times: list[float] = []
+        # The event loop's longest delay of a timer since the last report (seconds).
+        self.lag = 0.0
+        # The longest garbage collection since the last report (seconds).
+        self.collection = 0.0
+        self._collecting = 0.0
 
     def app(self) -> web.Application:
         # Bodies are read whole (within the read timeout), as the web worker reads them.
@@ -179,8 +236,11 @@ class Gateway:
             asyncio.create_task(self.credentials.run(), name="gateway-credentials"),
             asyncio.create_task(self.inventories.run(), name="gateway-inventories"),
             asyncio.create_task(self._report(), name="gateway-report"),
+            asyncio.create_task(self._watch_lag(), name="gateway-lag"),
         ]
+        gc.callbacks.append(self._timed_collection)
         yield
+        gc.callbacks.remove(self._timed_collection)
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -195,15 +255,39 @@ class Gateway:
             await asyncio.sleep(every)
             log.info("%s", self.report())
 
+    def _timed_collection(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._collecting = time.perf_counter()
+        else:
+            self.collection = max(self.collection, time.perf_counter() - self._collecting)
+
+    async def _watch_lag(self, every: float = 0.05) -> None:
+        """How late the loop runs a timer: the longest time a request waited for the loop
+        itself (a blocking call, or the CPU taken by other processes)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + every
+            await asyncio.sleep(every)
+            late = loop.time() - due
+            self.lag = max(self.lag, late)
+            if late > 0.1:
+                log.info("the event loop ran %.0f ms late", late * 1000)
+
     def report(self) -> str:
-        """Its counts since it started, and its heartbeats' times since the last report."""
+        """Its counts since it started; its heartbeats' times, its slowest batch and its
+        loop's longest lag since the last report."""
         b = self.batcher
         times, self.heartbeat_times = self.heartbeat_times, []
         p50, p99 = (percentile(times, q) * 1000 if times else 0.0 for q in (50, 99))
+        (slowest, size), b.slowest = b.slowest, (0.0, 0)
+        lag, self.lag = self.lag, 0.0
+        collection, self.collection = self.collection, 0.0
         return (
             f"answered {self.answered}, handed on {self.proxied}; {b.heartbeats} heartbeats in"
             f" {b.batches} batches (largest {b.largest}, {b.write_seconds:.1f} s writing),"
             f" answered in {p50:.0f} / {p99:.0f} ms (p50 / p99 of the last {len(times)});"
+            f" slowest batch {slowest * 1000:.0f} ms ({size}); loop lag at most"
+            f" {lag * 1000:.0f} ms, longest garbage collection {collection * 1000:.0f} ms;"
             f" {self.credentials.calls} credential lookups"
         )
 
@@ -211,7 +295,9 @@ class Gateway:
 
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
         path, method = request.path, request.method
-        answer: web.StreamResponse | None = None
+        # An answer, or None to hand the request on, or a future to settle once the control
+        # plane's answer to it was kept (or not).
+        answer: web.StreamResponse | asyncio.Future[None] | None = None
         if method == "POST" and (match := HEARTBEAT.fullmatch(path)):
             started = time.monotonic()
             answer = await self._heartbeat(request, int(match[1]))
@@ -222,13 +308,13 @@ class Gateway:
         elif method == "GET" and path == COMMANDS:
             answer = await self._commands(request)
         elif method == "GET" and (match := POLICY.fullmatch(path)):
-            answer = await self._not_modified(request, policy=match[1])
+            answer = await self._routing(request, policy=match[1])
         elif method == "GET" and path == DEPLOYMENTS:
-            answer = await self._not_modified(request, policy=None)
-        if answer is not None:
+            answer = await self._routing(request, policy=None)
+        if isinstance(answer, web.StreamResponse):
             self.answered += 1
             return answer
-        return await self.proxy(request)
+        return await self.proxy(request, keep=answer)
 
     async def _machine(self, request: web.Request, kind: str) -> Machine | None:
         header = request.headers.get("Authorization", "").split()
@@ -327,22 +413,39 @@ class Gateway:
                 break  # revoked while waiting: handed nothing, as the control plane does
         return _json({"commands": []})
 
-    async def _not_modified(
+    async def _routing(
         self, request: web.Request, *, policy: str | None
-    ) -> web.StreamResponse | None:
-        header = request.headers.get("If-None-Match")
-        if not header:
-            return None
+    ) -> web.StreamResponse | asyncio.Future[None] | None:
+        """A router's poll: 304 if it names the current ETag; else the kept answer for it.
+        When none is kept, the first request goes to the control plane with a future, to be
+        settled once its answer is kept, and those that arrive meanwhile wait for it."""
         snapshot = self.watcher.current()
         if snapshot is None:
             return None
         etag = snapshot.deployments_etag if policy is None else snapshot.policy_etags.get(policy)
-        if not etag or not etag_listed(header, etag):
+        if not etag:
             return None
         machine = await self._machine(request, "router")
         if machine is None or not self.throttle.allow(machine):
             return None
-        return web.Response(status=304, headers={**SECURITY_HEADERS, "ETag": etag})
+        header = request.headers.get("If-None-Match")
+        if header and etag_listed(header, etag):
+            return web.Response(status=304, headers={**SECURITY_HEADERS, "ETag": etag})
+        path = request.path
+        if (kept := self.routing.current(path, etag)) is None:
+            fetching = self.routing.fetching.get(path)
+            if fetching is None:
+                future = asyncio.get_running_loop().create_future()
+                self.routing.fetching[path] = future
+                return future
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(fetching), self.read_timeout)
+            if (kept := self.routing.current(path, etag)) is None:
+                return None
+        response = web.Response(status=200, body=kept.body)
+        for name, value in kept.headers:
+            response.headers.add(name, value)
+        return response
 
     # --- the proxy -------------------------------------------------------------------------
 
@@ -369,9 +472,24 @@ class Gateway:
                 413, "payload_too_large", f"request body is over the limit of {limit} bytes"
             )
 
-    async def proxy(self, request: web.Request) -> web.StreamResponse:
+    async def proxy(
+        self, request: web.Request, keep: asyncio.Future[None] | None = None
+    ) -> web.StreamResponse:
         """Hand the request to the control plane and stream its answer back unchanged. A
-        body a handler already read is not read again (aiohttp keeps it)."""
+        body a handler already read is not read again (aiohttp keeps it). With ``keep``, a
+        routing answer is also kept (:class:`RoutingAnswers`), and ``keep`` settled."""
+        try:
+            return await self._proxy(request, keep)
+        finally:
+            if keep is not None:
+                if self.routing.fetching.get(request.path) is keep:
+                    del self.routing.fetching[request.path]
+                if not keep.done():
+                    keep.set_result(None)
+
+    async def _proxy(
+        self, request: web.Request, keep: asyncio.Future[None] | None
+    ) -> web.StreamResponse:
         assert self.session is not None
         self.proxied += 1
         body = None
@@ -401,9 +519,15 @@ class Gateway:
                 if upstream.content_length is not None:
                     response.content_length = upstream.content_length
                 await response.prepare(request)
+                pieces: list[bytes] | None = [] if keep is not None else None
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
+                    if pieces is not None:
+                        pieces.append(chunk)
                 await response.write_eof()
+                if pieces is not None:
+                    fields = [(k, v) for k, v in upstream.headers.items()]
+                    self.routing.keep(request.path, upstream.status, fields, b"".join(pieces))
                 return response
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("control plane failed %s %s: %s", request.method, request.path, exc)
@@ -417,10 +541,15 @@ class Gateway:
 
 def serve(host: str, port: int, upstream: str, **options: Any) -> None:
     gateway = Gateway(upstream, **options)
+    # What start-up made (Django's models, URLs, settings: most of the heap) is never
+    # garbage, yet every full collection would walk it, holding the loop meanwhile.
+    gc.collect()
+    gc.freeze()
     web.run_app(
         gateway.app(),
         host=host,
         port=port,
         access_log=None,
+        backlog=BACKLOG,
         print=lambda *_: log.info("gateway on %s:%d, control plane at %s", host, port, upstream),
     )

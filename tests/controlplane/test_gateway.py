@@ -42,6 +42,15 @@ pytestmark = pytest.mark.django_db(transaction=True)
 class Running:
     url: str
     gateway: Gateway
+    loop: asyncio.AbstractEventLoop
+
+    def call(self, fn: Any) -> Any:
+        """Run ``fn`` in the gateway's loop and return what it returns."""
+
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
 
 
 @pytest.fixture
@@ -68,11 +77,17 @@ def gateway(live_server: Any) -> Iterator[Running]:
         assert time.monotonic() < deadline, "the gateway took no snapshot"
         time.sleep(0.05)
     try:
-        yield Running(f"http://127.0.0.1:{port}", gw)
+        yield Running(f"http://127.0.0.1:{port}", gw, loop)
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
+
+
+def _fields(response: httpx.Response) -> dict[str, str]:
+    """An answer's fields, less those of the moment and of the connection."""
+    skip = {"date", "connection", "keep-alive", "server"}
+    return {k: v for k, v in response.headers.items() if k not in skip}
 
 
 def _next_snapshot(gateway: Running) -> None:
@@ -194,6 +209,10 @@ def test_router_polls_are_answered_304_from_the_snapshot_and_changes_reach_them(
         proxied = gateway.gateway.proxied
         again = router.get(f"{gateway.url}/api/v1/{path}", headers={"If-None-Match": etag})
         assert again.status_code == 304 and again.headers["ETag"] == etag
+        # Another router's first poll gets the control plane's answer, kept by the gateway.
+        other = httpx.get(f"{gateway.url}/api/v1/{path}", headers=router.headers, timeout=30)
+        assert other.status_code == 200 and other.content == first.content
+        assert _fields(other) == _fields(first)
         assert gateway.gateway.proxied == proxied, "answered by the gateway"
     policy = SchedulingPolicy.objects.get(name="default")
     old = policy.etag
@@ -209,10 +228,57 @@ def test_router_polls_are_answered_304_from_the_snapshot_and_changes_reach_them(
         assert time.monotonic() - changed_at < 2, "the change never reached the gateway"
         time.sleep(0.02)
     assert changed.status_code == 200 and changed.headers["ETag"] != old
+    proxied = gateway.gateway.proxied
+    kept = router.get(
+        f"{gateway.url}/api/v1/routing/policies/default", headers={"If-None-Match": old}
+    )
+    assert kept.status_code == 200 and kept.json()["version"] == policy.version + 1
+    assert kept.content == changed.content and gateway.gateway.proxied == proxied
     # An agent's token never reads routing: the control plane refuses it.
     agent = _agent(_node("online"))
     refused = agent.get(f"{gateway.url}/api/v1/routing/deployments", headers={"If-None-Match": "*"})
     assert refused.status_code == 403
+
+
+def test_routers_asking_while_an_answer_is_fetched_wait_for_it(gateway: Running) -> None:
+    _next_snapshot(gateway)
+    snapshot = gateway.gateway.watcher.current()
+    assert snapshot is not None
+    token = MachineCredential.issue("router", "router-w")[1]
+    path = "/api/v1/routing/deployments"
+    routing = gateway.gateway.routing
+    # A fetch of the control plane's answer is under way (as for the first router to ask).
+    fetching = gateway.call(lambda: routing.fetching.setdefault(path, gateway.loop.create_future()))
+    proxied = gateway.gateway.proxied
+    answers: list[httpx.Response] = []
+
+    def ask() -> None:
+        headers = {"Authorization": f"Bearer {token}", "If-None-Match": '"old"'}
+        answers.append(httpx.get(f"{gateway.url}{path}", headers=headers, timeout=30))
+
+    askers = [threading.Thread(target=ask) for _ in range(5)]
+    for thread in askers:
+        thread.start()
+    time.sleep(0.5)
+    assert answers == [] and gateway.gateway.proxied == proxied, "they wait for it"
+    body = b'{"deployments":[]}'
+    fields = [("ETag", snapshot.deployments_etag), ("Content-Type", "application/json")]
+
+    def arrive() -> None:
+        routing.keep(path, 200, fields, body)
+        del routing.fetching[path]
+        fetching.set_result(None)
+
+    gateway.call(arrive)
+    for thread in askers:
+        thread.join(30)
+    assert [(a.status_code, a.content) for a in answers] == [(200, body)] * 5
+    assert {a.headers["ETag"] for a in answers} == {snapshot.deployments_etag}
+    assert gateway.gateway.proxied == proxied
+    # An answer that is not a whole 200 with an ETag is never kept.
+    for status, extra in ((304, []), (200, [("Set-Cookie", "a=b")]), (500, [])):
+        routing.keep("/x", status, [("ETag", '"e"'), *extra], b"")
+        assert "/x" not in routing.kept
 
 
 def test_an_idle_fetch_is_held_by_the_gateway_and_a_queued_command_reaches_it(
