@@ -181,7 +181,7 @@ class Recorder:
             ep.errors[error] += 1
         else:
             ep.latencies.append(seconds)
-            if seconds > 0.1:
+            if seconds > 0.1 and self.measuring:
                 self.slow.append((time.time() - START_WALL, name, seconds))
 
 
