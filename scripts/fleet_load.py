@@ -1077,6 +1077,11 @@ def parse_args() -> argparse.Namespace:
         help="put `syshax gateway` in front of `syshax web`, as the machines' address",
     )
     p.add_argument(
+        "--gateway-switch-interval",
+        type=float,
+        help="the gateway's --switch-interval (default: its own)",
+    )
+    p.add_argument(
         "--fresh-inventory",
         action="store_true",
         help="nodes start with no inventory: every agent's first PUT stores its hardware "
@@ -1148,7 +1153,18 @@ def main() -> int:
             upstream = f"http://{HOST}:{web_port}"
             stack.start(
                 "gateway",
-                syshax("gateway", "--bind", f"{HOST}:{port}", "--upstream", upstream),
+                syshax(
+                    "gateway",
+                    "--bind",
+                    f"{HOST}:{port}",
+                    "--upstream",
+                    upstream,
+                    *(
+                        ("--switch-interval", str(ARGS.gateway_switch_interval))
+                        if ARGS.gateway_switch_interval
+                        else ()
+                    ),
+                ),
                 LOG_LEVEL="INFO",  # its counts, every 30 s
             )
         if not ARGS.no_celery:
@@ -1188,6 +1204,7 @@ def main() -> int:
             "setup": {
                 "web": f"{ARGS.workers} workers x {ARGS.threads} threads",
                 "gateway": bool(ARGS.gateway),
+                "gateway switch interval": ARGS.gateway_switch_interval,
             },
         }
         figures = report(result, sampler.totals(), extra, sampler.timeline)

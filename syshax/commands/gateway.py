@@ -55,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "TOKEN_LAST_USED_SECONDS); any issued, revoked or deleted credential drops them all "
         "at the next snapshot",
     )
+    parser.add_argument(
+        "--switch-interval",
+        type=_seconds(0.0001, 0.1),
+        default=0.0005,
+        help="seconds the event loop holds Python's GIL before a database thread gets it "
+        "(default 0.0005; Python's own is 0.005)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         args.upstream,
         snapshot_interval=args.snapshot_interval,
         credential_ttl=args.credential_ttl,
+        switch_interval=args.switch_interval,
         read_timeout=limits_from_env(os.environ).timeout,
     )
     return 0

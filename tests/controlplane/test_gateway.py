@@ -4,6 +4,7 @@ else reaches the control plane unchanged."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import copy
 import json
@@ -26,11 +27,12 @@ from controlplane.access.models import MachineCredential
 from controlplane.core.models import AuditEntry
 from controlplane.deployments.models import AgentCommand
 from controlplane.gateway import payloads
-from controlplane.gateway.server import Gateway
+from controlplane.gateway.server import SWITCH_INTERVAL, Gateway
 from controlplane.inventory.api.serializers import HeartbeatInSerializer
 from controlplane.inventory.models import Accelerator, Heartbeat, Node
 from controlplane.inventory.services import record_steady_heartbeats
 from controlplane.policy.models import SchedulingPolicy
+from syshax.commands.gateway import add_arguments
 from syshax.common.supervisor import free_port
 from tests.controlplane.test_inventory import KUNPENG
 from tests.support.factories import build_node
@@ -530,3 +532,16 @@ def test_syshax_gateway_names_a_bad_option() -> None:
         timeout=60,
     )
     assert slow.returncode == 2 and "--snapshot-interval" in slow.stderr and "5" in slow.stderr
+    held = subprocess.run(
+        [sys.executable, "-m", "syshax.cli", "gateway", "--switch-interval", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert held.returncode == 2 and "--switch-interval" in held.stderr and "0.1" in held.stderr
+
+
+def test_the_commands_switch_interval_is_the_servers() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).switch_interval == SWITCH_INTERVAL
