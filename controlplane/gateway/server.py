@@ -107,6 +107,14 @@ def _error(status: int, code: str, message: str) -> web.Response:
     return _json({"error": {"code": code, "message": message}}, status)
 
 
+def _json_only(accept: str) -> bool:
+    """Whether an ``Accept`` header leaves the control plane only JSON to answer with: absent,
+    or naming no media type but JSON and wildcards. A browser's (``text/html, */*``) gets the
+    browsable API, which is not kept nor served from what was kept."""
+    ranges = [r.partition(";")[0].strip().lower() for r in accept.split(",") if r.strip()]
+    return all(r in ("*/*", "application/*", "application/json") for r in ranges)
+
+
 def _as_stored(report: Any) -> dict[str, Any]:
     """An inventory report without the fields only agents use (``AGENT_ONLY``), which the
     serializer drops: what the control plane hashes, if the rest is already in its form."""
@@ -183,6 +191,8 @@ class RoutingAnswers:
         fields = {name.lower(): value for name, value in headers}
         etag = fields.get("etag", "")
         if status != 200 or not etag or "set-cookie" in fields or "content-encoding" in fields:
+            return
+        if fields.get("content-type", "").partition(";")[0].strip() != "application/json":
             return
         if len(body) > self.MAX_BODY:
             return
@@ -436,6 +446,8 @@ class Gateway:
         header = request.headers.get("If-None-Match")
         if header and etag_listed(header, etag):
             return web.Response(status=304, headers={**SECURITY_HEADERS, "ETag": etag})
+        if request.query_string or not _json_only(request.headers.get("Accept", "")):
+            return None  # the control plane may answer in another form (its browsable API)
         path = request.path
         if (kept := self.routing.current(path, etag)) is None:
             fetching = self.routing.fetching.get(path)

@@ -277,10 +277,36 @@ def test_routers_asking_while_an_answer_is_fetched_wait_for_it(gateway: Running)
     assert [(a.status_code, a.content) for a in answers] == [(200, body)] * 5
     assert {a.headers["ETag"] for a in answers} == {snapshot.deployments_etag}
     assert gateway.gateway.proxied == proxied
-    # An answer that is not a whole 200 with an ETag is never kept.
-    for status, extra in ((304, []), (200, [("Set-Cookie", "a=b")]), (500, [])):
+    # An answer that is not a whole JSON 200 with an ETag is never kept.
+    json_type = ("Content-Type", "application/json")
+    for status, extra in (
+        (304, [json_type]),
+        (200, [json_type, ("Set-Cookie", "a=b")]),
+        (500, [json_type]),
+        (200, [("Content-Type", "text/html; charset=utf-8")]),
+    ):
         routing.keep("/x", status, [("ETag", '"e"'), *extra], b"")
         assert "/x" not in routing.kept
+
+
+def test_a_poll_for_another_form_is_the_control_planes_alone(gateway: Running) -> None:
+    """The browsable API (a browser's Accept, or ?format=api) is neither served from what was
+    kept nor kept: every JSON router still gets JSON."""
+    _next_snapshot(gateway)
+    token = MachineCredential.issue("router", "router-html")[1]
+    url = f"{gateway.url}/api/v1/routing/deployments"
+    auth = {"Authorization": f"Bearer {token}"}
+    plain = httpx.get(url, headers={**auth, "Accept": "application/json"}, timeout=30)
+    assert plain.headers["Content-Type"] == "application/json" and "deployments" in plain.json()
+    assert "/api/v1/routing/deployments" in gateway.gateway.routing.kept
+    for asked, params in (({"Accept": "text/html, */*"}, {}), ({}, {"format": "api"})):
+        proxied = gateway.gateway.proxied
+        html = httpx.get(url, headers={**auth, **asked}, params=params, timeout=30)
+        assert html.status_code == 200 and html.headers["Content-Type"].startswith("text/html")
+        assert gateway.gateway.proxied == proxied + 1, "the control plane answered it"
+    proxied = gateway.gateway.proxied
+    again = httpx.get(url, headers=auth, timeout=30)
+    assert again.content == plain.content and gateway.gateway.proxied == proxied
 
 
 def test_an_idle_fetch_is_held_by_the_gateway_and_a_queued_command_reaches_it(
