@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -162,6 +163,24 @@ class Endpoint:
     latencies: list[float] = field(default_factory=list)
     statuses: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+class Collections:
+    """The load generator's own garbage collections over 20 ms: while one runs, every answer
+    in flight waits, and is timed late."""
+
+    def __init__(self) -> None:
+        self.long: list[tuple[float, float, int]] = []  # (when, seconds, generation)
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif (took := time.perf_counter() - self._started) > 0.02:
+            self.long.append((time.time(), took, info["generation"]))
+
+
+COLLECTIONS = Collections()
 
 
 class Recorder:
@@ -862,6 +881,14 @@ async def load(base: str, data: dict[str, Any], sampler: CpuSampler) -> dict[str
             for i, r in enumerate(data["routers"])
         ]
         await asyncio.sleep(max(0.0, warm_end - loop.time()))
+        # What the simulated fleet holds lives to the end (5,200 tasks, their connections):
+        # without this, each full collection walked it all, 80-96 ms every 10 s, and every
+        # answer in flight meanwhile was timed that much late (docs/scale.md). Frozen, a
+        # full collection still took 28-47 ms, so they are also made a hundred times rarer.
+        gc.collect()
+        gc.freeze()
+        thresholds = gc.get_threshold()
+        gc.set_threshold(thresholds[0], thresholds[1], 100 * thresholds[2])
         recorder.measuring = True
         global START_WALL
         START_WALL = time.time()
@@ -881,6 +908,8 @@ async def load(base: str, data: dict[str, Any], sampler: CpuSampler) -> dict[str
             await asyncio.sleep(1.0)
             await asyncio.to_thread(sampler.sample)
         recorder.measuring = False
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
         counters_after = db_counters(ARGS.db_url, ARGS.db_name)
         tcp_after = tcp_counters()
         # Nodes the reaper took for lost although their agents kept heartbeating.
@@ -1022,6 +1051,9 @@ def report(
     # When the operator and the lost agents acted, to set beside those seconds.
     acted = {k: round(v - START_WALL, 1) for k, v in events.items() if v > START_WALL - 60}
     print("events (seconds into the window):", json.dumps(acted))
+    long = [(round(w - START_WALL, 1), round(t * 1000), g) for w, t, g in COLLECTIONS.long]
+    measured = [c for c in long if c[0] >= 0]
+    print("the load generator's collections over 20 ms (second, ms, generation):", measured)
     print("cores busy in the seconds around those (the machine; the busiest groups):")
     around = {t + d for t, _ in worst for d in (-1, 0, 1)}
     for when, machine, groups in sampler_timeline:
@@ -1126,6 +1158,7 @@ def main() -> int:
     if ARGS.step:
         run_step()
         return 0
+    gc.callbacks.append(COLLECTIONS)
     with tempfile.TemporaryDirectory(prefix="fleet-") as tmp, fleet_database(ARGS.postgres) as url:
         var_dir = Path(tmp)
         ARGS.db_url, ARGS.db_name = url, url.rsplit("/", 1)[1]
