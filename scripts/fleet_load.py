@@ -516,8 +516,10 @@ class CpuSampler:
         self.waits: dict[str, int] = defaultdict(int)  # backend state / wait event -> samples
         self.started = time.monotonic()
         self.stopped = self.started
-        # Each sample's cores busy since the one before: (wall time, the machine, per group).
-        self.timeline: list[tuple[float, float, dict[str, float]]] = []
+        # Each sample's cores busy since the one before: (wall time, the machine, per group,
+        # the disk: MB written, flushes, milliseconds a flush on average).
+        self.timeline: list[tuple[float, float, dict[str, float], tuple[float, ...]]] = []
+        self.disk = disk_counters()
 
     def _groups(self) -> Iterator[tuple[str, Any]]:
         import psutil
@@ -562,7 +564,12 @@ class CpuSampler:
             groups: dict[str, float] = defaultdict(float)
             for key, seconds in self.last.items():
                 groups[key[0]] += (seconds - before.get(key, self.first[key])) / since
-            self.timeline.append((time.time(), (busy - machine_before) / since, dict(groups)))
+            disk, self.disk = self.disk, disk_counters()
+            io: tuple[float, ...] = ()
+            if disk and self.disk:
+                written, flushes, flushing = (b - a for a, b in zip(disk, self.disk, strict=True))
+                io = (written * 512 / 1e6 / since, flushes / since, flushing / max(1, flushes))
+            self.timeline.append((time.time(), (busy - machine_before) / since, dict(groups), io))
 
     def totals(self) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
@@ -590,6 +597,20 @@ def db_counters(db_url: str, db_name: str) -> dict[str, int]:
         ).fetchone()
     keys = ("commits", "rollbacks", "rows inserted", "rows updated", "rows deleted")
     return dict(zip(keys, (int(v) for v in row), strict=True))
+
+
+def disk_counters(path: str = "/var/lib/postgresql") -> tuple[int, int, int] | None:
+    """Sectors written, flushes completed and milliseconds spent flushing, of the block device
+    holding ``path`` (PostgreSQL's files; ``/`` if absent), from ``/proc/diskstats``. A
+    flush is what an ``fdatasync`` of the WAL asks of the device. None where the kernel does
+    not count flushes (before 5.5) or the device is not found."""
+    st = os.stat(path if os.path.exists(path) else "/")
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    for line in Path("/proc/diskstats").read_text().splitlines():
+        f = line.split()
+        if len(f) >= 20 and (int(f[0]), int(f[1])) == (major, minor):
+            return int(f[9]), int(f[18]), int(f[19])
+    return None
 
 
 def tcp_counters() -> dict[str, int]:
@@ -1054,13 +1075,20 @@ def report(
     long = [(round(w - START_WALL, 1), round(t * 1000), g) for w, t, g in COLLECTIONS.long]
     measured = [c for c in long if c[0] >= 0]
     print("the load generator's collections over 20 ms (second, ms, generation):", measured)
-    print("cores busy in the seconds around those (the machine; the busiest groups):")
+    print(
+        "cores busy in the seconds around those (the machine; the busiest groups; the disk: "
+        "MB written and flushes a second, ms a flush on average):"
+    )
     around = {t + d for t, _ in worst for d in (-1, 0, 1)}
-    for when, machine, groups in sampler_timeline:
+    for when, machine, groups, io in sampler_timeline:
         second = int(when - START_WALL)
         if second in around:
             top = sorted(groups.items(), key=lambda kv: -kv[1])[:4]
-            print(f"  {second}: {machine:.2f};", ", ".join(f"{g} {c:.2f}" for g, c in top))
+            disk = f"; disk {io[0]:.1f} MB/s, {io[1]:.0f} flushes/s of {io[2]:.1f} ms" if io else ""
+            print(
+                f"  {second}: {machine:.2f};",
+                ", ".join(f"{g} {c:.2f}" for g, c in top) + disk,
+            )
     for key, value in extra.items():
         print(f"\n{key}: {json.dumps(value)}")
     sizes = {"agents": ARGS.agents, "routers": ARGS.routers, "seconds": seconds}

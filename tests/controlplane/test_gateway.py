@@ -544,27 +544,18 @@ def test_syshax_gateway_serves_in_front_of_the_web_server(live_server: Any) -> N
 
 
 def test_syshax_gateway_names_a_bad_option() -> None:
-    bad = subprocess.run(
-        [sys.executable, "-m", "syshax.cli", "gateway", "--bind", "nowhere"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert bad.returncode == 2 and "--bind" in bad.stderr and "HOST:PORT" in bad.stderr
-    slow = subprocess.run(
-        [sys.executable, "-m", "syshax.cli", "gateway", "--snapshot-interval", "9"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert slow.returncode == 2 and "--snapshot-interval" in slow.stderr and "5" in slow.stderr
-    held = subprocess.run(
-        [sys.executable, "-m", "syshax.cli", "gateway", "--switch-interval", "1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert held.returncode == 2 and "--switch-interval" in held.stderr and "0.1" in held.stderr
+    for option, value, limit in (
+        ("--bind", "nowhere", "HOST:PORT"),
+        ("--snapshot-interval", "9", "5"),
+        ("--switch-interval", "1", "0.1"),
+    ):
+        bad = subprocess.run(
+            [sys.executable, "-m", "syshax.cli", "gateway", option, value],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert bad.returncode == 2 and option in bad.stderr and limit in bad.stderr, option
 
 
 def test_the_commands_switch_interval_is_the_servers() -> None:
