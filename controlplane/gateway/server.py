@@ -536,15 +536,17 @@ class Gateway:
                 if upstream.content_length is not None:
                     response.content_length = upstream.content_length
                 await response.prepare(request)
-                pieces: list[bytes] | None = [] if keep is not None else None
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-                    if pieces is not None:
-                        pieces.append(chunk)
-                await response.write_eof()
-                if pieces is not None:
+                if keep is not None:
+                    # A routing answer (small) is read whole and kept before any of it is
+                    # sent, so the router's next poll finds it kept.
+                    body = await upstream.read()
                     fields = [(k, v) for k, v in upstream.headers.items()]
-                    self.routing.keep(request.path, upstream.status, fields, b"".join(pieces))
+                    self.routing.keep(request.path, upstream.status, fields, body)
+                    await response.write(body)
+                else:
+                    async for chunk in upstream.content.iter_any():
+                        await response.write(chunk)
+                await response.write_eof()
                 return response
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("control plane failed %s %s: %s", request.method, request.path, exc)
