@@ -61,6 +61,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from syshax.common.collections_timed import CollectionTimes, freeze_heap  # noqa: E402
 from syshax.common.supervisor import free_port  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -165,22 +166,9 @@ class Endpoint:
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
-class Collections:
-    """The load generator's own garbage collections over 20 ms: while one runs, every answer
-    in flight waits, and is timed late."""
-
-    def __init__(self) -> None:
-        self.long: list[tuple[float, float, int]] = []  # (when, seconds, generation)
-        self._started = 0.0
-
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        elif (took := time.perf_counter() - self._started) > 0.02:
-            self.long.append((time.time(), took, info["generation"]))
-
-
-COLLECTIONS = Collections()
+# The load generator's own collections over 20 ms: while one runs, every answer in flight
+# waits, and is timed late.
+COLLECTIONS = CollectionTimes(keep_over=0.02)
 
 
 class Recorder:
@@ -552,6 +540,7 @@ class CpuSampler:
         machine_before = self.machine[1] if self.machine else busy
         self.machine = (self.machine[0] if self.machine else busy, busy)
         before, since = dict(self.last), time.monotonic() - self.stopped
+        disk, self.disk = self.disk, disk_counters()
         for group, proc in self._groups():
             with suppress(psutil.Error):
                 times = proc.cpu_times()
@@ -564,7 +553,6 @@ class CpuSampler:
             groups: dict[str, float] = defaultdict(float)
             for key, seconds in self.last.items():
                 groups[key[0]] += (seconds - before.get(key, self.first[key])) / since
-            disk, self.disk = self.disk, disk_counters()
             io: tuple[float, ...] = ()
             if disk and self.disk:
                 written, flushes, flushing = (b - a for a, b in zip(disk, self.disk, strict=True))
@@ -906,8 +894,7 @@ async def load(base: str, data: dict[str, Any], sampler: CpuSampler) -> dict[str
         # without this, each full collection walked it all, 80-96 ms every 10 s, and every
         # answer in flight meanwhile was timed that much late (docs/scale.md). Frozen, a
         # full collection still took 28-47 ms, so they are also made a hundred times rarer.
-        gc.collect()
-        gc.freeze()
+        freeze_heap()
         thresholds = gc.get_threshold()
         gc.set_threshold(thresholds[0], thresholds[1], 100 * thresholds[2])
         recorder.measuring = True

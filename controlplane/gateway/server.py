@@ -46,6 +46,7 @@ from controlplane.gateway.fleet import (
     Watcher,
     inventory_hashes,
 )
+from syshax.common.collections_timed import CollectionTimes, freeze_heap
 from syshax.common.inventory import inventory_hash
 from syshax.common.reports import AGENT_ONLY, CardReport
 from syshax.loadgen.stats import percentile
@@ -187,6 +188,26 @@ class RoutingAnswers:
         kept = self.kept.get(path)
         return kept if kept is not None and kept.etag == etag else None
 
+    def claim(self, path: str) -> asyncio.Future[None] | None:
+        """A future for the caller to fetch ``path`` under, to :meth:`settle` once its answer
+        is kept (or not); None when another request is fetching it already."""
+        if path in self.fetching:
+            return None
+        future = self.fetching[path] = asyncio.get_running_loop().create_future()
+        return future
+
+    async def wait(self, path: str, within: float) -> None:
+        """Until the fetch of ``path`` under way is settled, at most ``within`` seconds."""
+        if (fetching := self.fetching.get(path)) is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(fetching), within)
+
+    def settle(self, path: str, future: asyncio.Future[None]) -> None:
+        if self.fetching.get(path) is future:
+            del self.fetching[path]
+        if not future.done():
+            future.set_result(None)
+
     def keep(self, path: str, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
         fields = {name.lower(): value for name, value in headers}
         etag = fields.get("etag", "")
@@ -226,9 +247,8 @@ class Gateway:
         self.heartbeat_times: list[float] = []
         # The event loop's longest delay of a timer since the last report (seconds).
         self.lag = 0.0
-        # The longest garbage collection since the last report (seconds).
-        self.collection = 0.0
-        self._collecting = 0.0
+        # Its garbage collections: the longest since the last report.
+        self.collections = CollectionTimes()
 
     def app(self) -> web.Application:
         # Bodies are read whole (within the read timeout), as the web worker reads them.
@@ -253,9 +273,9 @@ class Gateway:
             asyncio.create_task(self._report(), name="gateway-report"),
             asyncio.create_task(self._watch_lag(), name="gateway-lag"),
         ]
-        gc.callbacks.append(self._timed_collection)
+        gc.callbacks.append(self.collections)
         yield
-        gc.callbacks.remove(self._timed_collection)
+        gc.callbacks.remove(self.collections)
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -270,12 +290,6 @@ class Gateway:
             await asyncio.sleep(every)
             log.info("%s", self.report())
 
-    def _timed_collection(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._collecting = time.perf_counter()
-        else:
-            self.collection = max(self.collection, time.perf_counter() - self._collecting)
-
     async def _watch_lag(self, every: float = 0.05) -> None:
         """How late the loop runs a timer: the longest time a request waited for the loop
         itself (a blocking call, or the CPU taken by other processes)."""
@@ -289,14 +303,14 @@ class Gateway:
                 log.info("the event loop ran %.0f ms late", late * 1000)
 
     def report(self) -> str:
-        """Its counts since it started; its heartbeats' times, its slowest batch and its
-        loop's longest lag since the last report."""
+        """Its counts since it started; its heartbeats' times, its slowest batch, its loop's
+        longest lag and its longest garbage collection since the last report."""
         b = self.batcher
         times, self.heartbeat_times = self.heartbeat_times, []
         p50, p99 = (percentile(times, q) * 1000 if times else 0.0 for q in (50, 99))
         (slowest, size), b.slowest = b.slowest, (0.0, 0)
         lag, self.lag = self.lag, 0.0
-        collection, self.collection = self.collection, 0.0
+        collection = self.collections.take_longest()
         return (
             f"answered {self.answered}, handed on {self.proxied}; {b.heartbeats} heartbeats in"
             f" {b.batches} batches (largest {b.largest}, {b.write_seconds:.1f} s writing),"
@@ -450,13 +464,9 @@ class Gateway:
             return None  # the control plane may answer in another form (its browsable API)
         path = request.path
         if (kept := self.routing.current(path, etag)) is None:
-            fetching = self.routing.fetching.get(path)
-            if fetching is None:
-                future = asyncio.get_running_loop().create_future()
-                self.routing.fetching[path] = future
+            if (future := self.routing.claim(path)) is not None:
                 return future
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(fetching), self.read_timeout)
+            await self.routing.wait(path, self.read_timeout)
             if (kept := self.routing.current(path, etag)) is None:
                 return None
         response = web.Response(status=200, body=kept.body)
@@ -499,10 +509,7 @@ class Gateway:
             return await self._proxy(request, keep)
         finally:
             if keep is not None:
-                if self.routing.fetching.get(request.path) is keep:
-                    del self.routing.fetching[request.path]
-                if not keep.done():
-                    keep.set_result(None)
+                self.routing.settle(request.path, keep)
 
     async def _proxy(
         self, request: web.Request, keep: asyncio.Future[None] | None
@@ -540,7 +547,7 @@ class Gateway:
                     # A routing answer (small) is read whole and kept before any of it is
                     # sent, so the router's next poll finds it kept.
                     body = await upstream.read()
-                    fields = [(k, v) for k, v in upstream.headers.items()]
+                    fields = list(upstream.headers.items())
                     self.routing.keep(request.path, upstream.status, fields, body)
                     await response.write(body)
                 else:
@@ -565,10 +572,8 @@ def serve(
     # loop holds it for up to this long: five times a batch (docs/scale.md).
     sys.setswitchinterval(switch_interval)
     gateway = Gateway(upstream, **options)
-    # What start-up made (Django's models, URLs, settings: most of the heap) is never
-    # garbage, yet every full collection would walk it, holding the loop meanwhile.
-    gc.collect()
-    gc.freeze()
+    # What start-up made (Django's models, URLs, settings) is most of the heap.
+    freeze_heap()
     web.run_app(
         gateway.app(),
         host=host,
