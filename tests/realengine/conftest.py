@@ -25,10 +25,11 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from syshax.common.supervisor import free_port
+from syshax.common.supervisor import WaitTimeout, free_port
 from tests.realengine.sim_env import SimEngine
 from tests.realengine.vllm_env import (
     EngineProcess,
@@ -37,7 +38,7 @@ from tests.realengine.vllm_env import (
     ensure_tiny_model,
     ensure_vllm,
 )
-from tests.router.router_procs import Proc
+from tests.router.router_procs import Proc, wait_for
 
 # Each connector reaps expired segments; a short lease keeps the lease tests short.
 LEASE_SECONDS = 4
@@ -150,6 +151,47 @@ def router(engines: Pair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield proc
     finally:
         proc.stop()
+
+
+def router_view(router: Proc) -> dict[str, dict[str, Any]]:
+    """The router's ``/health`` view of each engine, by role (``gpu``, ``cpu``)."""
+    return {b["role"]: b for b in router.get("/health").json()["backends"]}
+
+
+def _routable(backend: dict[str, Any]) -> bool:
+    scrape = backend["scrape"]
+    return (
+        backend["up"]
+        and not backend["ejected"]
+        and not scrape["stale"]
+        and scrape["running"] == 0
+        and backend["inflight"] == 0
+    )
+
+
+def wait_engines_idle(router: Proc, timeout: float = 60.0) -> dict[str, dict[str, Any]]:
+    """Wait until the router sees both engines up, not ejected, freshly scraped and idle;
+    returns that view. A decision test starts from there: earlier tests in the tier provoke
+    engine errors on purpose (an ejection lasts seconds), and on two loaded cores a scrape
+    can time out or still count a sequence that just ended."""
+    view: dict[str, dict[str, Any]] = {}
+
+    def idle() -> bool:
+        view.update(router_view(router))
+        return all(_routable(b) for b in view.values())
+
+    try:
+        wait_for(idle, timeout=timeout, interval=0.2)
+    except WaitTimeout as exc:
+        raise AssertionError(f"the router never saw both engines idle: {view}") from exc
+    return view
+
+
+def router_story(router: Proc, since: int) -> str:
+    """What the router logged from offset ``since`` (its warnings say why an engine was
+    passed over) and how it sees the engines now: the message of a failed decision test."""
+    log = router.log_path.read_text(errors="replace")[since:]
+    return f"router log since the test began:\n{log[-3000:]}\nengines now: {router_view(router)}"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from tests.realengine.conftest import FORCED_PD, Pair
+from tests.realengine.conftest import FORCED_PD, Pair, router_story, wait_engines_idle
 from tests.realengine.test_pd import _body, ask
 from tests.router.router_procs import Proc, metric, wait_for
 
@@ -40,9 +40,20 @@ def _gpu_scraped_running(router: Proc) -> int | None:
     return next(b["scrape"]["running"] for b in backends if b["role"] == "gpu")
 
 
+def _new_decisions(router: Proc) -> str:
+    """The router's decision counters for new requests, one per line (their reasons)."""
+    lines = router.get("/metrics").text.splitlines()
+    prefix = "syshax_router_decisions_total{"
+    return "\n".join(line for line in lines if line.startswith(prefix) and 'stage="new"' in line)
+
+
 def test_capacity_offloads_only_when_the_gpu_is_saturated(engines: Pair, router: Proc) -> None:
+    since = len(router.log_path.read_text(errors="replace"))
     _apply(router, CAPACITY)
     try:
+        # Earlier tests leave an engine ejected or a scrape stale for a few seconds at times;
+        # this test is about the decision on healthy engines.
+        wait_engines_idle(router)
         before = metric(
             router, "syshax_router_decisions_total", stage="new", route="pd", reason="gpu-max-seqs"
         )
@@ -78,12 +89,9 @@ def test_capacity_offloads_only_when_the_gpu_is_saturated(engines: Pair, router:
         finally:
             holder.join(300)
         assert first == {"route": "gpu-only", "tokens": 1800}
-        decisions = [
-            line
-            for line in router.get("/metrics").text.splitlines()
-            if line.startswith("syshax_router_decisions_total")
-        ]
-        assert offloaded["route"] == "pd", decisions  # the counters name the reason if not
+        # If not, the counters name the decision's reason and the router's log says why.
+        story = f"{_new_decisions(router)}\n{router_story(router, since)}"
+        assert offloaded["route"] == "pd", story
         gpu_only = ask(router.url, _body(chat=False, stream=True, max_tokens=48), mode="gpu-only")
         assert offloaded["ids"] == gpu_only["ids"]
         assert offloaded["usage"]["completion_tokens"] == 48

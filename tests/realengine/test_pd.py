@@ -18,7 +18,13 @@ import httpx
 import openai
 import pytest
 
-from tests.realengine.conftest import FORCED_PD, LEASE_SECONDS, Pair
+from tests.realengine.conftest import (
+    FORCED_PD,
+    LEASE_SECONDS,
+    Pair,
+    router_story,
+    wait_engines_idle,
+)
 from tests.router.router_procs import Proc, metric, wait_for
 
 PROMPT = "the cache engine router policy node card memory shared segment lease"
@@ -172,7 +178,7 @@ def _moved_after(router: Proc, since: int) -> int:
     for line in log.splitlines():
         if "moves to the GPU after" in line or "resuming on the GPU" in line:
             return int(line.split(" after ")[1].split()[0])
-    raise AssertionError("the router did not move the sequence:\n" + log[-2000:])
+    raise AssertionError("the router did not move the sequence:\n" + router_story(router, since))
 
 
 def test_chunk_boundary_moves_the_sequence_to_the_gpu(engines: Pair, router: Proc) -> None:
@@ -180,6 +186,9 @@ def test_chunk_boundary_moves_the_sequence_to_the_gpu(engines: Pair, router: Pro
     answer comes from the GPU, continued from the exact token ids, nothing repeated."""
     policy: Path = router.policy  # type: ignore[attr-defined]
     since = len(router.log_path.read_text(errors="replace"))
+    # A sequence stays on the CPU while the GPU is unavailable to the router (an ejection
+    # after an earlier test's provoked errors lasts seconds): start from healthy engines.
+    wait_engines_idle(router)
     body = _body(chat=False, stream=True, max_tokens=1800)
     text, ids, usage = "", [], None
     with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=300) as r:
