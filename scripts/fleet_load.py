@@ -58,11 +58,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from syshax.common.collections_timed import CollectionTimes, freeze_heap  # noqa: E402
 from syshax.common.supervisor import free_port  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+import stall_probe  # noqa: E402
 
 HOST = "127.0.0.1"
 GPUS_PER_NODE = 8
@@ -496,6 +500,8 @@ class CpuSampler:
     """CPU seconds per group of processes, and the database's backends, once a second."""
 
     def __init__(self, stack: Stack, db_url: str, db_name: str) -> None:
+        import psutil
+
         self.stack, self.db_url, self.db_name = stack, db_url, db_name
         self.first: dict[tuple[str, int], float] = {}
         self.last: dict[tuple[str, int], float] = {}
@@ -508,6 +514,7 @@ class CpuSampler:
         # the disk: MB written, flushes, milliseconds a flush on average).
         self.timeline: list[tuple[float, float, dict[str, float], tuple[float, ...]]] = []
         self.disk = disk_counters()
+        self.steal = self.steal_first = float(getattr(psutil.cpu_times(), "steal", 0.0))
 
     def _groups(self) -> Iterator[tuple[str, Any]]:
         import psutil
@@ -537,6 +544,9 @@ class CpuSampler:
 
         times = psutil.cpu_times()
         busy = sum(times) - times.idle - getattr(times, "iowait", 0.0)
+        steal, self.steal = self.steal, getattr(times, "steal", 0.0)
+        if self.machine is None:
+            steal = self.steal_first = self.steal  # the window starts with this sample
         machine_before = self.machine[1] if self.machine else busy
         self.machine = (self.machine[0] if self.machine else busy, busy)
         before, since = dict(self.last), time.monotonic() - self.stopped
@@ -553,6 +563,8 @@ class CpuSampler:
             groups: dict[str, float] = defaultdict(float)
             for key, seconds in self.last.items():
                 groups[key[0]] += (seconds - before.get(key, self.first[key])) / since
+            # Time the hypervisor ran someone else on our virtual CPUs (counted as busy).
+            groups["stolen by the hypervisor"] = (self.steal - steal) / since
             io: tuple[float, ...] = ()
             if disk and self.disk:
                 written, flushes, flushing = (b - a for a, b in zip(disk, self.disk, strict=True))
@@ -564,6 +576,8 @@ class CpuSampler:
         for key, last in self.last.items():
             out[key[0]] += last - self.first[key]
         first, last = self.machine or (0.0, 0.0)
+        # The hypervisor's share of our virtual CPUs: counted busy, yet no process of ours ran.
+        out["stolen by the hypervisor"] = self.steal - self.steal_first
         # Everything else on the machine: other people's tests, the kernel, Redis.
         out["everything else"] = max(0.0, (last - first) - sum(out.values()))
         return dict(out)
@@ -978,6 +992,7 @@ def report(
     cpu: dict[str, float],
     extra: dict[str, Any],
     sampler_timeline: list[Any],
+    probed: tuple[str, list[tuple[float, float]]],
 ) -> dict[str, Any]:
     recorder: Recorder = result["recorder"]
     seconds = ARGS.seconds
@@ -1062,19 +1077,32 @@ def report(
     long = [(round(w - START_WALL, 1), round(t * 1000), g) for w, t, g in COLLECTIONS.long]
     measured = [c for c in long if c[0] >= 0]
     print("the load generator's collections over 20 ms (second, ms, generation):", measured)
+    # The machine's own stalls: a real-time process's late wake-ups (scripts/stall_probe.py).
+    scheduler, stalls = probed
+    window = [(w - START_WALL, ms) for w, ms in stalls if 0 <= w - START_WALL < seconds]
+    late_by_second: dict[int, float] = defaultdict(float)
+    for at, ms in window:
+        late_by_second[int(at)] = max(late_by_second[int(at)], ms)
+    print(
+        f"the machine's stalls ({scheduler} probe, wake-ups 20 ms late or more): {len(window)},"
+        f" over 100 ms: {sum(ms >= 100 for _, ms in window)}; the worst (second, ms):",
+        sorted(((round(a, 1), ms) for a, ms in window), key=lambda x: -x[1])[:8],
+    )
     print(
         "cores busy in the seconds around those (the machine; the busiest groups; the disk: "
-        "MB written and flushes a second, ms a flush on average):"
+        "MB written and flushes a second, ms a flush on average; the probe's latest wake-up):"
     )
     around = {t + d for t, _ in worst for d in (-1, 0, 1)}
     for when, machine, groups, io in sampler_timeline:
+        # A sample covers the second before it was taken.
         second = int(when - START_WALL)
         if second in around:
             top = sorted(groups.items(), key=lambda kv: -kv[1])[:4]
             disk = f"; disk {io[0]:.1f} MB/s, {io[1]:.0f} flushes/s of {io[2]:.1f} ms" if io else ""
+            late = late_by_second.get(second - 1, 0.0)
             print(
                 f"  {second}: {machine:.2f};",
-                ", ".join(f"{g} {c:.2f}" for g, c in top) + disk,
+                ", ".join(f"{g} {c:.2f}" for g, c in top) + disk + f"; probe {late:.0f} ms",
             )
     for key, value in extra.items():
         print(f"\n{key}: {json.dumps(value)}")
@@ -1086,6 +1114,7 @@ def report(
         "db": result["db"],
         "tcp": result["tcp"],
         "timeline": timeline,
+        "machine_stalls": {"probe": scheduler, "late_ms_at": window},
         **extra,
     }
 
@@ -1226,6 +1255,8 @@ def main() -> int:
             )
         base = f"http://{HOST}:{port}/api/v1/"
         others_before = cpu_snapshot()
+        stalls_at = var_dir / "stalls.jsonl"
+        probe = subprocess.Popen([sys.executable, str(HERE / "stall_probe.py"), str(stalls_at)])
         try:
             wait_healthy(base, stack)
             sampler = CpuSampler(stack, url, ARGS.db_name)
@@ -1234,7 +1265,10 @@ def main() -> int:
             ours |= {pid for _, pid in sampler.last} | {os.getpid()}
             others = busy_others(others_before, ours)
         finally:
+            probe.terminate()
+            probe.wait()
             stack.stop()
+        scheduler, stalls = stall_probe.read(str(stalls_at))
         # One request after another, each counted: not throttled (the throttle still runs).
         unthrottled = {**env, "MACHINE_RATE_LIMIT": "100000/s"}
         queries = in_django(unthrottled, "queries", "--tokens", str(tokens))
@@ -1255,7 +1289,7 @@ def main() -> int:
                 "gateway switch interval": ARGS.gateway_switch_interval,
             },
         }
-        figures = report(result, sampler.totals(), extra, sampler.timeline)
+        figures = report(result, sampler.totals(), extra, sampler.timeline, (scheduler, stalls))
         figures["queries_sql"] = queries
         if ARGS.json:
             ARGS.json.write_text(json.dumps(figures, indent=2, default=str))
