@@ -52,8 +52,8 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 
 from syshax.common.collections_timed import CollectionTimes, freeze_heap  # noqa: E402
 from syshax.common.supervisor import free_port  # noqa: E402
+from syshax.loadgen import wire  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 import stall_probe  # noqa: E402
@@ -197,12 +198,28 @@ class Recorder:
 
 
 class Api:
-    """One shared aiohttp session; every call is timed and recorded under its endpoint name."""
+    """Every call timed and recorded under its endpoint name, over one shared client: bare
+    asyncio protocols (``syshax.loadgen.wire``, at most ``limit`` requests at once) or an
+    aiohttp session (``--client aiohttp``, which limits its own connections)."""
 
-    def __init__(self, base: str, session: Any, recorder: Recorder) -> None:
+    def __init__(self, base: str, recorder: Recorder, client: Any, limit: int) -> None:
         self.base = base
-        self.session = session
         self.recorder = recorder
+        self.client = client
+        self.limit = asyncio.Semaphore(limit)
+
+    async def _send(
+        self, method: str, url: str, body: bytes | None, head: dict[str, str]
+    ) -> tuple[int, bytes, dict[str, str]]:
+        if isinstance(self.client, wire.ConnectionPool):
+            async with self.limit:
+                resp = await wire.request(self.client, method, url, body, head, SPEC_TIMEOUT)
+            if resp.error:
+                raise wire.WireError(resp.error)
+            return resp.head.status, b"".join(p for _, p in resp.pieces), resp.head.headers
+        async with self.client.request(method, url, data=body, headers=head) as answer:
+            raw = await answer.read()
+            return answer.status, raw, {k.lower(): v for k, v in answer.headers.items()}
 
     async def call(
         self,
@@ -214,15 +231,16 @@ class Api:
         headers: dict[str, str] | None = None,
         ok: tuple[int, ...] = (200, 201, 202, 304),
         by_status: bool = False,
-    ) -> tuple[int | None, Any, Any]:
+    ) -> tuple[int | None, Any, dict[str, str]]:
+        """(status, the JSON answer, the answer's headers by lower-case name)."""
         head = {"Authorization": f"Bearer {token}", **(headers or {})}
+        payload = None
+        if body is not None:
+            payload = json.dumps(body).encode()
+            head["Content-Type"] = "application/json"
         start = time.perf_counter()
         try:
-            async with self.session.request(
-                method, self.base + path, json=body, headers=head
-            ) as resp:
-                raw = await resp.read()
-                status, answer_headers = resp.status, resp.headers.copy()
+            status, raw, answer_headers = await self._send(method, self.base + path, payload, head)
         except Exception as exc:  # a transport error is an error of this endpoint, not fatal
             self.recorder.note(name, time.perf_counter() - start, None, type(exc).__name__)
             return None, None, {}
@@ -379,7 +397,7 @@ async def router(
                 label, "GET", path, token, headers=headers, by_status=True
             )
             if status == 200 and data is not None:
-                etags[path] = answer.get("ETag", "")
+                etags[path] = answer.get("etag", "")
                 now = time.time()
                 if "version" in data:
                     seen.policy_versions.setdefault(int(data["version"]), now)
@@ -878,12 +896,27 @@ def run_step() -> None:
 # ------------------------------------------------------------------ the load
 
 
-async def load(base: str, data: dict[str, Any], sampler: CpuSampler) -> dict[str, Any]:
+@asynccontextmanager
+async def client() -> AsyncIterator[Any]:
+    """The simulated machines' one HTTP client (``--client``)."""
+    if ARGS.client == "wire":
+        # An idle connection is kept 1 s, as aiohttp's is here: under gunicorn's keep-alive.
+        pool = wire.ConnectionPool(connect_timeout_s=SPEC_TIMEOUT, max_idle_s=1.0)
+        try:
+            yield pool
+        finally:
+            pool.close()
+        return
     import aiohttp
 
-    recorder = Recorder()
     connector = aiohttp.TCPConnector(limit=ARGS.connections, keepalive_timeout=1.0)
     timeout = aiohttp.ClientTimeout(total=SPEC_TIMEOUT)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        yield session
+
+
+async def load(base: str, data: dict[str, Any], sampler: CpuSampler) -> dict[str, Any]:
+    recorder = Recorder()
     loop = asyncio.get_running_loop()
     period = ARGS.period
     warm_end = loop.time() + (ARGS.warmup if ARGS.warmup is not None else 2 * period)
@@ -891,8 +924,8 @@ async def load(base: str, data: dict[str, Any], sampler: CpuSampler) -> dict[str
     ARGS.lost_at = warm_end + 0.2 * ARGS.seconds
     seen = [RouterSeen() for _ in data["routers"]]
     base_inv = base_inventory()
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        api = Api(base, session, recorder)
+    async with client() as session:
+        api = Api(base, recorder, session, ARGS.connections)
         spread = period / max(1, len(data["nodes"]))
         tasks = [
             asyncio.create_task(agent(api, i, node, base_inv, i * spread, stop))
@@ -1172,6 +1205,12 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--logs", type=Path, help="keep each service's log in this folder")
     p.add_argument("--warmup", type=float, help="seconds before measuring (default: two periods)")
+    p.add_argument(
+        "--client",
+        choices=["wire", "aiohttp"],
+        default="wire",
+        help="the simulated machines' HTTP client: bare asyncio protocols (default), or aiohttp",
+    )
     p.add_argument("--step", choices=["setup", "queries", "reaper"], help=argparse.SUPPRESS)
     p.add_argument("--tokens", help=argparse.SUPPRESS)
     return p.parse_args()
@@ -1287,6 +1326,7 @@ def main() -> int:
                 "web": f"{ARGS.workers} workers x {ARGS.threads} threads",
                 "gateway": bool(ARGS.gateway),
                 "gateway switch interval": ARGS.gateway_switch_interval,
+                "load generator's client": ARGS.client,
             },
         }
         figures = report(result, sampler.totals(), extra, sampler.timeline, (scheduler, stalls))

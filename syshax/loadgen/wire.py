@@ -226,13 +226,28 @@ async def post(
     timeout_s: float,
 ) -> Response:
     """POST ``body`` and wait for the whole response; raises WireError or OSError."""
+    return await request(pool, "POST", url, body, headers, timeout_s)
+
+
+async def request(
+    pool: ConnectionPool,
+    method: str,
+    url: str,
+    body: bytes | None,
+    headers: Mapping[str, str],
+    timeout_s: float,
+) -> Response:
+    """One request (``body`` None: none, and no Content-Length) and its whole response;
+    raises WireError or OSError."""
     origin = Origin.of(url)
     parts = urlsplit(url)
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    lines = [f"POST {target} HTTP/1.1", f"Host: {origin.host}:{origin.port}"]
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {origin.host}:{origin.port}"]
     lines += [f"{name}: {value}" for name, value in headers.items()]
-    lines += [f"Content-Length: {len(body)}", "", ""]
-    request = "\r\n".join(lines).encode("latin-1") + body
+    if body is not None:
+        lines.append(f"Content-Length: {len(body)}")
+    lines += ["", ""]
+    request = "\r\n".join(lines).encode("latin-1") + (body or b"")
     connection = await pool.acquire(origin)
     reusable = False
     try:

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from syshax.loadgen.wire import ConnectionPool, post
+from syshax.loadgen.wire import ConnectionPool, post, request
 
 
 def _run(coro):  # type: ignore[no-untyped-def]
@@ -46,6 +46,25 @@ def test_streams_and_reuses_the_connection(fast_sim: str) -> None:
     statuses, idle = _run(twice())
     assert statuses == [200, 200]
     assert idle == 1  # the second request reused the first one's connection
+
+
+def test_a_get_without_a_body_on_the_pooled_connection(fast_sim: str) -> None:
+    async def go() -> tuple[list[int], bytes, int]:
+        pool = ConnectionPool()
+        statuses, answer = [], b""
+        for _ in range(2):
+            response = await request(pool, "GET", f"{fast_sim}/v1/models", None, {}, 30)
+            assert response.complete and not response.error
+            statuses.append(response.head.status)
+            answer = b"".join(piece for _, piece in response.pieces)
+        idle = sum(len(conns) for conns in pool.idle.values())
+        pool.close()
+        return statuses, answer, idle
+
+    statuses, answer, idle = _run(go())
+    assert statuses == [200, 200]
+    assert json.loads(answer)["data"][0]["id"] == "deepseek-r1-distill-qwen-32b"
+    assert idle == 1
 
 
 def test_error_response_with_content_length(fast_sim: str) -> None:
