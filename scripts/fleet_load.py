@@ -62,12 +62,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
+import stall_probe  # noqa: E402  (beside this script, on sys.path as its folder)
+
 from syshax.common.collections_timed import CollectionTimes, freeze_heap  # noqa: E402
 from syshax.common.supervisor import free_port  # noqa: E402
 from syshax.loadgen import wire  # noqa: E402
-
-sys.path.insert(0, str(HERE))
-import stall_probe  # noqa: E402
 
 HOST = "127.0.0.1"
 GPUS_PER_NODE = 8
@@ -518,8 +517,6 @@ class CpuSampler:
     """CPU seconds per group of processes, and the database's backends, once a second."""
 
     def __init__(self, stack: Stack, db_url: str, db_name: str) -> None:
-        import psutil
-
         self.stack, self.db_url, self.db_name = stack, db_url, db_name
         self.first: dict[tuple[str, int], float] = {}
         self.last: dict[tuple[str, int], float] = {}
@@ -532,7 +529,7 @@ class CpuSampler:
         # the disk: MB written, flushes, milliseconds a flush on average).
         self.timeline: list[tuple[float, float, dict[str, float], tuple[float, ...]]] = []
         self.disk = disk_counters()
-        self.steal = self.steal_first = float(getattr(psutil.cpu_times(), "steal", 0.0))
+        self.steal = self.steal_first = 0.0  # read at each sample, from the first one on
 
     def _groups(self) -> Iterator[tuple[str, Any]]:
         import psutil

@@ -10,7 +10,13 @@ from typing import Any
 
 import httpx
 
-from tests.realengine.conftest import FORCED_PD, Pair, router_story, wait_engines_idle
+from tests.realengine.conftest import (
+    FORCED_PD,
+    Pair,
+    router_story,
+    router_view,
+    wait_engines_idle,
+)
 from tests.realengine.test_pd import _body, ask
 from tests.router.router_procs import Proc, metric, wait_for
 
@@ -36,8 +42,7 @@ def _apply(router: Proc, policy: dict[str, Any]) -> None:
 
 
 def _gpu_scraped_running(router: Proc) -> int | None:
-    backends = router.get("/health").json()["backends"]
-    return next(b["scrape"]["running"] for b in backends if b["role"] == "gpu")
+    return router_view(router)["gpu"]["scrape"]["running"]
 
 
 def _new_decisions(router: Proc) -> str:
