@@ -141,7 +141,11 @@ class Accelerator(models.Model):
 class Heartbeat(models.Model):
     """One small row per heartbeat; pruned after HEARTBEAT_RETENTION_HOURS."""
 
-    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="heartbeats")
+    # No index of its own: ``heartbeat_node_time_idx`` leads with the node and serves every
+    # lookup by node (and the cascade), so a second one only cost each insert (docs/scale.md).
+    node = models.ForeignKey(
+        Node, on_delete=models.CASCADE, related_name="heartbeats", db_index=False
+    )
     received_at = models.DateTimeField(default=timezone.now)
     cpu_percent = models.FloatField(default=0.0)
     memory_used_bytes = models.PositiveBigIntegerField(default=0)
