@@ -15,10 +15,15 @@ from celery.app.task import Task
 from django.db import transaction
 
 
+def load_tasks() -> None:
+    """Import every app's ``tasks`` module, as a worker does when it starts."""
+    current_app.loader.import_default_modules()
+
+
 def task(name: str) -> Task[Any, Any]:
     found = current_app.tasks.get(name)
     if found is None:
-        current_app.loader.import_default_modules()
+        load_tasks()
         found = current_app.tasks[name]  # KeyError names a task that does not exist
     return found
 

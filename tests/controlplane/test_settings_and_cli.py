@@ -42,6 +42,22 @@ def test_production_refuses_to_start_without_a_secret_key(tmp_path) -> None:
     assert "SECRET_KEY (or SECRET_KEY_FILE) must be set" in result.stderr
 
 
+def test_a_web_worker_loads_its_urls_and_task_modules_before_its_first_request(
+    tmp_path,
+) -> None:
+    """What gunicorn's worker imports: after it, no request imports the views or the tasks
+    (a deploy once paid a second of imports, docs/scale.md)."""
+    code = (
+        "import sys, controlplane.wsgi; from celery import current_app;"
+        "print('deployments.expire_stale_commands' in current_app.tasks,"
+        " 'controlplane.deployments.api.views' in sys.modules,"
+        " 'controlplane.benchmarks.tasks' in sys.modules)"
+    )
+    result = run_python(code, SYSHAX_VAR_DIR=str(tmp_path), SYSHAX_ENV_FILE=str(tmp_path / "n"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True", "True"]
+
+
 def test_the_local_secret_is_generated_once_into_var(tmp_path) -> None:
     code = "from django.conf import settings; print(settings.SECRET_KEY)"
     env = {
