@@ -1,9 +1,9 @@
 """What the gateway knows of the fleet, read from and written to the database off its event
 loop: machine credentials (cached), a snapshot of what routers and idle agents poll for, and
-the heartbeats' group commit.
+the group commits of heartbeats and routers' stats.
 
 Every database call runs in one of two threads, each with its own Django connection: one
-writes (the heartbeat batches), one reads (credentials, the snapshot), so a slow commit never
+writes (the group commits' batches), one reads (credentials, the snapshot), so a slow commit never
 delays a read. The statements are the control plane's own service functions; nothing here
 knows a table.
 """
@@ -30,7 +30,11 @@ from controlplane.deployments.delivery import queued_sessions
 from controlplane.inventory.models import Node
 from controlplane.inventory.services import record_steady_heartbeats
 from controlplane.policy.models import SchedulingPolicy
-from controlplane.routers.services import deployments_etag, routable_deployments
+from controlplane.routers.services import (
+    deployments_etag,
+    record_stats_batch,
+    routable_deployments,
+)
 
 log = logging.getLogger("controlplane.gateway")
 T = TypeVar("T")
@@ -256,14 +260,11 @@ def inventory_hashes(db: Database) -> Batched[int, str]:
     return Batched(db, fetch)
 
 
-Pending = tuple[int, dict[str, Any], "asyncio.Future[tuple[str, str] | None]"]
-
-
-def _record_timed(
-    reports: list[tuple[int, dict[str, Any]]],
-) -> tuple[dict[int, tuple[str, str]], list[float]]:
-    """``record_steady_heartbeats``, with each statement's wall seconds and then the rest
-    (the transaction's begin and commit, and the Python around them)."""
+def _timed(
+    write: Callable[[list[Any]], dict[Any, Any]], reports: list[Any]
+) -> tuple[dict[Any, Any], list[float]]:
+    """``write(reports)``, with each statement's wall seconds and then the rest (a
+    transaction's begin and commit, and the Python around them)."""
     took: list[float] = []
 
     def timed(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
@@ -275,34 +276,43 @@ def _record_timed(
 
     started = time.perf_counter()
     with connections["default"].execute_wrapper(timed):
-        seen = record_steady_heartbeats(reports)
-    return seen, [*took, time.perf_counter() - started - sum(took)]
+        written = write(reports)
+    return written, [*took, time.perf_counter() - started - sum(took)]
 
 
-class HeartbeatBatcher(Coalescing):
-    """The heartbeats' group commit: every heartbeat that arrives while one batch is being
-    written goes into the next, so a busy fleet costs one transaction per commit time, not
-    one per heartbeat, and an idle one adds no wait. An answer leaves only after its batch
-    committed: nothing acknowledged is lost if the gateway dies."""
+class GroupCommit(Coalescing, Generic[K, V]):
+    """A group commit: every report that arrives while one batch is being written goes into
+    the next, so a busy fleet costs one database call per batch, not one per report, and an
+    idle one adds no wait. An answer leaves only after its batch committed: nothing
+    acknowledged is lost if the gateway dies.
+
+    ``write`` takes the batch's reports and answers, for each key it stored, what that
+    report's answer needs; a key it leaves out (or a failed write) is None to the caller,
+    whose request then goes to the control plane."""
 
     SLOW = 0.1  # a batch that takes longer is logged, with its statements' times
 
-    def __init__(self, db: Database, max_batch: int = 500) -> None:
+    def __init__(
+        self,
+        db: Database,
+        what: str,
+        write: Callable[[list[Any]], dict[K, V]],
+        max_batch: int = 500,
+    ) -> None:
         super().__init__()
-        self.db, self.max_batch = db, max_batch
-        self._pending: list[Pending] = []
+        self.db, self.what, self.write, self.max_batch = db, what, write, max_batch
+        self._pending: list[tuple[K, Any, asyncio.Future[V | None]]] = []
         self.batches = 0
-        self.heartbeats = 0
-        self.write_seconds = 0.0  # wall time spent in the batches' transactions
+        self.written = 0  # reports stored
+        self.write_seconds = 0.0  # wall time spent in the batches' writes
         self.largest = 0
         self.slowest = (0.0, 0)  # the slowest batch since the last report: (seconds, size)
 
-    async def submit(self, node_id: int, payload: dict[str, Any]) -> tuple[str, str] | None:
-        """The node's ``(status, inventory_hash)`` once its heartbeat is committed; None when
-        it was not recorded here (the node is not steadily online, or the write failed) and
-        must go to the control plane."""
-        future: asyncio.Future[tuple[str, str] | None] = asyncio.get_running_loop().create_future()
-        self._pending.append((node_id, payload, future))
+    async def submit(self, key: K, report: Any) -> V | None:
+        """What ``write`` answered for ``key`` once its batch is committed; None when it
+        was not stored here and must go to the control plane."""
+        future: asyncio.Future[V | None] = asyncio.get_running_loop().create_future()
+        self._pending.append((key, report, future))
         self._wake.set()
         return await future
 
@@ -312,18 +322,18 @@ class HeartbeatBatcher(Coalescing):
     async def _serve_batch(self) -> None:
         batch = self._pending[: self.max_batch]
         del self._pending[: self.max_batch]
-        reports = [(node_id, payload) for node_id, payload, _ in batch]
         started = time.monotonic()
         steps: list[float] = []
         try:
-            seen, steps = await self.db.write(_record_timed, reports)
+            written, steps = await self.db.write(_timed, self.write, [r for _, r, _ in batch])
         except Exception as exc:
-            log.warning("heartbeat batch of %d not written: %s", len(batch), exc)
-            seen = {}
+            log.warning("%s batch of %d not written: %s", self.what, len(batch), exc)
+            written = {}
         took = time.monotonic() - started
         if took > self.SLOW:
             log.info(
-                "heartbeat batch of %d took %.0f ms (in the writer: %s ms)",
+                "%s batch of %d took %.0f ms (in the writer: %s ms)",
+                self.what,
                 len(batch),
                 took * 1000,
                 " / ".join(f"{step * 1000:.0f}" for step in steps),
@@ -332,8 +342,24 @@ class HeartbeatBatcher(Coalescing):
         if took > self.slowest[0]:
             self.slowest = (took, len(batch))
         self.batches += 1
-        self.heartbeats += len(batch)
+        self.written += sum(1 for key, _, _ in batch if key in written)
         self.largest = max(self.largest, len(batch))
-        for node_id, _, future in batch:
+        for key, _, future in batch:
             if not future.done():
-                future.set_result(seen.get(node_id))
+                future.set_result(written.get(key))
+
+
+def heartbeats(db: Database) -> GroupCommit[int, tuple[str, str]]:
+    """Steady heartbeats, keyed by node: each answers its node's ``(status,
+    inventory_hash)``. A report is ``(node id, validated payload)``."""
+    return GroupCommit(db, "heartbeat", record_steady_heartbeats)
+
+
+def _stats(reports: list[tuple[int, int, dict[str, Any]]]) -> dict[int, bool]:
+    return dict.fromkeys(record_stats_batch(reports), True)
+
+
+def router_stats(db: Database) -> GroupCommit[int, bool]:
+    """Routers' stats, keyed by router: True for each stored. A report is ``(router id,
+    the credential's id, validated stats)``."""
+    return GroupCommit(db, "router stats", _stats)

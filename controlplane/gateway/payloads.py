@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from controlplane.inventory.api.serializers import MAX_BYTES
+from controlplane.routers.choices import DECISIONS
 
 MAX_CARDS = 1024
 SESSION = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -85,6 +86,60 @@ def heartbeat(payload: Any) -> dict[str, Any] | None:
         "inventory_hash": digest,
         "accelerators": readings,
     }
+
+
+# Bounds on the router's counters the serializer leaves unbounded: the gateway refuses a
+# larger one (the serializer takes it) rather than write what no column was sized for.
+MAX_COUNT = 2**63 - 1
+# The stats fields that are counts (IntegerField, min 0) and measures (FloatField, min 0).
+STATS_COUNTS = ("requests_total", "backend_errors", "fallbacks")
+STATS_MEASURES = ("uptime_seconds", "request_rate")
+STATS_OPTIONAL = ("ttft_p50_ms", "ttft_p99_ms")  # a measure or null
+
+
+def _tally(value: Any, known: tuple[str, ...] | None) -> dict[str, int] | None:
+    """A ``DictField`` of counts: names (of ``known``, when given) to counts."""
+    if type(value) is not dict:
+        return None
+    for name, count in value.items():
+        if known is not None and name not in known:
+            return None
+        if "\x00" in name:  # the control plane's parser refuses it; the database cannot keep it
+            return None
+        if type(count) is not int or not 0 <= count <= MAX_COUNT:
+            return None
+    return dict(value)
+
+
+def router_stats(payload: Any) -> dict[str, Any] | None:
+    """``StatsSerializer(data=payload).validated_data``, or None."""
+    if type(payload) is not dict:
+        return None
+    stats: dict[str, Any] = {}
+    version = payload.get("policy_version")
+    if version is not None and (type(version) is not int or not 0 <= version <= 2**31 - 1):
+        return None
+    stats["policy_version"] = version
+    for name in STATS_MEASURES:
+        if (measure := _number(payload.get(name, 0.0), 0, math.inf)) is None:
+            return None
+        stats[name] = measure
+    for name in STATS_COUNTS:
+        count = payload.get(name, 0)
+        if type(count) is not int or not 0 <= count <= MAX_COUNT:
+            return None
+        stats[name] = count
+    for name in STATS_OPTIONAL:
+        value = payload.get(name)
+        if value is not None and (value := _number(value, 0, math.inf)) is None:
+            return None
+        stats[name] = value
+    decisions = _tally(payload.get("decisions", {}), DECISIONS)
+    outcomes = _tally(payload.get("outcomes", {}), None)
+    if decisions is None or outcomes is None:
+        return None
+    stats["decisions"], stats["outcomes"] = decisions, outcomes
+    return stats
 
 
 def command_query(query: Mapping[str, list[str]]) -> tuple[str, float] | None:

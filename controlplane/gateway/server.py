@@ -3,7 +3,8 @@
 It answers, for an active machine token of the right kind within its rate:
 
 - ``POST nodes/<id>/heartbeat`` from that node's agent, when the node is online or draining
-  (the group commit in :class:`~controlplane.gateway.fleet.HeartbeatBatcher`);
+  (a group commit, :class:`~controlplane.gateway.fleet.GroupCommit`);
+- ``POST routers/<id>/stats`` from that router's own credential (a group commit too);
 - ``PUT nodes/<id>/inventory`` from that node's agent, when the report is the one stored;
 - ``GET agent/commands`` when the agent's node has nothing queued for its session, holding a
   long poll (``wait``) in the event loop until a command is queued or the wait ends;
@@ -41,10 +42,11 @@ from controlplane.gateway import payloads
 from controlplane.gateway.fleet import (
     Credentials,
     Database,
-    HeartbeatBatcher,
     Machine,
     Watcher,
+    heartbeats,
     inventory_hashes,
+    router_stats,
 )
 from syshax.common.collections_timed import CollectionTimes, freeze_heap
 from syshax.common.inventory import inventory_hash
@@ -54,13 +56,15 @@ from syshax.loadgen.stats import percentile
 log = logging.getLogger("controlplane.gateway")
 
 HEARTBEAT = re.compile(r"/api/v1/nodes/(\d{1,18})/heartbeat/?")
+ROUTER_STATS = re.compile(r"/api/v1/routers/(\d{1,18})/stats")
 INVENTORY = re.compile(r"/api/v1/nodes/(\d{1,18})/inventory/?")
 POLICY = re.compile(r"/api/v1/routing/policies/([-a-zA-Z0-9_]+)")
 DEPLOYMENTS = "/api/v1/routing/deployments"
 COMMANDS = "/api/v1/agent/commands"
-# A heartbeat is a few hundred bytes a card, an inventory a few kilobytes; a larger body is
-# left to the control plane.
+# A heartbeat is a few hundred bytes a card, an inventory a few kilobytes, a router's stats
+# under one; a larger body is left to the control plane.
 MAX_HEARTBEAT = 256 * 1024
+MAX_STATS = 64 * 1024
 MAX_INVENTORY = 1024 * 1024
 # Connections the kernel holds for the gateway to accept. A fleet reconnecting at once (the
 # gateway or the network back) fills a short queue in a moment; each connection it drops
@@ -236,7 +240,8 @@ class Gateway:
         ttl = settings.TOKEN_LAST_USED_SECONDS if credential_ttl is None else credential_ttl
         self.credentials = Credentials(self.db, ttl)
         self.watcher = Watcher(self.db, snapshot_interval, self.credentials)
-        self.batcher = HeartbeatBatcher(self.db)
+        self.batcher = heartbeats(self.db)
+        self.stats = router_stats(self.db)
         self.inventories = inventory_hashes(self.db)
         self.throttle = Throttle()
         self.routing = RoutingAnswers()
@@ -268,6 +273,7 @@ class Gateway:
         tasks = [
             asyncio.create_task(self.watcher.run(), name="gateway-snapshot"),
             asyncio.create_task(self.batcher.run(), name="gateway-heartbeats"),
+            asyncio.create_task(self.stats.run(), name="gateway-router-stats"),
             asyncio.create_task(self.credentials.run(), name="gateway-credentials"),
             asyncio.create_task(self.inventories.run(), name="gateway-inventories"),
             asyncio.create_task(self._report(), name="gateway-report"),
@@ -312,11 +318,12 @@ class Gateway:
         lag, self.lag = self.lag, 0.0
         collection = self.collections.take_longest()
         return (
-            f"answered {self.answered}, handed on {self.proxied}; {b.heartbeats} heartbeats in"
+            f"answered {self.answered}, handed on {self.proxied}; {b.written} heartbeats in"
             f" {b.batches} batches (largest {b.largest}, {b.write_seconds:.1f} s writing),"
             f" answered in {p50:.0f} / {p99:.0f} ms (p50 / p99 of the last {len(times)});"
             f" slowest batch {slowest * 1000:.0f} ms ({size}); loop lag at most"
             f" {lag * 1000:.0f} ms, longest garbage collection {collection * 1000:.0f} ms;"
+            f" {self.stats.written} router stats in {self.stats.batches} batches;"
             f" {self.credentials.calls} credential lookups"
         )
 
@@ -332,6 +339,8 @@ class Gateway:
             answer = await self._heartbeat(request, int(match[1]))
             if answer is not None:
                 self.heartbeat_times.append(time.monotonic() - started)
+        elif method == "POST" and (match := ROUTER_STATS.fullmatch(path)):
+            answer = await self._router_stats(request, int(match[1]))
         elif method == "PUT" and (match := INVENTORY.fullmatch(path)):
             answer = await self._inventory(request, int(match[1]))
         elif method == "GET" and path == COMMANDS:
@@ -366,6 +375,13 @@ class Gateway:
         machine = await self._machine(request, "agent")
         if machine is None or machine.node_id != node_id:
             return None
+        return await self._machine_report(request, machine, limit)
+
+    async def _machine_report(
+        self, request: web.Request, machine: Machine, limit: int
+    ) -> tuple[Machine, Any] | web.Response | None:
+        """A machine's JSON body, parsed, with the machine; an error answer when the body is
+        too large or too slow; None to hand the request on."""
         length = request.content_length
         if length is None or length > limit or request.content_type != "application/json":
             return None
@@ -385,7 +401,7 @@ class Gateway:
         payload = payloads.heartbeat(data)
         if payload is None or not self.throttle.allow(machine):
             return None
-        seen = await self.batcher.submit(node_id, payload)
+        seen = await self.batcher.submit(node_id, (node_id, payload))
         if seen is None:
             return None
         status, digest = seen
@@ -396,6 +412,24 @@ class Gateway:
                 "heartbeat_interval_seconds": settings.HEARTBEAT_INTERVAL_SECONDS,
             }
         )
+
+    async def _router_stats(
+        self, request: web.Request, router_id: int
+    ) -> web.StreamResponse | None:
+        """A router's stats, group-committed. One the control plane would refuse (another
+        credential's router, an unknown one, a payload its serializer refuses) goes to it."""
+        machine = await self._machine(request, "router")
+        if machine is None:
+            return None
+        report = await self._machine_report(request, machine, MAX_STATS)
+        if not isinstance(report, tuple):
+            return report
+        stats = payloads.router_stats(report[1])
+        if stats is None or not self.throttle.allow(machine):
+            return None
+        if not await self.stats.submit(router_id, (router_id, machine.credential_id, stats)):
+            return None
+        return _json({"accepted": True})
 
     async def _inventory(self, request: web.Request, node_id: int) -> web.StreamResponse | None:
         """An agent's inventory PUT that changes nothing: its hash is the node's stored one.

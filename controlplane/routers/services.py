@@ -2,9 +2,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Max, OuterRef, Subquery
 from django.utils import timezone
 
@@ -40,8 +42,10 @@ def register_router(
     return router
 
 
-def record_stats(router: RouterInstance, stats: dict[str, Any]) -> None:
-    now = timezone.now()
+def record_stats(
+    router: RouterInstance, stats: dict[str, Any], *, now: datetime | None = None
+) -> None:
+    now = now or timezone.now()
     router.last_seen_at = now
     router.policy_version = stats.get("policy_version")
     router.request_rate = stats.get("request_rate", 0.0)
@@ -55,6 +59,79 @@ def record_stats(router: RouterInstance, stats: dict[str, Any]) -> None:
             decisions=stats.get("decisions", {}),
             policy_version=router.policy_version,
         )
+
+
+def record_stats_batch(reports: Sequence[tuple[int, int, dict[str, Any]]]) -> set[int]:
+    """Many routers' stats at once, for the machine gateway's group commit (docs/scale.md),
+    each stored as :func:`record_stats` stores it. A report is ``(router id, the id of the
+    credential that sent it, validated stats)`` (``StatsSerializer``'s ``validated_data``
+    form); it is stored only when that router is the credential's own. The answer is the
+    routers stored; a report of any other (unknown, or another credential's) was left alone,
+    and must go to the view, which refuses it. A router reported twice keeps its last report
+    and gets a sample for each.
+
+    On PostgreSQL the batch is one statement, atomic by itself; elsewhere each report is
+    :func:`record_stats` in one transaction."""
+    if not reports:
+        return set()
+    now = timezone.now()
+    if connection.vendor != "postgresql":
+        owners = dict(
+            RouterInstance.objects.filter(pk__in={r for r, _, _ in reports}).values_list(
+                "pk", "credential_id"
+            )
+        )
+        stored = set()
+        with transaction.atomic():
+            for router_id, credential_id, stats in reports:
+                if owners.get(router_id) == credential_id:
+                    record_stats(RouterInstance(pk=router_id), stats, now=now)
+                    stored.add(router_id)
+        return stored
+    doc = json.dumps(
+        [{"router": r, "credential": c, "stats": stats} for r, c, stats in reports],
+        allow_nan=False,  # not JSON; the serializer refuses it before it gets here
+        separators=(",", ":"),
+    )
+    params: dict[str, Any] = {"doc": doc, "now": now, "iso": now.isoformat()}
+    with connection.cursor() as cursor:
+        cursor.execute(_stats_statement(), params)
+        return {int(row[0]) for row in cursor.fetchall()}
+
+
+def _stats_statement() -> str:
+    """One PostgreSQL statement over one JSON document of the reports (in their order):
+    ``seen`` updates each router that is its reporter's own, from its last report, and
+    ``samples`` stores a sample of every report of those."""
+    q = connection.ops.quote_name
+    router, sample = q(RouterInstance._meta.db_table), q(RouterStatsSample._meta.db_table)
+
+    def col(model: Any, name: str) -> str:
+        return str(q(model._meta.get_field(name).column))
+
+    version = "CAST(x.stats->>'policy_version' AS INTEGER)"  # a JSON null is NULL
+    rate = "CAST(x.stats->>'request_rate' AS DOUBLE PRECISION)"
+    return (
+        "WITH s AS MATERIALIZED ("
+        " SELECT * FROM ROWS FROM (jsonb_to_recordset(CAST(%(doc)s AS jsonb))"
+        "  AS (router BIGINT, credential BIGINT, stats JSONB)) WITH ORDINALITY"
+        "  AS s(router, credential, stats, n)),"
+        f" seen AS (UPDATE {router} SET {col(RouterInstance, 'last_seen_at')} = %(now)s,"
+        f"  {col(RouterInstance, 'policy_version')} = {version},"
+        f"  {col(RouterInstance, 'request_rate')} = {rate},"
+        f"  {col(RouterInstance, 'stats')} ="
+        "   x.stats || jsonb_build_object('received_at', CAST(%(iso)s AS TEXT))"
+        "  FROM (SELECT DISTINCT ON (router) * FROM s ORDER BY router, n DESC) x"
+        f"  WHERE {router}.{col(RouterInstance, 'id')} = x.router"
+        f"  AND {router}.{col(RouterInstance, 'credential')} = x.credential"
+        f"  RETURNING {router}.{col(RouterInstance, 'id')} AS router),"
+        f" samples AS (INSERT INTO {sample} ({col(RouterStatsSample, 'router')},"
+        f"  {col(RouterStatsSample, 'received_at')}, {col(RouterStatsSample, 'request_rate')},"
+        f"  {col(RouterStatsSample, 'decisions')}, {col(RouterStatsSample, 'policy_version')})"
+        f"  SELECT x.router, %(now)s, {rate}, x.stats->'decisions', {version}"
+        "  FROM s x JOIN seen USING (router) ORDER BY x.n)"
+        " SELECT router FROM seen"
+    )
 
 
 # Telemetry goes to routers in steps of this many degrees or percent, so a reading that

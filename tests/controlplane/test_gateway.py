@@ -32,6 +32,9 @@ from controlplane.inventory.api.serializers import HeartbeatInSerializer
 from controlplane.inventory.models import Accelerator, Heartbeat, Node
 from controlplane.inventory.services import record_steady_heartbeats
 from controlplane.policy.models import SchedulingPolicy
+from controlplane.routers.api.serializers import StatsSerializer
+from controlplane.routers.models import RouterInstance
+from controlplane.routers.services import record_stats_batch, register_router
 from syshax.commands.gateway import add_arguments
 from syshax.common.supervisor import free_port
 from tests.controlplane.test_inventory import KUNPENG
@@ -139,7 +142,7 @@ def test_a_steady_heartbeat_is_answered_and_stored_as_the_control_plane_would(
     )
     assert via_gateway.status_code == direct.status_code == 200
     assert via_gateway.json() == direct.json()
-    assert gateway.gateway.batcher.heartbeats == 1 and gateway.gateway.proxied == 0
+    assert gateway.gateway.batcher.written == 1 and gateway.gateway.proxied == 0
     fields = ["cpu_percent", "memory_used_bytes", "memory_total_bytes", "accelerators"]
     ours = Heartbeat.objects.filter(node=node).values(*fields).get()
     theirs = Heartbeat.objects.filter(node=twin).values(*fields).get()
@@ -359,7 +362,7 @@ def test_a_credential_over_its_rate_is_handed_to_the_control_planes_throttle(
     url = f"{gateway.url}/api/v1/nodes/{node.pk}/heartbeat"
     for _ in range(3):
         assert client.post(url, json=_beat()).status_code == 200
-    assert gateway.gateway.batcher.heartbeats == 2
+    assert gateway.gateway.batcher.written == 2
     assert gateway.gateway.proxied == 1, "the third went to the control plane's own throttle"
 
 
@@ -573,3 +576,120 @@ def test_the_commands_switch_interval_is_the_servers() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args([]).switch_interval == SWITCH_INTERVAL
+
+
+# --- routers' stats --------------------------------------------------------------------------
+
+
+def _router(name: str) -> tuple[RouterInstance, httpx.Client]:
+    credential, token = MachineCredential.issue("router", name)
+    router = register_router(credential, name=name, version="1", listen_url="")
+    return router, httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+
+def _stats(**changes: Any) -> dict[str, Any]:
+    return {
+        "policy_version": 3,
+        "uptime_seconds": 12.5,
+        "requests_total": 40,
+        "request_rate": 2,
+        "decisions": {"pd": 30, "gpu-only": 10},
+        "outcomes": {"ok": 39, "client_gone": 1},
+        "ttft_p50_ms": 41.0,
+        "ttft_p99_ms": None,
+        "backend_errors": 0,
+        "fallbacks": 1,
+        **changes,
+    }
+
+
+def _stored(router: RouterInstance) -> dict[str, Any]:
+    router.refresh_from_db()
+    stats = dict(router.stats)
+    received = stats.pop("received_at")
+    assert received == router.last_seen_at.isoformat()  # type: ignore[union-attr]
+    samples = list(router.samples.values("request_rate", "decisions", "policy_version"))
+    return {
+        "policy_version": router.policy_version,
+        "request_rate": router.request_rate,
+        "stats": stats,
+        "samples": samples,
+    }
+
+
+def test_a_routers_stats_are_answered_and_stored_as_the_control_plane_would(
+    gateway: Running,
+) -> None:
+    (ours, via_gateway), (theirs, direct) = _router("r-gateway"), _router("r-direct")
+    body = _stats(extra_field="dropped, as the serializer drops it")
+    a = via_gateway.post(f"{gateway.url}/api/v1/routers/{ours.pk}/stats", json=body)
+    b = direct.post(f"{gateway.gateway.upstream}/api/v1/routers/{theirs.pk}/stats", json=body)
+    assert a.status_code == b.status_code == 200 and a.json() == b.json() == {"accepted": True}
+    assert gateway.gateway.stats.written == 1 and gateway.gateway.proxied == 0
+    assert _stored(ours) == _stored(theirs)
+    assert _stored(ours)["stats"]["request_rate"] == 2.0 and "extra_field" not in ours.stats
+    assert "1 router stats in 1 batches" in gateway.gateway.report()
+
+
+def test_stats_the_control_plane_would_refuse_go_to_it(gateway: Running) -> None:
+    (mine, client), (other, _) = _router("r-mine"), _router("r-other")
+    url = f"{gateway.url}/api/v1/routers/{{}}/stats"
+    foreign = client.post(url.format(other.pk), json=_stats())
+    assert foreign.status_code == 403 and "its own stats" in foreign.json()["error"]["message"]
+    assert client.post(url.format(other.pk + 1000), json=_stats()).status_code == 404
+    bad = client.post(url.format(mine.pk), json=_stats(decisions={"warp": 1}))
+    assert bad.status_code == 400 and "warp" in bad.text
+    assert gateway.gateway.stats.written == 0 and gateway.gateway.stats.batches == 2
+    assert gateway.gateway.proxied == 3
+    agent = _agent(_node("online"))
+    assert agent.post(url.format(mine.pk), json=_stats()).status_code == 403
+    other.refresh_from_db()
+    assert other.samples.count() == 0 and mine.samples.count() == 0
+
+
+def test_routers_stats_in_one_batch_are_one_statement_on_postgresql() -> None:
+    (first, _), (second, _) = _router("r-1"), _router("r-2")
+    reports = [
+        (first.pk, first.credential_id, _stats(request_rate=1.0, policy_version=None)),
+        (second.pk, first.credential_id, _stats()),  # not that credential's router
+        (first.pk, first.credential_id, _stats(request_rate=5.0)),
+    ]
+    with CaptureQueriesContext(connection) as queries:
+        stored = record_stats_batch(reports)
+    if connection.vendor == "postgresql":
+        assert [q["sql"].split()[0].upper() for q in queries.captured_queries] == ["WITH"]
+    assert stored == {first.pk}
+    first.refresh_from_db()
+    assert first.request_rate == 5.0 and first.policy_version == 3
+    rates = sorted(first.samples.values_list("request_rate", "policy_version"))
+    assert rates == [(1.0, None), (5.0, 3)]
+    assert second.samples.count() == 0
+
+
+def _stats_noise(rng: random.Random) -> Any:
+    body: dict[str, Any] = {}
+    for name, good in _stats().items():
+        if rng.random() < 0.7:
+            body[name] = _noise(rng) if rng.random() < 0.3 else good
+    for field in ("decisions", "outcomes"):
+        if field in body and type(body[field]) is dict and rng.random() < 0.3:
+            key = rng.choice(["pd", "rejected", "warp", "x\x00y", "ok"])
+            body[field] = {**body[field], key: _noise(rng)}
+    return body if rng.random() < 0.97 else _noise(rng)
+
+
+def test_the_stats_reader_agrees_with_the_serializer() -> None:
+    rng = random.Random(20261203)
+    accepted = 0
+    for _ in range(3000):
+        body = _stats_noise(rng)
+        ours = payloads.router_stats(body)
+        serializer = StatsSerializer(data=body)
+        valid = serializer.is_valid()
+        if ours is not None:
+            accepted += 1
+            assert valid, (body, serializer.errors)
+            assert _plain(ours) == _plain(serializer.validated_data), body
+            assert all(type(ours[f]) is float for f in ("uptime_seconds", "request_rate"))
+    assert accepted > 300, "the reader accepts the common payloads"
+    assert payloads.router_stats(_stats()) is not None
