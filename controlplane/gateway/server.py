@@ -26,14 +26,13 @@ import gc
 import json
 import logging
 import re
+import signal
 import sys
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 from django.conf import settings
 
 from controlplane.access.throttling import MachineRateThrottle
@@ -49,6 +48,7 @@ from controlplane.gateway.fleet import (
     router_stats,
 )
 from syshax.common.collections_timed import CollectionTimes, freeze_heap
+from syshax.common.http1_server import Limits, Reply, Request, Server
 from syshax.common.inventory import inventory_hash
 from syshax.common.reports import AGENT_ONLY, CardReport
 from syshax.loadgen.stats import percentile
@@ -82,6 +82,7 @@ HOP_BY_HOP = frozenset(
         "transfer-encoding",
         "upgrade",
         "content-length",
+        "expect",  # answered here (100 Continue); the body goes on whole
     }
 )
 # Seconds a thread holds the GIL before another waiting for it gets it (Python's default
@@ -90,24 +91,29 @@ HOP_BY_HOP = frozenset(
 SWITCH_INTERVAL = 0.0005
 # What a kept answer leaves out of the control plane's fields: it gets its own.
 KEPT_WITHOUT = HOP_BY_HOP | {"date"}
-SECURITY_HEADERS = {
-    "X-Content-Type-Options": "nosniff",
-    "X-Frame-Options": "DENY",
-    "Referrer-Policy": "same-origin",
-    "Cache-Control": "no-store",
-}
+SECURITY_HEADERS = (
+    ("X-Content-Type-Options", "nosniff"),
+    ("X-Frame-Options", "DENY"),
+    ("Referrer-Policy", "same-origin"),
+    ("Cache-Control", "no-store"),
+)
+JSON_FIELDS = (("Content-Type", "application/json"), *SECURITY_HEADERS)
 
 
-def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        status=status,
-        body=json.dumps(body, separators=(",", ":")).encode(),
-        content_type="application/json",
-        headers={**SECURITY_HEADERS, **(headers or {})},
-    )
+@dataclass(frozen=True)
+class Answer:
+    """An answer the gateway gives itself, whole."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes = b""
 
 
-def _error(status: int, code: str, message: str) -> web.Response:
+def _json(body: Any, status: int = 200) -> Answer:
+    return Answer(status, JSON_FIELDS, json.dumps(body, separators=(",", ":")).encode())
+
+
+def _error(status: int, code: str, message: str) -> Answer:
     """The control plane's error shape (``controlplane/core/api.py``)."""
     return _json({"error": {"code": code, "message": message}}, status)
 
@@ -246,6 +252,8 @@ class Gateway:
         self.throttle = Throttle()
         self.routing = RoutingAnswers()
         self.session: aiohttp.ClientSession | None = None
+        self.server: Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self.answered = 0
         self.proxied = 0
         # Seconds from a heartbeat's dispatch to its answer, since the last report.
@@ -255,14 +263,8 @@ class Gateway:
         # Its garbage collections: the longest since the last report.
         self.collections = CollectionTimes()
 
-    def app(self) -> web.Application:
-        # Bodies are read whole (within the read timeout), as the web worker reads them.
-        app = web.Application(client_max_size=settings.MAX_REQUEST_BODY_BYTES)
-        app.router.add_route("*", "/{tail:.*}", self.dispatch)
-        app.cleanup_ctx.append(self._background)
-        return app
-
-    async def _background(self, app: web.Application) -> AsyncIterator[None]:
+    async def start(self, host: str, port: int) -> None:
+        """Start the background work, then listen on ``host:port``."""
         self.session = aiohttp.ClientSession(
             auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=300),
@@ -270,7 +272,7 @@ class Gateway:
             # is never reused for a request that cannot be retried.
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=1.0),
         )
-        tasks = [
+        self._tasks = [
             asyncio.create_task(self.watcher.run(), name="gateway-snapshot"),
             asyncio.create_task(self.batcher.run(), name="gateway-heartbeats"),
             asyncio.create_task(self.stats.run(), name="gateway-router-stats"),
@@ -280,14 +282,25 @@ class Gateway:
             asyncio.create_task(self._watch_lag(), name="gateway-lag"),
         ]
         gc.callbacks.append(self.collections)
-        yield
-        gc.callbacks.remove(self.collections)
-        for task in tasks:
+        # Bodies are read whole (within the read timeout), as the web worker reads them.
+        limits = Limits(max_body=settings.MAX_REQUEST_BODY_BYTES, read_timeout=self.read_timeout)
+        self.server = Server(self.dispatch, limits)
+        await self.server.listen(host, port, backlog=BACKLOG)
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Stop listening, let the answers under way go out (at most ``grace`` seconds),
+        then stop the background work and close the database threads' connections."""
+        if self.server is not None:
+            await self.server.close(grace)
+        if self.collections in gc.callbacks:
+            gc.callbacks.remove(self.collections)
+        for task in self._tasks:
             task.cancel()
-        for task in tasks:
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self.session.close()
+        if self.session is not None:
+            await self.session.close()
         self.db.close()
 
     async def _report(self, every: float = 30.0) -> None:
@@ -329,11 +342,11 @@ class Gateway:
 
     # --- dispatch --------------------------------------------------------------------------
 
-    async def dispatch(self, request: web.Request) -> web.StreamResponse:
+    async def dispatch(self, request: Request, reply: Reply) -> None:
         path, method = request.path, request.method
         # An answer, or None to hand the request on, or a future to settle once the control
         # plane's answer to it was kept (or not).
-        answer: web.StreamResponse | asyncio.Future[None] | None = None
+        answer: Answer | asyncio.Future[None] | None = None
         if method == "POST" and (match := HEARTBEAT.fullmatch(path)):
             started = time.monotonic()
             answer = await self._heartbeat(request, int(match[1]))
@@ -349,13 +362,14 @@ class Gateway:
             answer = await self._routing(request, policy=match[1])
         elif method == "GET" and path == DEPLOYMENTS:
             answer = await self._routing(request, policy=None)
-        if isinstance(answer, web.StreamResponse):
+        if isinstance(answer, Answer):
             self.answered += 1
-            return answer
-        return await self.proxy(request, keep=answer)
+            reply.send(answer.status, answer.headers, answer.body)
+            return
+        await self.proxy(request, reply, keep=answer)
 
-    async def _machine(self, request: web.Request, kind: str) -> Machine | None:
-        header = request.headers.get("Authorization", "").split()
+    async def _machine(self, request: Request, kind: str) -> Machine | None:
+        header = request.header("authorization").split()
         if len(header) != 2 or header[0] != "Bearer":
             return None
         try:
@@ -368,35 +382,32 @@ class Gateway:
         return machine
 
     async def _agent_report(
-        self, request: web.Request, node_id: int, limit: int
-    ) -> tuple[Machine, Any] | web.Response | None:
-        """An agent's JSON report on its own node: the agent and the parsed body; an error
-        answer when the body is too large or too slow; None to hand the request on."""
+        self, request: Request, node_id: int, limit: int
+    ) -> tuple[Machine, Any] | None:
+        """An agent's JSON report on its own node: the agent and the parsed body; None to
+        hand the request on."""
         machine = await self._machine(request, "agent")
         if machine is None or machine.node_id != node_id:
             return None
-        return await self._machine_report(request, machine, limit)
+        return self._machine_report(request, machine, limit)
 
-    async def _machine_report(
-        self, request: web.Request, machine: Machine, limit: int
-    ) -> tuple[Machine, Any] | web.Response | None:
-        """A machine's JSON body, parsed, with the machine; an error answer when the body is
-        too large or too slow; None to hand the request on."""
+    @staticmethod
+    def _machine_report(
+        request: Request, machine: Machine, limit: int
+    ) -> tuple[Machine, Any] | None:
+        """A machine's JSON body, parsed, with the machine; None to hand the request on."""
         length = request.content_length
         if length is None or length > limit or request.content_type != "application/json":
             return None
-        body = await self._body(request)
-        if isinstance(body, web.Response):
-            return body
         try:
-            return machine, json.loads(body)
+            return machine, json.loads(request.body)
         except ValueError:
             return None
 
-    async def _heartbeat(self, request: web.Request, node_id: int) -> web.StreamResponse | None:
+    async def _heartbeat(self, request: Request, node_id: int) -> Answer | None:
         report = await self._agent_report(request, node_id, MAX_HEARTBEAT)
-        if not isinstance(report, tuple):
-            return report
+        if report is None:
+            return None
         machine, data = report
         payload = payloads.heartbeat(data)
         if payload is None or not self.throttle.allow(machine):
@@ -413,17 +424,15 @@ class Gateway:
             }
         )
 
-    async def _router_stats(
-        self, request: web.Request, router_id: int
-    ) -> web.StreamResponse | None:
+    async def _router_stats(self, request: Request, router_id: int) -> Answer | None:
         """A router's stats, group-committed. One the control plane would refuse (another
         credential's router, an unknown one, a payload its serializer refuses) goes to it."""
         machine = await self._machine(request, "router")
         if machine is None:
             return None
-        report = await self._machine_report(request, machine, MAX_STATS)
-        if not isinstance(report, tuple):
-            return report
+        report = self._machine_report(request, machine, MAX_STATS)
+        if report is None:
+            return None
         stats = payloads.router_stats(report[1])
         if stats is None or not self.throttle.allow(machine):
             return None
@@ -431,7 +440,7 @@ class Gateway:
             return None
         return _json({"accepted": True})
 
-    async def _inventory(self, request: web.Request, node_id: int) -> web.StreamResponse | None:
+    async def _inventory(self, request: Request, node_id: int) -> Answer | None:
         """An agent's inventory PUT that changes nothing: its hash is the node's stored one.
 
         The stored hash is of what the control plane's serializer made of an earlier report,
@@ -440,8 +449,8 @@ class Gateway:
         Anything else (a changed inventory, a report in another form) goes to the control
         plane."""
         report = await self._agent_report(request, node_id, MAX_INVENTORY)
-        if not isinstance(report, tuple):
-            return report
+        if report is None:
+            return None
         machine, data = report
         try:
             digest = inventory_hash(_as_stored(data))
@@ -451,11 +460,11 @@ class Gateway:
             return None
         return _json({"changed": False, "inventory_hash": digest})
 
-    async def _commands(self, request: web.Request) -> web.StreamResponse | None:
+    async def _commands(self, request: Request) -> Answer | None:
         machine = await self._machine(request, "agent")
         if machine is None or machine.node_id is None:
             return None
-        query = payloads.command_query({k: request.query.getall(k) for k in request.query})
+        query = payloads.command_query(request.query())
         snapshot = self.watcher.current()
         if query is None or snapshot is None:
             return None
@@ -465,7 +474,7 @@ class Gateway:
         if not self.throttle.allow(machine):
             return None
         deadline = time.monotonic() + min(wait, settings.AGENT_COMMAND_WAIT_SECONDS)
-        token = request.headers["Authorization"].split()[1]
+        token = request.header("authorization").split()[1]
         while (remaining := deadline - time.monotonic()) > 0:
             await self.watcher.next(remaining)
             snapshot = self.watcher.current()
@@ -477,8 +486,8 @@ class Gateway:
         return _json({"commands": []})
 
     async def _routing(
-        self, request: web.Request, *, policy: str | None
-    ) -> web.StreamResponse | asyncio.Future[None] | None:
+        self, request: Request, *, policy: str | None
+    ) -> Answer | asyncio.Future[None] | None:
         """A router's poll: 304 if it names the current ETag; else the kept answer for it.
         When none is kept, the first request goes to the control plane with a future, to be
         settled once its answer is kept, and those that arrive meanwhile wait for it."""
@@ -491,10 +500,10 @@ class Gateway:
         machine = await self._machine(request, "router")
         if machine is None or not self.throttle.allow(machine):
             return None
-        header = request.headers.get("If-None-Match")
+        header = request.header("if-none-match")
         if header and etag_listed(header, etag):
-            return web.Response(status=304, headers={**SECURITY_HEADERS, "ETag": etag})
-        if request.query_string or not _json_only(request.headers.get("Accept", "")):
+            return Answer(304, (*SECURITY_HEADERS, ("ETag", etag)))
+        if request.query_string or not _json_only(request.header("accept")):
             return None  # the control plane may answer in another form (its browsable API)
         path = request.path
         if (kept := self.routing.current(path, etag)) is None:
@@ -503,116 +512,88 @@ class Gateway:
             await self.routing.wait(path, self.read_timeout)
             if (kept := self.routing.current(path, etag)) is None:
                 return None
-        response = web.Response(status=200, body=kept.body)
-        for name, value in kept.headers:
-            response.headers.add(name, value)
-        return response
+        return Answer(200, kept.headers, kept.body)
 
     # --- the proxy -------------------------------------------------------------------------
 
-    async def _body(self, request: web.Request) -> bytes | web.Response:
-        """The whole body, or the error answer when it is too large or too slow."""
-        limit = settings.MAX_REQUEST_BODY_BYTES
-        if (request.content_length or 0) > limit:
-            return _error(
-                413,
-                "payload_too_large",
-                f"request body is {request.content_length} bytes; the limit is {limit} bytes",
-            )
-        try:
-            async with asyncio.timeout(self.read_timeout):
-                return await request.read()
-        except TimeoutError:
-            return _error(
-                408,
-                "request_timeout",
-                f"the request did not arrive whole within {self.read_timeout:g} s",
-            )
-        except web.HTTPRequestEntityTooLarge:
-            return _error(
-                413, "payload_too_large", f"request body is over the limit of {limit} bytes"
-            )
-
     async def proxy(
-        self, request: web.Request, keep: asyncio.Future[None] | None = None
-    ) -> web.StreamResponse:
-        """Hand the request to the control plane and stream its answer back unchanged. A
-        body a handler already read is not read again (aiohttp keeps it). With ``keep``, a
-        routing answer is also kept (:class:`RoutingAnswers`), and ``keep`` settled."""
+        self, request: Request, reply: Reply, keep: asyncio.Future[None] | None = None
+    ) -> None:
+        """Hand the request to the control plane and stream its answer back unchanged. With
+        ``keep``, a routing answer is also kept (:class:`RoutingAnswers`), and ``keep``
+        settled."""
         try:
-            return await self._proxy(request, keep)
+            await self._proxy(request, reply, keep)
         finally:
             if keep is not None:
                 self.routing.settle(request.path, keep)
 
     async def _proxy(
-        self, request: web.Request, keep: asyncio.Future[None] | None
-    ) -> web.StreamResponse:
+        self, request: Request, reply: Reply, keep: asyncio.Future[None] | None
+    ) -> None:
         assert self.session is not None
         self.proxied += 1
-        body = None
-        if request.body_exists:
-            read = await self._body(request)
-            if isinstance(read, web.Response):
-                return read
-            body = read
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
-        peer = request.remote or ""
-        forwarded = request.headers.get("X-Forwarded-For")
-        headers = [(k, v) for k, v in headers if k.lower() != "x-forwarded-for"]
+        headers = [
+            (k, v)
+            for k, v in request.headers
+            if k.lower() not in HOP_BY_HOP and k.lower() != "x-forwarded-for"
+        ]
+        forwarded = request.header("x-forwarded-for")
+        peer = request.remote
         headers.append(("X-Forwarded-For", f"{forwarded}, {peer}" if forwarded else peer))
-        response: web.StreamResponse | None = None
         try:
             async with self.session.request(
                 request.method,
-                self.upstream + request.raw_path,
+                self.upstream + request.target,
                 headers=headers,
-                data=body,
+                data=request.body if request.body or request.content_length == 0 else None,
                 allow_redirects=False,
             ) as upstream:
-                response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-                for name, value in upstream.headers.items():
-                    if name.lower() not in HOP_BY_HOP:
-                        response.headers.add(name, value)
-                if upstream.content_length is not None:
-                    response.content_length = upstream.content_length
-                await response.prepare(request)
+                fields = [
+                    (name, value)
+                    for name, value in upstream.headers.items()
+                    if name.lower() not in HOP_BY_HOP
+                ]
                 if keep is not None:
                     # A routing answer (small) is read whole and kept before any of it is
                     # sent, so the router's next poll finds it kept.
                     body = await upstream.read()
-                    fields = list(upstream.headers.items())
                     self.routing.keep(request.path, upstream.status, fields, body)
-                    await response.write(body)
-                else:
-                    async for chunk in upstream.content.iter_any():
-                        await response.write(chunk)
-                await response.write_eof()
-                return response
+                    reply.send(upstream.status, fields, body)
+                    return
+                await reply.start(upstream.status, fields, upstream.content_length)
+                async for chunk in upstream.content.iter_any():
+                    await reply.write(chunk)
+                reply.end()
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("control plane failed %s %s: %s", request.method, request.path, exc)
-            if response is not None and response.prepared:
-                # Part of the answer left already: the client sees it cut off, never a hang.
-                if request.transport is not None:
-                    request.transport.close()
-                return response
-            return _error(502, "control_plane_unavailable", "the control plane did not answer")
+            if reply.started:
+                reply.abort()  # part of the answer left already: the client sees it cut off
+                return
+            error = _error(502, "control_plane_unavailable", "the control plane did not answer")
+            reply.send(error.status, error.headers, error.body)
 
 
 def serve(
     host: str, port: int, upstream: str, switch_interval: float = SWITCH_INTERVAL, **options: Any
 ) -> None:
+    """Run a gateway until SIGINT or SIGTERM, then stop it gracefully."""
     # The database threads wait for the GIL each time a statement returns, while the event
     # loop holds it for up to this long: five times a batch (docs/scale.md).
     sys.setswitchinterval(switch_interval)
-    gateway = Gateway(upstream, **options)
-    # What start-up made (Django's models, URLs, settings) is most of the heap.
-    freeze_heap()
-    web.run_app(
-        gateway.app(),
-        host=host,
-        port=port,
-        access_log=None,
-        backlog=BACKLOG,
-        print=lambda *_: log.info("gateway on %s:%d, control plane at %s", host, port, upstream),
-    )
+
+    async def main() -> None:
+        gateway = Gateway(upstream, **options)
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stopping.set)
+        await gateway.start(host, port)
+        # What start-up made (Django's models, URLs, settings) is most of the heap.
+        freeze_heap()
+        log.info("gateway on %s:%d, control plane at %s", host, port, upstream)
+        await stopping.wait()
+        log.info("stopping")
+        await gateway.stop()
+
+    asyncio.run(main())

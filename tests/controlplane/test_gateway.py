@@ -19,7 +19,6 @@ from typing import Any
 
 import httpx
 import pytest
-from aiohttp import web
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
@@ -63,14 +62,12 @@ def gateway(live_server: Any) -> Iterator[Running]:
     """A gateway on its own event loop thread, in front of the live server."""
     gw = Gateway(live_server.url, snapshot_interval=0.1, credential_ttl=0.0)
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(gw.app(), access_log=None)
     port = free_port()
     started = threading.Event()
 
     def main() -> None:
         asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        loop.run_until_complete(gw.start("127.0.0.1", port))
         started.set()
         loop.run_forever()
 
@@ -84,7 +81,7 @@ def gateway(live_server: Any) -> Iterator[Running]:
     try:
         yield Running(f"http://127.0.0.1:{port}", gw, loop)
     finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        asyncio.run_coroutine_threadsafe(gw.stop(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
 
