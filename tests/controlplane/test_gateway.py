@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from django.db import connection
+from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 
 from controlplane.access.models import MachineCredential
@@ -361,6 +361,38 @@ def test_a_credential_over_its_rate_is_handed_to_the_control_planes_throttle(
         assert client.post(url, json=_beat()).status_code == 200
     assert gateway.gateway.batcher.written == 2
     assert gateway.gateway.proxied == 1, "the third went to the control plane's own throttle"
+
+
+def test_a_write_on_a_lost_connection_is_handed_on_and_the_next_one_reconnects(
+    gateway: Running,
+) -> None:
+    """The database drops the writer's connection (on PostgreSQL the server ends it; on
+    SQLite it is closed under Django): that batch's heartbeat goes to the control plane,
+    which answers it, and the next batch opens a new connection."""
+    node = _node("online")
+    client = _agent(node)
+    url = f"{gateway.url}/api/v1/nodes/{node.pk}/heartbeat"
+    assert client.post(url, json=_beat()).status_code == 200
+    gw = gateway.gateway
+
+    def backend() -> Any:
+        with connections["default"].cursor() as cursor:
+            if connection.vendor != "postgresql":
+                connections["default"].connection.close()
+                return None
+            cursor.execute("SELECT pg_backend_pid()")
+            return cursor.fetchone()[0]
+
+    pid = asyncio.run_coroutine_threadsafe(gw.db.write(backend), gateway.loop).result(10)
+    if pid is not None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+    proxied = gw.proxied
+    handed_on = client.post(url, json=_beat())
+    assert handed_on.status_code == 200 and gw.proxied == proxied + 1
+    assert client.post(url, json=_beat()).status_code == 200
+    assert gw.proxied == proxied + 1 and gw.batcher.written == 2, "written by the gateway again"
+    assert Heartbeat.objects.filter(node=node).count() == 3
 
 
 def test_steady_heartbeats_of_many_nodes_are_one_statement_on_postgresql() -> None:
