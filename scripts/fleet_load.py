@@ -71,6 +71,7 @@ from syshax.loadgen import wire  # noqa: E402
 HOST = "127.0.0.1"
 GPUS_PER_NODE = 8
 SPEC_TIMEOUT = 30.0
+FREEZE_AHEAD = 3.0  # seconds before the measured window the load generator's heap is frozen
 
 
 # ------------------------------------------------------------------ the stack
@@ -933,14 +934,17 @@ async def load(base: str, data: dict[str, Any], sampler: CpuSampler) -> dict[str
             asyncio.create_task(router(api, r["name"], r["token"], i * rspread, stop, seen[i]))
             for i, r in enumerate(data["routers"])
         ]
-        await asyncio.sleep(max(0.0, warm_end - loop.time()))
         # What the simulated fleet holds lives to the end (5,200 tasks, their connections):
         # without this, each full collection walked it all, 80-96 ms every 10 s, and every
         # answer in flight meanwhile was timed that much late (docs/scale.md). Frozen, a
         # full collection still took 28-47 ms, so they are also made a hundred times rarer.
+        # The freeze's own collection (110-190 ms) is made a few seconds before the window,
+        # so that the answers it delays are the warm-up's.
+        await asyncio.sleep(max(0.0, warm_end - FREEZE_AHEAD - loop.time()))
         freeze_heap()
         thresholds = gc.get_threshold()
         gc.set_threshold(thresholds[0], thresholds[1], 100 * thresholds[2])
+        await asyncio.sleep(max(0.0, warm_end - loop.time()))
         recorder.measuring = True
         global START_WALL
         START_WALL = time.time()
@@ -1103,7 +1107,8 @@ def report(
         print("  none")
     # When the operator and the lost agents acted, to set beside those seconds.
     acted = {k: round(v - START_WALL, 1) for k, v in events.items() if v > START_WALL - 60}
-    print("events (seconds into the window):", json.dumps(acted))
+    started = time.strftime("%H:%M:%S", time.localtime(START_WALL))
+    print(f"events (seconds into the window, which began at {started}):", json.dumps(acted))
     long = [(round(w - START_WALL, 1), round(t * 1000), g) for w, t, g in COLLECTIONS.long]
     measured = [c for c in long if c[0] >= 0]
     print("the load generator's collections over 20 ms (second, ms, generation):", measured)
