@@ -1,11 +1,12 @@
-"""What the gateway knows of the fleet, read from and written to the database off its event
-loop: machine credentials (cached), a snapshot of what routers and idle agents poll for, and
-the group commits of heartbeats and routers' stats.
+"""What the gateway knows of the fleet, read from and written to the database: machine
+credentials (cached), a snapshot of what routers and idle agents poll for, and the group
+commits of heartbeats and routers' stats.
 
-Every database call runs in one of two threads, each with its own Django connection: one
-writes (the group commits' batches), one reads (credentials, the snapshot), so a slow commit never
-delays a read. The statements are the control plane's own service functions; nothing here
-knows a table.
+Reads run in a thread of their own with its own Django connection (the ORM is
+synchronous), so a slow commit never delays a read. On PostgreSQL the group commits' one
+statement each is sent from the event loop over an async connection (:class:`Statements`);
+elsewhere they run in a writer thread. The statements are the control plane's own, from its
+service functions; nothing here knows a table.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+import psycopg
 from django.db import DatabaseError, connections
 
 from controlplane.access.authentication import (
@@ -28,12 +30,18 @@ from controlplane.access.authentication import (
 from controlplane.access.models import hash_token
 from controlplane.deployments.delivery import queued_sessions
 from controlplane.inventory.models import Node
-from controlplane.inventory.services import record_steady_heartbeats
+from controlplane.inventory.services import (
+    record_steady_heartbeats,
+    steady_heartbeats_seen,
+    steady_heartbeats_statement,
+)
 from controlplane.policy.models import SchedulingPolicy
 from controlplane.routers.services import (
     deployments_etag,
     record_stats_batch,
     routable_deployments,
+    stats_batch_statement,
+    stats_batch_stored,
 )
 
 log = logging.getLogger("controlplane.gateway")
@@ -289,6 +297,82 @@ def _timed(
     return written, [*took, time.perf_counter() - started - sum(took)]
 
 
+class Statements:
+    """The group commits' statements on PostgreSQL, sent from the event loop itself over a
+    psycopg async connection of the gateway's own (Django's settings, autocommit).
+
+    Through the writer thread, a batch waited for that thread to wake, and then the thread
+    and the event loop took turns at Python's GIL for every step of it; under load that
+    was more of a batch's time than the database's work (docs/scale.md). Here a batch is
+    one ``await``. The connection opens on first use; one that fails is closed, and the
+    next batch opens another."""
+
+    def __init__(self) -> None:
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+
+    @property
+    def backend_pid(self) -> int | None:
+        conn = self._conn
+        return None if conn is None or conn.closed else conn.info.backend_pid
+
+    async def _connection(self) -> psycopg.AsyncConnection[Any]:
+        if self._conn is None or self._conn.closed:
+            params = connections["default"].get_connection_params()
+            params.pop("cursor_factory", None)  # Django's own, for its synchronous cursors
+            self._conn = await psycopg.AsyncConnection.connect(**params, autocommit=True)
+        return self._conn
+
+    async def rows(self, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        conn = await self._connection()
+        try:
+            async with conn.cursor() as cursor:
+                await cursor.execute(sql, params)
+                return await cursor.fetchall()
+        except Exception:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                await conn.close()
+
+
+Write = Callable[[list[Any]], Awaitable[tuple[dict[Any, Any], list[float]]]]
+
+
+def in_thread(db: Database, fn: Callable[[list[Any]], dict[Any, Any]]) -> Write:
+    """A batch written by ``fn`` (a service function on Django's connection) in the
+    database's writer thread; its steps are each statement's seconds, then the rest."""
+
+    async def write(reports: list[Any]) -> tuple[dict[Any, Any], list[float]]:
+        return await db.write(_timed, fn, reports)
+
+    return write
+
+
+def in_loop(
+    statements: Statements,
+    statement: Callable[[list[Any]], tuple[str, dict[str, Any]]],
+    read: Callable[[list[tuple[Any, ...]]], Any],
+) -> Write:
+    """A batch written by a service's statement from the event loop; its steps are the
+    seconds to build the statement, then to run it."""
+
+    async def write(reports: list[Any]) -> tuple[dict[Any, Any], list[float]]:
+        started = time.perf_counter()
+        sql, params = statement(reports)
+        built = time.perf_counter()
+        rows = await statements.rows(sql, params)
+        answered = read(rows)
+        ran = time.perf_counter()
+        written = answered if isinstance(answered, dict) else dict.fromkeys(answered, True)
+        return written, [built - started, ran - built]
+
+    return write
+
+
 class GroupCommit(Coalescing, Generic[K, V]):
     """A group commit: every report that arrives while one batch is being written goes into
     the next, so a busy fleet costs one database call per batch, not one per report, and an
@@ -296,20 +380,14 @@ class GroupCommit(Coalescing, Generic[K, V]):
     acknowledged is lost if the gateway dies.
 
     ``write`` takes the batch's reports and answers, for each key it stored, what that
-    report's answer needs; a key it leaves out (or a failed write) is None to the caller,
-    whose request then goes to the control plane."""
+    report's answer needs, with the seconds of its steps; a key it leaves out (or a failed
+    write) is None to the caller, whose request then goes to the control plane."""
 
-    SLOW = 0.1  # a batch that takes longer is logged, with its statements' times
+    SLOW = 0.1  # a batch that takes longer is logged, with its steps' times
 
-    def __init__(
-        self,
-        db: Database,
-        what: str,
-        write: Callable[[list[Any]], dict[K, V]],
-        max_batch: int = 500,
-    ) -> None:
+    def __init__(self, what: str, write: Write, max_batch: int = 500) -> None:
         super().__init__()
-        self.db, self.what, self.write, self.max_batch = db, what, write, max_batch
+        self.what, self.write, self.max_batch = what, write, max_batch
         self._pending: list[tuple[K, Any, asyncio.Future[V | None]]] = []
         self.batches = 0
         self.written = 0  # reports stored
@@ -334,14 +412,14 @@ class GroupCommit(Coalescing, Generic[K, V]):
         started = time.monotonic()
         steps: list[float] = []
         try:
-            written, steps = await self.db.write(_timed, self.write, [r for _, r, _ in batch])
+            written, steps = await self.write([r for _, r, _ in batch])
         except Exception as exc:
             log.warning("%s batch of %d not written: %s", self.what, len(batch), exc)
             written = {}
         took = time.monotonic() - started
         if took > self.SLOW:
             log.info(
-                "%s batch of %d took %.0f ms (in the writer: %s ms)",
+                "%s batch of %d took %.0f ms (its steps: %s ms)",
                 self.what,
                 len(batch),
                 took * 1000,
@@ -358,17 +436,32 @@ class GroupCommit(Coalescing, Generic[K, V]):
                 future.set_result(written.get(key))
 
 
-def heartbeats(db: Database) -> GroupCommit[int, tuple[str, str]]:
+def _on_postgresql() -> bool:
+    return bool(connections["default"].vendor == "postgresql")
+
+
+def heartbeats(db: Database, statements: Statements) -> GroupCommit[int, tuple[str, str]]:
     """Steady heartbeats, keyed by node: each answers its node's ``(status,
-    inventory_hash)``. A report is ``(node id, validated payload)``."""
-    return GroupCommit(db, "heartbeat", record_steady_heartbeats)
+    inventory_hash)``. A report is ``(node id, validated payload)``. On PostgreSQL the
+    batch's one statement is sent from the loop; elsewhere ``record_steady_heartbeats``
+    runs in the writer thread."""
+    if _on_postgresql():
+        return GroupCommit(
+            "heartbeat",
+            in_loop(statements, steady_heartbeats_statement, steady_heartbeats_seen),
+        )
+    return GroupCommit("heartbeat", in_thread(db, record_steady_heartbeats))
 
 
 def _stats(reports: list[tuple[int, int, dict[str, Any]]]) -> dict[int, bool]:
     return dict.fromkeys(record_stats_batch(reports), True)
 
 
-def router_stats(db: Database) -> GroupCommit[int, bool]:
+def router_stats(db: Database, statements: Statements) -> GroupCommit[int, bool]:
     """Routers' stats, keyed by router: True for each stored. A report is ``(router id,
     the credential's id, validated stats)``."""
-    return GroupCommit(db, "router stats", _stats)
+    if _on_postgresql():
+        return GroupCommit(
+            "router stats", in_loop(statements, stats_batch_statement, stats_batch_stored)
+        )
+    return GroupCommit("router stats", in_thread(db, _stats))

@@ -42,6 +42,7 @@ from controlplane.gateway.fleet import (
     Credentials,
     Database,
     Machine,
+    Statements,
     Watcher,
     heartbeats,
     inventory_hashes,
@@ -246,8 +247,9 @@ class Gateway:
         ttl = settings.TOKEN_LAST_USED_SECONDS if credential_ttl is None else credential_ttl
         self.credentials = Credentials(self.db, ttl)
         self.watcher = Watcher(self.db, snapshot_interval, self.credentials)
-        self.batcher = heartbeats(self.db)
-        self.stats = router_stats(self.db)
+        self.statements = Statements()
+        self.batcher = heartbeats(self.db, self.statements)
+        self.stats = router_stats(self.db, self.statements)
         self.inventories = inventory_hashes(self.db)
         self.throttle = Throttle()
         self.routing = RoutingAnswers()
@@ -301,6 +303,7 @@ class Gateway:
                 await task
         if self.session is not None:
             await self.session.close()
+        await self.statements.close()
         self.db.close()
 
     async def _report(self, every: float = 30.0) -> None:

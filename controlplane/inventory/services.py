@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
@@ -137,15 +138,16 @@ def record_steady_heartbeats(
     go through :func:`record_heartbeat`, which brings it back and announces it. ``reports``
     are validated payloads (``HeartbeatInSerializer``'s ``validated_data`` form).
 
-    On PostgreSQL the batch is one statement (:func:`_record_steady_statement`), atomic by
+    On PostgreSQL the batch is one statement (:func:`steady_heartbeats_statement`), atomic by
     itself; elsewhere three in one transaction.
     """
     if not reports:
         return {}
-    now = connection.ops.adapt_datetimefield_value(timezone.now())
     if connection.vendor == "postgresql":
-        return _record_steady_statement(now, reports)
-    return _record_steady_transaction(now, reports)
+        return _record_steady_statement(reports)
+    return _record_steady_transaction(
+        connection.ops.adapt_datetimefield_value(timezone.now()), reports
+    )
 
 
 def _record_steady_transaction(
@@ -178,6 +180,7 @@ def _column(model: Any, field: str) -> str:
     return str(connection.ops.quote_name(model._meta.get_field(field).column))
 
 
+@functools.cache
 def _steady_statement() -> str:
     """The batch as one PostgreSQL statement over one JSON document of the heartbeats (in
     their order): ``seen`` marks the steady nodes among them, and only the heartbeats of
@@ -230,9 +233,12 @@ def _steady_statement() -> str:
     )
 
 
-def _record_steady_statement(
-    now: Any, reports: Sequence[tuple[int, dict[str, Any]]]
-) -> dict[int, tuple[str, str]]:
+def steady_heartbeats_statement(
+    reports: Sequence[tuple[int, dict[str, Any]]],
+) -> tuple[str, dict[str, Any]]:
+    """The PostgreSQL statement that records a batch as :func:`record_steady_heartbeats`
+    does, and its parameters; :func:`steady_heartbeats_seen` reads what it returns. The
+    machine gateway sends it on a connection of its own (docs/scale.md)."""
     beats = json.dumps(
         [
             {
@@ -247,9 +253,21 @@ def _record_steady_statement(
         allow_nan=False,  # not JSON; a reading is finite before it gets here
         separators=(",", ":"),
     )
+    return _steady_statement(), {"beats": beats, "now": timezone.now()}
+
+
+def steady_heartbeats_seen(rows: Iterable[Sequence[Any]]) -> dict[int, tuple[str, str]]:
+    """Each recorded node's ``(status, inventory_hash)``, from the statement's rows."""
+    return {int(row[0]): (str(row[1]), str(row[2])) for row in rows}
+
+
+def _record_steady_statement(
+    reports: Sequence[tuple[int, dict[str, Any]]],
+) -> dict[int, tuple[str, str]]:
+    sql, params = steady_heartbeats_statement(reports)
     with connection.cursor() as cursor:
-        cursor.execute(_steady_statement(), {"beats": beats, "now": now})
-        return {int(row[0]): (str(row[1]), str(row[2])) for row in cursor.fetchall()}
+        cursor.execute(sql, params)
+        return steady_heartbeats_seen(cursor.fetchall())
 
 
 def _insert_heartbeats(cursor: Any, now: Any, recorded: list[tuple[int, dict[str, Any]]]) -> None:

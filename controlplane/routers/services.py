@@ -1,8 +1,9 @@
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -74,8 +75,8 @@ def record_stats_batch(reports: Sequence[tuple[int, int, dict[str, Any]]]) -> se
     :func:`record_stats` in one transaction."""
     if not reports:
         return set()
-    now = timezone.now()
     if connection.vendor != "postgresql":
+        now = timezone.now()
         owners = dict(
             RouterInstance.objects.filter(pk__in={r for r, _, _ in reports}).values_list(
                 "pk", "credential_id"
@@ -88,17 +89,33 @@ def record_stats_batch(reports: Sequence[tuple[int, int, dict[str, Any]]]) -> se
                     record_stats(RouterInstance(pk=router_id), stats, now=now)
                     stored.add(router_id)
         return stored
+    sql, params = stats_batch_statement(reports)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return stats_batch_stored(cursor.fetchall())
+
+
+def stats_batch_statement(
+    reports: Sequence[tuple[int, int, dict[str, Any]]],
+) -> tuple[str, dict[str, Any]]:
+    """The PostgreSQL statement that stores a batch as :func:`record_stats_batch` does, and
+    its parameters; :func:`stats_batch_stored` reads what it returns. The machine gateway
+    sends it on a connection of its own (docs/scale.md)."""
+    now = timezone.now()
     doc = json.dumps(
         [{"router": r, "credential": c, "stats": stats} for r, c, stats in reports],
         allow_nan=False,  # not JSON; the serializer refuses it before it gets here
         separators=(",", ":"),
     )
-    params: dict[str, Any] = {"doc": doc, "now": now, "iso": now.isoformat()}
-    with connection.cursor() as cursor:
-        cursor.execute(_stats_statement(), params)
-        return {int(row[0]) for row in cursor.fetchall()}
+    return _stats_statement(), {"doc": doc, "now": now, "iso": now.isoformat()}
 
 
+def stats_batch_stored(rows: Iterable[Sequence[Any]]) -> set[int]:
+    """The routers stored, from the statement's rows."""
+    return {int(row[0]) for row in rows}
+
+
+@functools.cache
 def _stats_statement() -> str:
     """One PostgreSQL statement over one JSON document of the reports (in their order):
     ``seen`` updates each router that is its reporter's own, from its last report, and

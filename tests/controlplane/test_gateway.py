@@ -375,18 +375,16 @@ def test_a_write_on_a_lost_connection_is_handed_on_and_the_next_one_reconnects(
     assert client.post(url, json=_beat()).status_code == 200
     gw = gateway.gateway
 
-    def backend() -> Any:
-        with connections["default"].cursor() as cursor:
-            if connection.vendor != "postgresql":
-                connections["default"].connection.close()
-                return None
-            cursor.execute("SELECT pg_backend_pid()")
-            return cursor.fetchone()[0]
-
-    pid = asyncio.run_coroutine_threadsafe(gw.db.write(backend), gateway.loop).result(10)
-    if pid is not None:
+    if connection.vendor == "postgresql":  # the gateway's own connection, from its loop
+        pid = gateway.call(lambda: gw.statements.backend_pid)
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+    else:
+
+        def close() -> None:
+            connections["default"].connection.close()
+
+        asyncio.run_coroutine_threadsafe(gw.db.write(close), gateway.loop).result(10)
     proxied = gw.proxied
     handed_on = client.post(url, json=_beat())
     assert handed_on.status_code == 200 and gw.proxied == proxied + 1
