@@ -39,6 +39,25 @@ def backoff_delay(
     return (rng or random).uniform(0, ceiling)
 
 
+# How far each heartbeat's wait is spread either way, as a fraction of the interval.
+HEARTBEAT_JITTER = 0.1
+
+
+def jittered(
+    interval: float, *, spread: float = HEARTBEAT_JITTER, rng: random.Random | None = None
+) -> float:
+    """The wait before the next heartbeat: ``interval`` spread uniformly by ``spread`` of
+    itself either way, so the mean stays the interval.
+
+    A fleet's heartbeats are answered together: the control plane commits them in groups, and
+    agents that started or came back together register together. Waiting the same interval
+    from the same answer, they would arrive together for ever, a burst every interval that
+    each makes the next group larger; spread this much, a group dissolves within a few
+    intervals (docs/agent.md). The longest wait, 1.1 intervals, stays far inside the
+    control plane's grace period of three."""
+    return interval * (rng or random).uniform(1 - spread, 1 + spread)
+
+
 class ControlPlaneClient:
     def __init__(self, base_url: str, token: str, *, timeout: float = 5.0) -> None:
         self.base_url = base_url.rstrip("/")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agents.client import ApiError, ControlPlaneClient, Unreachable, backoff_delay
+from agents.client import ApiError, ControlPlaneClient, Unreachable, backoff_delay, jittered
 from agents.commands import CommandExecutor, safe_filename
 from agents.discovery import (
     EngineOnCards,
@@ -244,7 +244,7 @@ class Agent:
                     self.flush_outbox()
                 failures = 0
                 self.online = True
-                delay = self.interval
+                delay = jittered(self.interval)
             except Unreachable as exc:
                 failures += 1
                 self.online = False
@@ -263,10 +263,10 @@ class Agent:
                 )
             except ApiError as exc:
                 log.error("heartbeat refused: %s", exc)
-                delay = self.interval
+                delay = jittered(self.interval)
             except Exception:
                 log.exception("heartbeat crashed")
-                delay = self.interval
+                delay = jittered(self.interval)
             self.stop_event.wait(delay)
 
     # ------------------------------------------------------------ commands

@@ -21,7 +21,13 @@ import pytest
 from agent_helpers import PROJECT, http_engine_spec
 from standin_control_plane import StandInControlPlane
 
-from agents.client import ApiError, ControlPlaneClient, Unreachable, backoff_delay
+from agents.client import (
+    ApiError,
+    ControlPlaneClient,
+    Unreachable,
+    backoff_delay,
+    jittered,
+)
 from agents.commands import probe
 from syshax.common.supervisor import wait_until
 
@@ -39,6 +45,20 @@ def test_backoff_grows_exponentially_with_full_jitter_up_to_the_cap() -> None:
         assert max(values) > 0.8 * ceiling  # jitter spans the whole window ...
         assert len({round(v, 6) for v in values}) > 150  # ... and never repeats in lockstep
     assert max(samples[7]) <= 8.0
+
+
+def test_heartbeats_answered_together_drift_apart() -> None:
+    """300 agents whose beats were answered in one group commit: waiting a jittered
+    interval, within a few intervals their beats no longer come together."""
+    rng = random.Random(11)
+    waits = [jittered(10.0, rng=rng) for _ in range(2000)]
+    assert all(9.0 <= w <= 11.0 for w in waits)
+    assert abs(sum(waits) / len(waits) - 10.0) < 0.1, "the mean stays the interval"
+    due = [0.0] * 300
+    for _ in range(5):  # five beats each, every wait from that agent's own last answer
+        due = [t + jittered(10.0, rng=rng) for t in due]
+    busiest = max(sum(1 for t in due if s <= t < s + 0.1) for s in due)
+    assert busiest < 30, f"{busiest} of 300 still beat within 100 ms of each other"
 
 
 def test_client_tells_unreachable_from_refused(tmp_path: Path) -> None:
