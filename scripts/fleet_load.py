@@ -14,8 +14,9 @@ database ``--redis`` (flushed before and after). Over HTTP, from one asyncio pro
 most ``--connections`` connections, start times spread uniformly over the period:
 
 - each agent PUTs its inventory once (this machine's CPU topology and 8 simulated A100s,
-  as ``agents.discovery`` builds them), then every ``--period`` seconds POSTs a heartbeat as
-  ``collect_heartbeat`` does and fetches its commands with ``wait=0`` (a real agent holds a
+  as ``agents.discovery`` builds them), then POSTs a heartbeat as ``collect_heartbeat`` does,
+  waiting ``--period`` seconds from each answer, jittered as the agent jitters it
+  (``agents.client.jittered``), and fetches its commands with ``wait=0`` (a real agent holds a
   long poll open instead: 5,000 of them would hold 5,000 web threads, see docs/scale.md);
   the agent of the first node answers its commands, so a deployment really comes up;
 - each router registers, then every ``--router-interval`` seconds GETs
@@ -57,6 +58,8 @@ from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import uvloop
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -174,6 +177,20 @@ class Endpoint:
 # The load generator's own collections over 20 ms: while one runs, every answer in flight
 # waits, and is timed late.
 COLLECTIONS = CollectionTimes(keep_over=0.02)
+# The load generator's own event loop running late (time.time(), seconds): every answer
+# that arrives meanwhile is timed that much late, which is the instrument's error.
+LOOP_LATE: list[tuple[float, float]] = []
+
+
+async def watch_own_loop(every: float = 0.01, over: float = 0.02) -> None:
+    """Note each time this process's loop runs a timer ``over`` seconds late or more."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + every
+        await asyncio.sleep(every)
+        late = loop.time() - due
+        if late >= over:
+            LOOP_LATE.append((time.time(), late))
 
 
 class Recorder:
@@ -297,6 +314,7 @@ def next_tick(tick: float, every: float, now: float) -> float:
 async def agent(
     api: Api, index: int, node: dict[str, Any], base: dict[str, Any], offset: float, stop: float
 ) -> None:
+    from agents.client import jittered
     from agents.discovery import inventory_hash
 
     rng = random.Random(index)
@@ -315,24 +333,30 @@ async def agent(
         )
     lost_at = ARGS.lost_at if index >= len(NODES) - ARGS.lost else None
     # The deployment's node fetches every second, as a long poll would hand it a command at
-    # once; every other agent fetches once a heartbeat.
-    fetch_every = 1.0 if index == 0 else ARGS.period
+    # once; every other agent fetches once a heartbeat, after it.
+    every_second = index == 0
     tick = next_beat = loop.time()
     while loop.time() < stop:
         if lost_at is not None and loop.time() >= lost_at:
             api.recorder.events.setdefault("lost_silent_at", time.time())
             return  # this node's agent has died
-        if loop.time() >= next_beat:
+        beat = loop.time() >= next_beat
+        if beat:
             payload = heartbeat_payload(inventory, digest, rng)
             await api.call("POST heartbeat", "POST", f"nodes/{node_id}/heartbeat", token, payload)
-            next_beat = next_tick(next_beat, ARGS.period, loop.time())
-        _, body, _ = await api.call(
-            "GET agent/commands", "GET", f"agent/commands?session={session}&wait=0", token
-        )
-        for command in (body or {}).get("commands", []):
-            await answer_command(api, token, node_id, command)
-        tick = next_tick(tick, fetch_every, loop.time())
-        await asyncio.sleep(max(0.0, min(tick, next_beat) - loop.time()))
+            # As the agent waits (agents/main.py): a jittered interval from this answer. A
+            # fixed phase kept the one the first inventory answer gave, and those answers
+            # came in groups, so the fleet beat in bursts every period (docs/scale.md).
+            next_beat = loop.time() + jittered(ARGS.period, rng=rng)
+        if beat or every_second:
+            _, body, _ = await api.call(
+                "GET agent/commands", "GET", f"agent/commands?session={session}&wait=0", token
+            )
+            for command in (body or {}).get("commands", []):
+                await answer_command(api, token, node_id, command)
+        tick = next_tick(tick, 1.0, loop.time()) if every_second else next_beat
+        wake = min(tick, next_beat, lost_at if lost_at is not None else stop)
+        await asyncio.sleep(max(0.0, wake - loop.time()))
 
 
 async def answer_command(api: Api, token: str, node_id: int, command: dict[str, Any]) -> None:
@@ -514,6 +538,25 @@ def process_tree(pid: int) -> list[Any]:
     return []
 
 
+def process_trees(roots: dict[str, int]) -> list[tuple[str, Any]]:
+    """Each root's process and its descendants, named by the root's name, from one pass over
+    the machine's processes (``Process.children`` makes a pass of its own for each call)."""
+    import psutil
+
+    children: dict[int, list[Any]] = defaultdict(list)
+    for proc in psutil.process_iter(["ppid"]):
+        children[proc.info["ppid"]].append(proc)
+    found: list[tuple[str, Any]] = []
+    for name, pid in roots.items():
+        with suppress(psutil.Error):
+            todo = [psutil.Process(pid)]
+            while todo:
+                proc = todo.pop()
+                found.append((name, proc))
+                todo.extend(children.get(proc.pid, []))
+    return found
+
+
 class CpuSampler:
     """CPU seconds per group of processes, and the database's backends, once a second."""
 
@@ -531,14 +574,23 @@ class CpuSampler:
         self.timeline: list[tuple[float, float, dict[str, float], tuple[float, ...]]] = []
         self.disk = disk_counters()
         self.steal = self.steal_first = 0.0  # read at each sample, from the first one on
+        self.trees: list[tuple[str, Any]] = []
+        self.trees_at = float("-inf")
+        import psutil
+
+        self.me = psutil.Process()
 
     def _groups(self) -> Iterator[tuple[str, Any]]:
         import psutil
 
-        for name, proc in self.stack.procs.items():
-            for p in process_tree(proc.pid):
-                yield name, p
-        yield "load generator (this script)", psutil.Process()
+        # The stack's processes are found again every ten seconds, not every second: the
+        # pass over every process on the machine held this process's GIL long enough to
+        # make its own event loop late, which times the answers late.
+        if time.monotonic() - self.trees_at > 10.0:
+            roots = {name: proc.pid for name, proc in self.stack.procs.items()}
+            self.trees, self.trees_at = process_trees(roots), time.monotonic()
+        yield from self.trees
+        yield "load generator (this script)", self.me
         with pg_connect(self.db_url) as conn:
             rows = conn.execute(
                 "SELECT pid, state, wait_event_type, wait_event, left(query, 50) "
@@ -955,7 +1007,8 @@ async def load(base: str, data: dict[str, Any], sampler: CpuSampler) -> dict[str
         side = [
             asyncio.create_task(
                 operator(api, data["operator"], data["nodes"][0], (ARGS.gpu_port, free_port()))
-            )
+            ),
+            asyncio.create_task(watch_own_loop()),
         ]
         lost = {n["name"] for n in data["nodes"][len(data["nodes"]) - ARGS.lost :]}
         if ARGS.lost:
@@ -1112,6 +1165,13 @@ def report(
     long = [(round(w - START_WALL, 1), round(t * 1000), g) for w, t, g in COLLECTIONS.long]
     measured = [c for c in long if c[0] >= 0]
     print("the load generator's collections over 20 ms (second, ms, generation):", measured)
+    late = [(round(w - START_WALL, 2), round(t * 1000)) for w, t in LOOP_LATE]
+    late = [x for x in late if 0 <= x[0] < seconds]
+    print(
+        f"the load generator's loop ran 20 ms late or more {len(late)} times"
+        f" ({sum(1 for _, ms in late if ms >= 100)} of them 100 ms or more); the worst"
+        f" (second, ms): {sorted(late, key=lambda x: -x[1])[:8]}"
+    )
     # The machine's own stalls: a real-time process's late wake-ups (scripts/stall_probe.py).
     scheduler, stalls = probed
     window = [(w - START_WALL, ms) for w, ms in stalls if 0 <= w - START_WALL < seconds]
@@ -1150,6 +1210,8 @@ def report(
         "tcp": result["tcp"],
         "timeline": timeline,
         "machine_stalls": {"probe": scheduler, "late_ms_at": window},
+        # Every answer over 100 ms: (seconds into the window it came, endpoint, its seconds).
+        "slow_answers": [(round(w, 4), name, round(t, 4)) for w, name, t in recorder.slow],
         **extra,
     }
 
@@ -1212,6 +1274,13 @@ def parse_args() -> argparse.Namespace:
         choices=["wire", "aiohttp"],
         default="wire",
         help="the simulated machines' HTTP client: bare asyncio protocols (default), or aiohttp",
+    )
+    p.add_argument(
+        "--loop",
+        choices=["uvloop", "asyncio"],
+        default="uvloop",
+        help="the load generator's event loop (default uvloop; asyncio's own cost it a third"
+        " more CPU, which it shares with what it measures)",
     )
     p.add_argument("--step", choices=["setup", "queries", "reaper"], help=argparse.SUPPRESS)
     p.add_argument("--tokens", help=argparse.SUPPRESS)
@@ -1301,7 +1370,9 @@ def main() -> int:
         try:
             wait_healthy(base, stack)
             sampler = CpuSampler(stack, url, ARGS.db_name)
-            result = asyncio.run(load(base, data, sampler))
+            factory = uvloop.new_event_loop if ARGS.loop == "uvloop" else asyncio.new_event_loop
+            with asyncio.Runner(loop_factory=factory) as runner:
+                result = runner.run(load(base, data, sampler))
             ours = {p.pid for proc in stack.procs.values() for p in process_tree(proc.pid)}
             ours |= {pid for _, pid in sampler.last} | {os.getpid()}
             others = busy_others(others_before, ours)
