@@ -297,6 +297,9 @@ def _timed(
     return written, [*took, time.perf_counter() - started - sum(took)]
 
 
+CONNECT_TIMEOUT = 5  # seconds, unless the database settings say otherwise
+
+
 class Statements:
     """The group commits' statements on PostgreSQL, sent from the event loop itself over a
     psycopg async connection of the gateway's own (Django's settings, autocommit).
@@ -319,6 +322,9 @@ class Statements:
         if self._conn is None or self._conn.closed:
             params = connections["default"].get_connection_params()
             params.pop("cursor_factory", None)  # Django's own, for its synchronous cursors
+            # A database that does not answer fails the batch (handed to the control plane)
+            # within this, not after the system's TCP timeout.
+            params.setdefault("connect_timeout", CONNECT_TIMEOUT)
             self._conn = await psycopg.AsyncConnection.connect(**params, autocommit=True)
         return self._conn
 
