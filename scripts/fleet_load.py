@@ -747,8 +747,12 @@ def step_setup(out: Path) -> dict[str, Any]:
     for i in range(ARGS.routers):
         name = f"fleet-router-{i:03d}"
         routers.append({"name": name, "token": MachineCredential.issue("router", name)[1]})
+    # The load's agents report this very inventory: read once, here, so that a machine whose
+    # memory total moves between set-up and load (a VM's balloon) does not make every first
+    # PUT a change.
+    base = base_inventory()
     if not ARGS.fresh_inventory:
-        preload_inventories(Node.objects.filter(name__in=names))
+        preload_inventories(Node.objects.filter(name__in=names), base)
     if ARGS.online:
         from django.utils import timezone
 
@@ -757,11 +761,15 @@ def step_setup(out: Path) -> dict[str, Any]:
         )
     user = User.objects.create_superuser("fleet-operator", "", secrets.token_urlsafe(24))
     _, operator_token = PersonalToken.issue(user, "fleet operator")
-    out.write_text(json.dumps({"nodes": nodes, "routers": routers, "operator": operator_token}))
+    out.write_text(
+        json.dumps(
+            {"nodes": nodes, "routers": routers, "operator": operator_token, "inventory": base}
+        )
+    )
     return {"nodes": len(nodes), "routers": len(routers)}
 
 
-def preload_inventories(nodes: Any) -> None:
+def preload_inventories(nodes: Any, base: dict[str, Any]) -> None:
     """What ``PUT nodes/<id>/inventory`` stores, in bulk, so the agents' first PUT finds it
     unchanged (a control plane that restarts under a running fleet). ``--fresh-inventory``
     makes every agent register its hardware instead."""
@@ -771,7 +779,6 @@ def preload_inventories(nodes: Any) -> None:
     from controlplane.inventory.models import Accelerator, CpuTopology, Node, NumaNode
     from controlplane.inventory.services import inventory_hash
 
-    base = base_inventory()
     cpus, numas, cards, updated = [], [], [], []
     for node in nodes:
         serializer = InventorySerializer(data=node_inventory(base, node.name))
@@ -973,7 +980,7 @@ async def load(base: str, data: dict[str, Any], sampler: CpuSampler) -> dict[str
     stop = warm_end + ARGS.seconds
     ARGS.lost_at = warm_end + 0.2 * ARGS.seconds
     seen = [RouterSeen() for _ in data["routers"]]
-    base_inv = base_inventory()
+    base_inv = data["inventory"]
     async with client() as session:
         api = Api(base, recorder, session, ARGS.connections)
         spread = period / max(1, len(data["nodes"]))
