@@ -157,15 +157,26 @@ class Side:
             self.wall.append(wall * 1000)
             self.wal.append(float(wal) / 1024)
 
-    def hot(self) -> str:
+    def updates(self) -> dict[str, tuple[int, int]]:
+        """Each table's updates and HOT updates so far, this session's own included: its
+        pending counters are flushed first (PostgreSQL 15 keeps them in the backend for up
+        to a second, so a reset or a read right after the writes misses some)."""
+        with self.conn.cursor() as c:
+            c.execute("SELECT pg_stat_force_next_flush()")
+        with self.conn.cursor() as c:  # flushed once the session went idle after the last
+            c.execute("SELECT pg_stat_clear_snapshot()")
+            c.execute(
+                "SELECT relname, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
+                " WHERE relname IN ('inventory_node', 'inventory_accelerator')"
+            )
+            return {name: (int(upd), int(hot)) for name, upd, hot in c.fetchall()}
+
+    def hot(self, since: dict[str, tuple[int, int]]) -> str:
+        now = self.updates()
         shares = []
         for table in ("inventory_node", "inventory_accelerator"):
-            with self.conn.cursor() as c:
-                c.execute(
-                    "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = %s",
-                    [table],
-                )
-                updated, hot = c.fetchone()
+            updated = now[table][0] - since[table][0]
+            hot = now[table][1] - since[table][1]
             shares.append(f"{100 * hot / max(updated, 1):.0f} %")
         return " / ".join(shares)
 
@@ -225,14 +236,11 @@ def compare(args: argparse.Namespace, urls: dict[str, str]) -> int:
         reports = batch(rng, order[start : start + 100], min(100, len(order) - start))
         for side in sides:
             side.run(reports, measure=False)
-    for side in sides:
-        with side.conn.cursor() as c:
-            c.execute("SELECT pg_stat_reset()")
+    since = {side.alias: side.updates() for side in sides}
     for _ in range(args.runs // BLOCK):
         for side in sides:
             for _ in range(BLOCK):
                 side.run(batch(rng, node_ids, args.heartbeats), measure=True)
-    time.sleep(1)  # the statistics collector's counters arrive a moment after the writes
 
     print(
         f"{args.heartbeats} heartbeats a batch of {CARDS} cards each, {args.nodes} nodes,"
@@ -248,7 +256,7 @@ def compare(args: argparse.Namespace, urls: dict[str, str]) -> int:
         print(
             f"| {side.alias} | {med(side.cpu):.2f} | {mean(side.backend):.2f}"
             f" | {med(side.wall):.2f}"
-            f" | {med(side.wal):.1f} | {side.hot()} |"
+            f" | {med(side.wal):.1f} | {side.hot(since[side.alias])} |"
         )
     old, new = sides
     print(
