@@ -17,7 +17,8 @@ most ``--connections`` connections, start times spread uniformly over the period
   as ``agents.discovery`` builds them), then POSTs a heartbeat as ``collect_heartbeat`` does,
   waiting ``--period`` seconds from each answer, jittered as the agent jitters it
   (``agents.client.jittered``), and fetches its commands with ``wait=0`` (a real agent holds a
-  long poll open instead: 5,000 of them would hold 5,000 web threads, see docs/scale.md);
+  long poll open instead: 5,000 of them would hold 5,000 web threads, see docs/scale.md;
+  with ``--gateway --long-poll 20`` each agent holds one, as the real agent does);
   the agent of the first node answers its commands, so a deployment really comes up;
 - each router registers, then every ``--router-interval`` seconds GETs
   ``routing/policies/default`` and ``routing/deployments`` with ``If-None-Match`` and POSTs
@@ -54,7 +55,7 @@ import tempfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager, suppress
+from contextlib import asynccontextmanager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ from syshax.loadgen import wire  # noqa: E402
 HOST = "127.0.0.1"
 GPUS_PER_NODE = 8
 SPEC_TIMEOUT = 30.0
+HELD = " (held)"  # an endpoint held open by design (a long poll): its time is not a delay
 FREEZE_AHEAD = 3.0  # seconds before the measured window the load generator's heap is frozen
 
 
@@ -210,7 +212,7 @@ class Recorder:
             ep.errors[error] += 1
         else:
             ep.latencies.append(seconds)
-            if seconds > 0.1 and self.measuring:
+            if seconds > 0.1 and self.measuring and not name.endswith(HELD):
                 self.slow.append((time.time() - START_WALL, name, seconds))
 
 
@@ -226,10 +228,12 @@ class Api:
         self.limit = asyncio.Semaphore(limit)
 
     async def _send(
-        self, method: str, url: str, body: bytes | None, head: dict[str, str]
+        self, method: str, url: str, body: bytes | None, head: dict[str, str], held: bool
     ) -> tuple[int, bytes, dict[str, str]]:
         if isinstance(self.client, wire.ConnectionPool):
-            async with self.limit:
+            # A held long poll has a connection of its own, as each real agent has: it does
+            # not count against the shared limit, which it would otherwise fill for 20 s.
+            async with nullcontext() if held else self.limit:
                 resp = await wire.request(self.client, method, url, body, head, SPEC_TIMEOUT)
             if resp.error:
                 raise wire.WireError(resp.error)
@@ -248,6 +252,7 @@ class Api:
         headers: dict[str, str] | None = None,
         ok: tuple[int, ...] = (200, 201, 202, 304),
         by_status: bool = False,
+        held: bool = False,
     ) -> tuple[int | None, Any, dict[str, str]]:
         """(status, the JSON answer, the answer's headers by lower-case name)."""
         head = {"Authorization": f"Bearer {token}", **(headers or {})}
@@ -257,7 +262,9 @@ class Api:
             head["Content-Type"] = "application/json"
         start = time.perf_counter()
         try:
-            status, raw, answer_headers = await self._send(method, self.base + path, payload, head)
+            status, raw, answer_headers = await self._send(
+                method, self.base + path, payload, head, held
+            )
         except Exception as exc:  # a transport error is an error of this endpoint, not fatal
             self.recorder.note(name, time.perf_counter() - start, None, type(exc).__name__)
             return None, None, {}
@@ -332,6 +339,17 @@ async def agent(
             api.recorder.events.get("inventories changed", 0) + 1
         )
     lost_at = ARGS.lost_at if index >= len(NODES) - ARGS.lost else None
+    if ARGS.long_poll:
+        # As the agent runs (agents/main.py): heartbeats on one thread, and on the other a
+        # command fetch held open up to --long-poll seconds, asked again as soon as answered.
+        poll = asyncio.create_task(commands_held(api, token, node_id, session))
+        try:
+            await heartbeats(api, node_id, token, inventory, digest, rng, lost_at, stop)
+        finally:
+            poll.cancel()
+            with suppress(asyncio.CancelledError):
+                await poll
+        return
     # The deployment's node fetches every second, as a long poll would hand it a command at
     # once; every other agent fetches once a heartbeat, after it.
     every_second = index == 0
@@ -357,6 +375,43 @@ async def agent(
         tick = next_tick(tick, 1.0, loop.time()) if every_second else next_beat
         wake = min(tick, next_beat, lost_at if lost_at is not None else stop)
         await asyncio.sleep(max(0.0, wake - loop.time()))
+
+
+async def heartbeats(
+    api: Api,
+    node_id: int,
+    token: str,
+    inventory: dict[str, Any],
+    digest: str,
+    rng: random.Random,
+    lost_at: float | None,
+    stop: float,
+) -> None:
+    """An agent's heartbeat loop alone (``--long-poll``), until ``stop`` or ``lost_at``."""
+    from agents.client import jittered
+
+    loop = asyncio.get_running_loop()
+    end = min(stop, lost_at) if lost_at is not None else stop
+    while loop.time() < end:
+        payload = heartbeat_payload(inventory, digest, rng)
+        await api.call("POST heartbeat", "POST", f"nodes/{node_id}/heartbeat", token, payload)
+        await asyncio.sleep(
+            max(0.0, min(end, loop.time() + jittered(ARGS.period, rng=rng)) - loop.time())
+        )
+    if lost_at is not None and loop.time() >= lost_at:
+        api.recorder.events.setdefault("lost_silent_at", time.time())
+
+
+async def commands_held(api: Api, token: str, node_id: int, session: str) -> None:
+    """An agent's command loop with ``--long-poll``: each fetch held by the control plane
+    until a command is queued or the wait ends, then asked again at once."""
+    path = f"agent/commands?session={session}&wait={ARGS.long_poll:g}"
+    while True:
+        status, body, _ = await api.call(f"GET agent/commands{HELD}", "GET", path, token, held=True)
+        for command in (body or {}).get("commands", []):
+            await answer_command(api, token, node_id, command)
+        if status is None:
+            await asyncio.sleep(1.0)  # a transport error: the agent backs off
 
 
 async def answer_command(api: Api, token: str, node_id: int, command: dict[str, Any]) -> None:
@@ -1262,6 +1317,15 @@ def parse_args() -> argparse.Namespace:
         help="the gateway's --switch-interval (default: its own)",
     )
     p.add_argument(
+        "--long-poll",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="agents hold their command fetch open up to SECONDS, as the real agent does"
+        " (needs --gateway: Django holds a web thread for each; default 0: fetch once a"
+        " heartbeat)",
+    )
+    p.add_argument(
         "--fresh-inventory",
         action="store_true",
         help="nodes start with no inventory: every agent's first PUT stores its hardware "
@@ -1291,7 +1355,15 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--step", choices=["setup", "queries", "reaper"], help=argparse.SUPPRESS)
     p.add_argument("--tokens", help=argparse.SUPPRESS)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.long_poll < 0:
+        p.error(f"--long-poll must be 0 or more seconds, not {args.long_poll:g}")
+    if args.long_poll and not (args.gateway and args.client == "wire"):
+        p.error(
+            "--long-poll needs --gateway (Django holds a web thread for each held fetch) and"
+            " --client wire (aiohttp's connection limit would hold them in its queue)"
+        )
+    return args
 
 
 def flush_redis(url: str) -> None:
@@ -1407,6 +1479,7 @@ def main() -> int:
                 "gateway": bool(ARGS.gateway),
                 "gateway switch interval": ARGS.gateway_switch_interval,
                 "load generator's client": ARGS.client,
+                "long poll s": ARGS.long_poll,
             },
         }
         figures = report(result, sampler.totals(), extra, sampler.timeline, (scheduler, stalls))
