@@ -340,7 +340,8 @@ class Gateway:
             f" slowest batch {slowest * 1000:.0f} ms ({size}); loop lag at most"
             f" {lag * 1000:.0f} ms, longest garbage collection {collection * 1000:.0f} ms;"
             f" {self.stats.written} router stats in {self.stats.batches} batches;"
-            f" {self.credentials.calls} credential lookups"
+            f" {self.credentials.calls} credential lookups; {self.watcher.holding()} fetches"
+            " held"
         )
 
     # --- dispatch --------------------------------------------------------------------------
@@ -479,7 +480,7 @@ class Gateway:
         deadline = time.monotonic() + min(wait, settings.AGENT_COMMAND_WAIT_SECONDS)
         token = request.header("authorization").split()[1]
         while (remaining := deadline - time.monotonic()) > 0:
-            await self.watcher.next(remaining)
+            await self.watcher.hold(machine.node_id, remaining)
             snapshot = self.watcher.current()
             if snapshot is None or snapshot.has_commands_for(machine.node_id, session):
                 # The control plane hands it out (or finds nothing, if another took it).

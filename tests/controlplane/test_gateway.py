@@ -337,6 +337,84 @@ def test_an_idle_fetch_is_held_by_the_gateway_and_a_queued_command_reaches_it(
     assert bad.status_code == 400 and "session" in bad.json()["error"]["fields"]
 
 
+def test_a_command_wakes_only_its_nodes_held_fetch(gateway: Running, settings: Any) -> None:
+    settings.AGENT_COMMAND_WAIT_SECONDS = 3.0
+    nodes = [_node("online") for _ in range(6)]
+    clients = [_agent(node, f"agent-{i}") for i, node in enumerate(nodes)]
+    url = f"{gateway.url}/api/v1/agent/commands"
+    answers: dict[int, tuple[float, httpx.Response]] = {}
+
+    def fetch(i: int) -> None:
+        started = time.monotonic()
+        got = clients[i].get(url, params={"session": "s1", "wait": "3"})
+        answers[i] = (time.monotonic() - started, got)
+
+    threads = [threading.Thread(target=fetch, args=(i,)) for i in range(len(nodes))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while gateway.call(gateway.gateway.watcher.holding) < len(nodes):
+        assert time.monotonic() < deadline, "the fetches were not all held"
+        time.sleep(0.02)
+    AgentCommand.objects.create(node=nodes[2], action="inspect", spec={"what": "x"})
+    for thread in threads:
+        thread.join(30)
+    took, woken = answers[2]
+    assert woken.status_code == 200 and len(woken.json()["commands"]) == 1 and took < 2.5
+    for i in set(range(len(nodes))) - {2}:
+        took, idle = answers[i]
+        assert idle.json() == {"commands": []} and took >= 2.9, "held to the end of its wait"
+    assert gateway.gateway.proxied == 1, "only the woken fetch went to the control plane"
+    assert gateway.call(gateway.gateway.watcher.holding) == 0
+
+
+def test_snapshots_that_change_nothing_for_a_node_leave_its_fetch_asleep(
+    gateway: Running,
+) -> None:
+    node, busy = _node("online"), _node("online")
+    AgentCommand.objects.create(node=busy, action="inspect", spec={"what": "x"})
+    _next_snapshot(gateway)
+    watcher = gateway.gateway.watcher
+
+    async def hold(node_id: int) -> float:
+        started = time.monotonic()
+        await watcher.hold(node_id, 1.0)
+        return time.monotonic() - started
+
+    idle = asyncio.run_coroutine_threadsafe(hold(node.pk), gateway.loop)
+    queued = asyncio.run_coroutine_threadsafe(hold(busy.pk), gateway.loop)
+    assert queued.result(10) < 0.5, "a node with something queued looks again each snapshot"
+    assert idle.result(10) >= 0.95, "ten snapshots (0.1 s apart) passed without waking it"
+
+
+def test_a_held_fetch_ends_when_its_token_is_revoked(gateway: Running, settings: Any) -> None:
+    settings.AGENT_COMMAND_WAIT_SECONDS = 15.0
+    node = _node("online")
+    token = MachineCredential.issue("agent", f"agent-{node.pk}", node=node)[1]
+    url = f"{gateway.url}/api/v1/agent/commands"
+    answer: list[httpx.Response] = []
+    started = time.monotonic()
+    fetch = threading.Thread(
+        target=lambda: answer.append(
+            httpx.get(
+                url,
+                params={"session": "s1", "wait": "15"},
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=30,
+            )
+        )
+    )
+    fetch.start()
+    deadline = time.monotonic() + 10
+    while gateway.call(gateway.gateway.watcher.holding) < 1:
+        assert time.monotonic() < deadline, "the fetch was not held"
+        time.sleep(0.02)
+    assert MachineCredential.objects.get(node=node).revoke()
+    fetch.join(30)
+    assert answer[0].status_code == 200 and answer[0].json() == {"commands": []}
+    assert time.monotonic() - started < 5, "answered when the snapshot saw the revocation"
+
+
 def test_everything_else_reaches_the_control_plane_unchanged(gateway: Running) -> None:
     health = httpx.get(f"{gateway.url}/api/v1/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
