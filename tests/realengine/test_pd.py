@@ -49,14 +49,18 @@ def _body(chat: bool, stream: bool, max_tokens: int = 40, **extra: Any) -> dict[
     return body
 
 
-def ask(url: str, body: dict[str, Any], mode: str | None = None) -> dict[str, Any]:
-    """Text, token ids, usage and route of one answer (streamed answers reassembled)."""
+def ask(
+    url: str, body: dict[str, Any], mode: str | None = None, client: httpx.Client | None = None
+) -> dict[str, Any]:
+    """Text, token ids, usage and route of one answer (streamed answers reassembled), on
+    ``client``'s open connections when given (a new one costs a loaded machine dearly)."""
+    http: Any = client if client is not None else httpx
     chat = "messages" in body
     path = "/v1/chat/completions" if chat else "/v1/completions"
     headers = {"X-Syshax-Mode": mode} if mode else {}
     text, ids, usage = "", [], None
     if not body.get("stream"):
-        r = httpx.post(url + path, json=body, headers=headers, timeout=300)
+        r = http.post(url + path, json=body, headers=headers, timeout=300)
         assert r.status_code == 200, r.text
         data = r.json()
         choice = data["choices"][0]
@@ -69,7 +73,7 @@ def ask(url: str, body: dict[str, Any], mode: str | None = None) -> dict[str, An
             "finish": choice["finish_reason"],
         }
     finish = None
-    with httpx.stream("POST", url + path, json=body, headers=headers, timeout=300) as r:
+    with http.stream("POST", url + path, json=body, headers=headers, timeout=300) as r:
         assert r.status_code == 200, r.read()
         route = r.headers.get("x-syshax-route")
         for line in r.iter_lines():
