@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -321,11 +321,9 @@ def next_tick(tick: float, every: float, now: float) -> float:
 async def agent(
     api: Api, index: int, node: dict[str, Any], base: dict[str, Any], offset: float, stop: float
 ) -> None:
-    from agents.client import jittered
     from agents.discovery import inventory_hash
 
     rng = random.Random(index)
-    loop = asyncio.get_running_loop()
     inventory = node_inventory(base, node["name"])
     digest = inventory_hash(inventory)
     token, node_id = node["token"], node["id"]
@@ -339,42 +337,34 @@ async def agent(
             api.recorder.events.get("inventories changed", 0) + 1
         )
     lost_at = ARGS.lost_at if index >= len(NODES) - ARGS.lost else None
+
+    async def fetch(wait: float = 0.0) -> int | None:
+        """One command fetch, its commands answered; its status (None: a transport error)."""
+        name = f"GET agent/commands{HELD if wait else ''}"
+        path = f"agent/commands?session={session}&wait={wait:g}"
+        status, body, _ = await api.call(name, "GET", path, token, held=bool(wait))
+        for command in (body or {}).get("commands", []):
+            await answer_command(api, token, node_id, command)
+        return status
+
+    # As the agent runs (agents/main.py): heartbeats on one thread, commands on the other.
+    # With --long-poll the command side holds a fetch open, asked again once answered. Else
+    # the deployment's node fetches every second, as a long poll would hand it a command at
+    # once, and every other agent fetches once a heartbeat, after it.
+    side = None
     if ARGS.long_poll:
-        # As the agent runs (agents/main.py): heartbeats on one thread, and on the other a
-        # command fetch held open up to --long-poll seconds, asked again as soon as answered.
-        poll = asyncio.create_task(commands_held(api, token, node_id, session))
-        try:
-            await heartbeats(api, node_id, token, inventory, digest, rng, lost_at, stop)
-        finally:
-            poll.cancel()
+        side = asyncio.create_task(commands_held(fetch))
+    elif index == 0:
+        side = asyncio.create_task(commands_every_second(fetch))
+    try:
+        await heartbeats(
+            api, node_id, token, inventory, digest, rng, lost_at, stop, None if side else fetch
+        )
+    finally:
+        if side is not None:
+            side.cancel()
             with suppress(asyncio.CancelledError):
-                await poll
-        return
-    # The deployment's node fetches every second, as a long poll would hand it a command at
-    # once; every other agent fetches once a heartbeat, after it.
-    every_second = index == 0
-    tick = next_beat = loop.time()
-    while loop.time() < stop:
-        if lost_at is not None and loop.time() >= lost_at:
-            api.recorder.events.setdefault("lost_silent_at", time.time())
-            return  # this node's agent has died
-        beat = loop.time() >= next_beat
-        if beat:
-            payload = heartbeat_payload(inventory, digest, rng)
-            await api.call("POST heartbeat", "POST", f"nodes/{node_id}/heartbeat", token, payload)
-            # As the agent waits (agents/main.py): a jittered interval from this answer. A
-            # fixed phase kept the one the first inventory answer gave, and those answers
-            # came in groups, so the fleet beat in bursts every period (docs/scale.md).
-            next_beat = loop.time() + jittered(ARGS.period, rng=rng)
-        if beat or every_second:
-            _, body, _ = await api.call(
-                "GET agent/commands", "GET", f"agent/commands?session={session}&wait=0", token
-            )
-            for command in (body or {}).get("commands", []):
-                await answer_command(api, token, node_id, command)
-        tick = next_tick(tick, 1.0, loop.time()) if every_second else next_beat
-        wake = min(tick, next_beat, lost_at if lost_at is not None else stop)
-        await asyncio.sleep(max(0.0, wake - loop.time()))
+                await side
 
 
 async def heartbeats(
@@ -386,8 +376,9 @@ async def heartbeats(
     rng: random.Random,
     lost_at: float | None,
     stop: float,
+    after: Callable[[], Awaitable[Any]] | None,
 ) -> None:
-    """An agent's heartbeat loop alone (``--long-poll``), until ``stop`` or ``lost_at``."""
+    """An agent's heartbeat loop, ``after`` each answer, until ``stop`` or ``lost_at``."""
     from agents.client import jittered
 
     loop = asyncio.get_running_loop()
@@ -395,22 +386,30 @@ async def heartbeats(
     while loop.time() < end:
         payload = heartbeat_payload(inventory, digest, rng)
         await api.call("POST heartbeat", "POST", f"nodes/{node_id}/heartbeat", token, payload)
-        await asyncio.sleep(
-            max(0.0, min(end, loop.time() + jittered(ARGS.period, rng=rng)) - loop.time())
-        )
+        if after is not None:
+            await after()
+        # As the agent waits (agents/main.py): a jittered interval from this answer. A fixed
+        # phase kept the one the first inventory answer gave, and those answers came in
+        # groups, so the fleet beat in bursts every period (docs/scale.md).
+        await asyncio.sleep(max(0.0, min(end - loop.time(), jittered(ARGS.period, rng=rng))))
     if lost_at is not None and loop.time() >= lost_at:
-        api.recorder.events.setdefault("lost_silent_at", time.time())
+        api.recorder.events.setdefault("lost_silent_at", time.time())  # the agent has died
 
 
-async def commands_held(api: Api, token: str, node_id: int, session: str) -> None:
-    """An agent's command loop with ``--long-poll``: each fetch held by the control plane
-    until a command is queued or the wait ends, then asked again at once."""
-    path = f"agent/commands?session={session}&wait={ARGS.long_poll:g}"
+async def commands_every_second(fetch: Callable[[], Awaitable[Any]]) -> None:
+    loop = asyncio.get_running_loop()
+    tick = loop.time()
     while True:
-        status, body, _ = await api.call(f"GET agent/commands{HELD}", "GET", path, token, held=True)
-        for command in (body or {}).get("commands", []):
-            await answer_command(api, token, node_id, command)
-        if status is None:
+        await fetch()
+        tick = next_tick(tick, 1.0, loop.time())
+        await asyncio.sleep(max(0.0, tick - loop.time()))
+
+
+async def commands_held(fetch: Callable[[float], Awaitable[int | None]]) -> None:
+    """Each fetch held by the control plane until a command is queued or ``--long-poll``
+    ends, then asked again at once."""
+    while True:
+        if await fetch(ARGS.long_poll) is None:
             await asyncio.sleep(1.0)  # a transport error: the agent backs off
 
 

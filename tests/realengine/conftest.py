@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from syshax.common.supervisor import WaitTimeout, free_port
@@ -153,9 +154,11 @@ def router(engines: Pair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         proc.stop()
 
 
-def router_view(router: Proc) -> dict[str, dict[str, Any]]:
-    """The router's ``/health`` view of each engine, by role (``gpu``, ``cpu``)."""
-    return {b["role"]: b for b in router.get("/health").json()["backends"]}
+def router_view(router: Proc, client: httpx.Client | None = None) -> dict[str, dict[str, Any]]:
+    """The router's ``/health`` view of each engine, by role (``gpu``, ``cpu``); on
+    ``client``'s open connections when given."""
+    health = client.get(router.url + "/health") if client else router.get("/health")
+    return {b["role"]: b for b in health.json()["backends"]}
 
 
 def _routable(backend: dict[str, Any]) -> bool:

@@ -52,11 +52,6 @@ def _new_decisions(router: Proc) -> str:
     return "\n".join(line for line in lines if line.startswith(prefix) and 'stage="new"' in line)
 
 
-def _gpu_inflight(client: httpx.Client, router: Proc) -> int:
-    backends = client.get(router.url + "/health").json()["backends"]
-    return int(next(b["inflight"] for b in backends if b["role"] == "gpu"))
-
-
 def _while_the_gpu_is_held(router: Proc, attempts: int = 5) -> tuple[dict[str, Any], Any]:
     """A request sent while a long stream holds the GPU's one slot, as the router counts it:
     its answer, and what the long stream's client read.
@@ -97,13 +92,17 @@ def _while_the_gpu_is_held(router: Proc, attempts: int = 5) -> tuple[dict[str, A
         holder.start()
         try:
             assert started.wait(120)
-            held = _gpu_inflight(client, router) == 1
+            held = router_view(router, client)["gpu"]["inflight"] == 1
             body = _body(chat=False, stream=True, max_tokens=48)
             answer = ask(router.url, body, client=client) if held else None
             # Kept on the GPU once the long stream had ended meanwhile: the decision met a
             # free GPU, and the attempt says nothing. Kept there with the stream still on
             # it is the failure this test is for, and goes to the caller's assertions.
-            if answer and answer["route"] != "pd" and _gpu_inflight(client, router) == 0:
+            if (
+                answer
+                and answer["route"] != "pd"
+                and router_view(router, client)["gpu"]["inflight"] == 0
+            ):
                 answer = None
         finally:
             release.set()
