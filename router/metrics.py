@@ -101,7 +101,8 @@ class RouterMetrics:
             "syshax_router_kv_transfers",
             "PD KV handoffs by outcome: hit (the decode engine reports the transferred "
             "tokens as cached), kv_miss (it recomputed them), unverified (no usage report "
-            "came back), none (the prefill engine published no transfer)",
+            "came back), none (the prefill engine published no transfer), fallback (the "
+            "prefill engine could not publish it, its arena full, and decoded it itself)",
             ["outcome"],
             registry=r,
         )

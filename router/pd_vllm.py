@@ -125,6 +125,8 @@ class VllmPd:
         self.prompt_ids: list[int] = []
         self.generated: list[int] = []
         self.transfer: Transfer | None = None
+        # The prefill engine could not publish the KV (its arena full): decode where it is.
+        self.kv_fallback = False
         self.min_tokens = exchange.req.body.get("min_tokens")
 
     # -- steps -------------------------------------------------------------------------
@@ -136,7 +138,7 @@ class VllmPd:
             ex.out.finish_reason = finish
             return
         cpu = ex.deployment.cpu
-        target = cpu if cpu is not None else ex.deployment.gpu
+        target = cpu if cpu is not None and not self.kv_fallback else ex.deployment.gpu
         # A re-decision point costs nothing here (the stream goes on), so even "to the end"
         # decisions (forced-pd) get one every token_limit tokens: a live policy change lands.
         limit = decision.token_limit or token_limit(
@@ -209,6 +211,17 @@ class VllmPd:
                 num_tokens=int(params.get("num_tokens") or len(self.prompt_ids)),
                 transfer_id=str(params["transfer_id"]),
                 lease_expires_at=float(params.get("lease_expires_at") or 0.0),
+            )
+        elif isinstance(params, dict) and params.get("syshax_kv_fallback"):
+            # Counted, not failed: the GPU engine holds the prompt's KV and decodes it.
+            self.kv_fallback = True
+            ex.metrics.kv_transfer("fallback")
+            log.warning(
+                "deployment %s: GPU engine %s kept request %s (%s); it decodes there",
+                ex.deployment.spec.name,
+                gpu.url,
+                ex.out.request_id,
+                str(params["syshax_kv_fallback"])[:300],
             )
         elif finish == "length":
             # The GPU engine has no connector: the decode recomputes the prompt.

@@ -59,7 +59,7 @@ def main() -> None:
     )
     step("first-party imports at module top", [PY, "scripts/check_lazy_imports.py"])
     step(
-        "mypy --strict (shared layer, agents, router, simulator, load generator, hetero)",
+        "mypy --strict (shared layer, agents, router, simulator, load generator, hetero, KV bench)",
         [
             PY,
             "-m",
@@ -72,6 +72,7 @@ def main() -> None:
             "syshax/loadgen",
             "syshax/hetero",
             "syshax/common",
+            "syshax/kvbench",
             "syshax/cli.py",
             "controlplane/core/broker.py",
             "syshax/webworker.py",

@@ -62,6 +62,7 @@ class DeploymentProfileAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                     "max_num_seqs",
                     "preemption_mode",
                     "gpu_shm_size_gb",
+                    "kv_arena_mib",
                     "sim_gpu_device",
                 ]
             },

@@ -31,6 +31,9 @@ from controlplane.inventory.cpulist import CpuListError, parse_cpu_list
 from controlplane.inventory.models import Node, node_name_validator
 from controlplane.policy.models import SchedulingPolicy
 
+# Of the GPU container's /dev/shm, what the KV arena leaves to vLLM's own shared memory.
+KV_ARENA_SHM_RESERVE_MIB = 512
+
 port_validators = [MinValueValidator(1), MaxValueValidator(65535)]
 
 
@@ -91,6 +94,12 @@ class DeploymentProfile(TimeStampedModel):
     )
     gpu_shm_size_gb = models.FloatField(
         default=16.0, validators=[MinValueValidator(0.0625)], help_text="/dev/shm for KV handoff"
+    )
+    kv_arena_mib = models.PositiveIntegerField(
+        default=2048,
+        validators=[MinValueValidator(0), MaxValueValidator(1048576)],
+        help_text="the GPU engine's KV connector arena in /dev/shm (pinned, reserved at start); "
+        "a PD prefill that does not fit is decoded on the GPU and counted",
     )
 
     cpu_image = models.CharField(max_length=255, default="vllm/vllm-cpu:latest")
@@ -188,6 +197,14 @@ class DeploymentProfile(TimeStampedModel):
             errors["pd_protocol"] = (
                 '"vllm" needs an engine that loads the syshax KV connector (vllm or simulator); '
                 'sysHAX\'s patched V0 image hands KV over with its own fields: use "syshax"'
+            )
+        # The arena lives in the GPU container's /dev/shm beside vLLM's own use of it.
+        room = int(self.gpu_shm_size_gb * 1024) - KV_ARENA_SHM_RESERVE_MIB
+        if self.uses_kv_connector and self.kv_arena_mib > room:
+            errors["kv_arena_mib"] = (
+                f"must fit the GPU container's /dev/shm (gpu_shm_size_gb {self.gpu_shm_size_gb:g} "
+                f"GiB, less {KV_ARENA_SHM_RESERVE_MIB} MiB for vLLM): at most {max(0, room)} MiB; "
+                f"got {self.kv_arena_mib}"
             )
         for field in ("gpu_command", "cpu_command", "gpu_extra_args", "cpu_extra_args"):
             value = getattr(self, field)

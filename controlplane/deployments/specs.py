@@ -59,7 +59,11 @@ def engine_args(
         str(profile.max_model_len),
     ]
     if profile.uses_kv_connector:
-        args += ["--kv-transfer-config", kv_transfer_config(engine_id, peer_engine_id)]
+        arena = profile.kv_arena_mib if role == "gpu" else 0  # only the prefill publishes
+        args += [
+            "--kv-transfer-config",
+            kv_transfer_config(engine_id, peer_engine_id, arena_mib=arena),
+        ]
         # The decode's usage then reports the cached prompt tokens: the router's proof that
         # the transferred KV was used (docs/kv-connector.md).
         args.append("--enable-prompt-tokens-details")

@@ -195,6 +195,8 @@ def ensure_vllm_deployment(
             "cpu_port": cpu_port,
             "max_model_len": 2048,
             "max_num_seqs": 64,
+            # Pinned host memory on this machine: what a small model's transfers need.
+            "kv_arena_mib": 256,
             "health_timeout_seconds": 600.0,
         },
     )

@@ -281,9 +281,12 @@ def prepend_python_path(env: Mapping[str, str], directory: str) -> dict[str, str
 # ---------------------------------------------------------------- KV connector flags
 
 
-def kv_transfer_config(engine_id: str, peer_engine_id: str, shm_dir: str = "/dev/shm") -> str:
+def kv_transfer_config(
+    engine_id: str, peer_engine_id: str, shm_dir: str = "/dev/shm", *, arena_mib: int = 0
+) -> str:
     """vLLM's ``--kv-transfer-config`` JSON for one engine of a PD pair: both engines load the
-    syshax shared-memory connector as ``kv_both`` and name each other."""
+    syshax shared-memory connector as ``kv_both`` and name each other; the engine that
+    prefills gets an arena of ``arena_mib`` to publish its KV in, the decode engine none."""
     return json.dumps(
         {
             "kv_connector": KV_CONNECTOR_CLASS,
@@ -292,6 +295,7 @@ def kv_transfer_config(engine_id: str, peer_engine_id: str, shm_dir: str = "/dev
             "kv_connector_extra_config": {
                 "shm_dir": shm_dir,
                 "lease_seconds": 30,
+                "arena_mib": arena_mib,
                 "engine_id": engine_id,
                 "peer_engine_id": peer_engine_id,
             },

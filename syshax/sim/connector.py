@@ -11,12 +11,21 @@ presence. A failed check is not an HTTP error: the caller logs it and recomputes
 
 The payload is synthetic: the file is sized like the real KV (sparse) behind the real
 connector's header format (magic, version, JSON header).
+
+As in the connector, a prefill answers as soon as its step ends and publishes its segment
+when its copy has landed (the export time later): a ``.tmp`` segment stands for the copy
+under way, and a decode that arrives first waits for the segment, bounded by the lease
+(:meth:`Connector.wait_published`). Published segments count against the producer's arena
+(``arena_mib``); a prefill that does not fit answers ``syshax_kv_fallback`` and publishes
+nothing. The simulator counts slabs where the connector keeps runs of consecutive slabs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import math
 import os
 import re
 import time
@@ -26,20 +35,21 @@ from pathlib import Path
 from typing import Any
 
 from syshax.common.presets import ModelPreset
+from syshax.kvconnector import syshax_kv_shm as shm
 
 CONNECTOR_NAME = "SyshaxShmConnector"
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 MAGIC = b"SYSHAXKV"
 FORMAT_VERSION = 1
 HEADER_SPACE = 1 << 16
-SEGMENT_RE = re.compile(
-    r"^syshax-kv-(?P<tid>[0-9a-f]{32})-r(?P<rank>\d+)-(?P<exp>\d+)(?P<claimed>\.claimed)?$"
-)
-CLAIM_GRACE_SECONDS = 60.0  # a claimed segment whose consumer died is reaped this much later
-
-
-class SegmentError(Exception):
-    """A transfer's segment cannot be used; the message names the cause."""
+# The connector's own names and checks (syshax_kv_shm.py is standard library only).
+SEGMENT_RE = shm.SEGMENT_RE
+SegmentError = shm.SegmentError
+ipc_namespace = shm.ipc_namespace
+segment_name = shm.segment_name
+MAX_LEASE_SECONDS = shm.MAX_LEASE_SECONDS
+DEFAULT_ARENA_MIB = 1024.0
+DEFAULT_SLAB_KIB = 2048
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,8 @@ class ConnectorConfig:
     peer_engine_id: str | None = None
     shm_dir: Path | None = None
     lease_seconds: float | None = None
+    arena_mib: float = DEFAULT_ARENA_MIB
+    slab_kib: int = DEFAULT_SLAB_KIB
 
 
 def parse_kv_transfer_config(text: str) -> ConnectorConfig:
@@ -79,6 +91,15 @@ def parse_kv_transfer_config(text: str) -> ConnectorConfig:
         raise ValueError(f"lease_seconds {lease!r} is not a number") from None
     if lease_seconds is not None and lease_seconds <= 0:
         raise ValueError(f"lease_seconds must be > 0, got {lease_seconds}")
+    arena = extra.get("arena_mib", DEFAULT_ARENA_MIB)
+    slab = extra.get("slab_kib", DEFAULT_SLAB_KIB)
+    for key, value, high in (("arena_mib", arena, 1 << 20), ("slab_kib", slab, 1 << 20)):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        if not math.isfinite(value) or not 0 <= value <= high:
+            raise ValueError(f"{key} must be in [0, {high}]: {value}")
+    if slab < 4 or int(slab) % 4:
+        raise ValueError(f"slab_kib must be a multiple of 4 of at least 4: {slab}")
     engine_id = extra.get("engine_id") or raw.get("engine_id")
     return ConnectorConfig(
         kv_role=role,
@@ -86,23 +107,17 @@ def parse_kv_transfer_config(text: str) -> ConnectorConfig:
         peer_engine_id=str(extra["peer_engine_id"]) if extra.get("peer_engine_id") else None,
         shm_dir=Path(str(extra["shm_dir"])) if extra.get("shm_dir") else None,
         lease_seconds=lease_seconds,
+        arena_mib=float(arena),
+        slab_kib=int(slab),
     )
 
 
-def ipc_namespace() -> str:
-    """The IPC namespace of this process (``ipc:[4026531839]``), or ``unknown``."""
-    try:
-        return os.readlink("/proc/self/ns/ipc")
-    except OSError:
-        return "unknown"
-
-
-def segment_name(transfer_id: str, rank: int, expires_at: float) -> str:
-    return f"syshax-kv-{transfer_id}-r{rank}-{int(expires_at)}"
-
-
 def is_connector_segment(name: str) -> bool:
-    return SEGMENT_RE.match(name.removesuffix(".tmp")) is not None
+    return SEGMENT_RE.match(name) is not None
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.0f} KiB"
 
 
 class Connector:
@@ -117,6 +132,8 @@ class Connector:
         lease_seconds: float,
         model: ModelPreset,
         tensor_parallel_size: int,
+        arena_mib: float = DEFAULT_ARENA_MIB,
+        slab_kib: int = DEFAULT_SLAB_KIB,
     ) -> None:
         self.engine_id = engine_id
         self.peer = peer_engine_id
@@ -125,6 +142,10 @@ class Connector:
         self.model = model
         self.tp = tensor_parallel_size
         self.ipc_ns = ipc_namespace()
+        self.slab_bytes = slab_kib * 1024
+        self.slabs = int(arena_mib * 2**20) // self.slab_bytes
+        # Published or pending transfers of this engine: tid -> (slabs, lease expiry).
+        self._held: dict[str, tuple[int, int]] = {}
         # What both engines must share for a segment to be usable (the real connector's keys).
         self.geometry: dict[str, Any] = {
             "layers": model.layers,
@@ -148,12 +169,25 @@ class Connector:
     # -- producer ------------------------------------------------------------------------
 
     def publish(self, num_tokens: int) -> dict[str, Any]:
-        """Write the segments of a prefill's ``num_tokens`` prompt tokens (one per rank);
-        returns the transfer's ``kv_transfer_params``."""
+        """Start the copy of a prefill's ``num_tokens`` prompt tokens: its segments (one per
+        rank) pending, to be published by :meth:`land`; returns the transfer's
+        ``kv_transfer_params``, or ``syshax_kv_fallback`` when the arena cannot hold it."""
+        per_rank = self.model.kv_bytes_per_token * num_tokens // self.tp
+        need = max(1, -(-per_rank // self.slab_bytes))
+        free = self._free_slabs()
+        if need > free:
+            why = (
+                "this engine has no KV arena (arena_mib 0)"
+                if not self.slabs
+                else f"arena full: the transfer needs {_size(need * self.slab_bytes)}, "
+                f"{_size(free * self.slab_bytes)} of {_size(self.slabs * self.slab_bytes)} free"
+            )
+            return {"syshax_kv_fallback": why}
         tid = uuid.uuid4().hex
-        expires_at = int(time.time() + self.lease_seconds)
+        expires_at = math.ceil(time.time() + self.lease_seconds)
         for rank in range(self.tp):
             self._write(tid, rank, num_tokens, expires_at)
+        self._held[tid] = (need, expires_at)
         return {
             "do_remote_prefill": True,
             "transfer_id": tid,
@@ -190,9 +224,42 @@ class Connector:
             os.pwrite(fd, MAGIC + lengths + header, 0)
         finally:
             os.close(fd)
-        os.rename(tmp, self.shm_dir / name)
+
+    def land(self, params: dict[str, Any]) -> None:
+        """The copy has landed: publish its segments (a pending one the reaper removed, its
+        lease over, stays gone)."""
+        tid, expires_at = params["transfer_id"], params["lease_expires_at"]
+        for rank in range(self.tp):
+            name = segment_name(tid, rank, expires_at)
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(self.shm_dir / f"{name}.tmp", self.shm_dir / name)
+
+    def _free_slabs(self) -> int:
+        """Slabs not held by a transfer whose files still exist (loaded or reaped ones
+        come back)."""
+        for tid, (_, expires_at) in list(self._held.items()):
+            names = [segment_name(tid, r, expires_at) for r in range(self.tp)]
+            suffixes = ("", ".tmp", ".claimed")
+            if not any((self.shm_dir / (n + x)).exists() for n in names for x in suffixes):
+                del self._held[tid]
+        return self.slabs - sum(slabs for slabs, _ in self._held.values())
 
     # -- consumer ------------------------------------------------------------------------
+
+    async def wait_published(self, params: dict[str, Any]) -> None:
+        """Wait while the transfer's copy is under way (its segment pending), bounded by its
+        lease; what :meth:`load` then finds decides the outcome."""
+        tid, expires_at = params.get("transfer_id"), params.get("lease_expires_at")
+        if not isinstance(tid, str) or not re.fullmatch(r"[0-9a-f]{32}", tid):
+            return
+        if isinstance(expires_at, bool) or not isinstance(expires_at, int | float):
+            return
+        if not math.isfinite(expires_at) or expires_at > time.time() + MAX_LEASE_SECONDS:
+            return
+        pending = self.shm_dir / (segment_name(tid, 0, expires_at) + ".tmp")
+        # Another process publishes it: a short poll, bounded by the lease.
+        while pending.exists() and time.time() <= expires_at:  # noqa: ASYNC110
+            await asyncio.sleep(0.002)
 
     def load(self, params: dict[str, Any], prompt_tokens: int) -> int:
         """Claim, check and consume a transfer; returns the tokens loaded. SegmentError if
@@ -211,43 +278,18 @@ class Connector:
         return num_tokens
 
     def _check(self, params: dict[str, Any], prompt_tokens: int) -> tuple[str, int, int, float]:
-        # The same checks, in the same words, as SyshaxShmConnector._check_transfer: that file is
-        # loaded into vLLM on its own (torch and vllm at its top), so the simulator cannot share
-        # it and mirrors the contract; tests/realengine/test_contract.py runs both on one transfer.
-        tid = str(params.get("transfer_id", ""))
-        if not re.fullmatch(r"[0-9a-f]{32}", tid):
-            raise SegmentError(f"transfer_id {tid!r} is not a syshax transfer id")
-        producer = params.get("producer_engine_id")
-        if self.peer and producer != self.peer:
-            raise SegmentError(
-                f"transfer {tid} was produced by engine {producer!r}; this engine "
-                f"({self.engine_id}) decodes for {self.peer!r}"
-            )
-        their_ns = params.get("ipc_namespace")
-        if their_ns and their_ns != self.ipc_ns:
-            raise SegmentError(
-                f"segment is in IPC namespace {their_ns} and this engine is in {self.ipc_ns}:"
-                " run the CPU engine in the GPU engine's IPC namespace (--ipc container:<gpu>)"
-            )
-        if params.get("geometry") != self.geometry:
-            raise SegmentError(
-                f"segment geometry {params.get('geometry')} differs from this engine's "
-                f"{self.geometry} (another model or dtype)"
-            )
-        try:
-            num_tokens = int(params["num_tokens"])
-            ranks = int(params.get("ranks", 1))
-            expires_at = float(params["lease_expires_at"])
-        except (KeyError, TypeError, ValueError):
-            raise SegmentError("kv_transfer_params lack num_tokens/lease_expires_at") from None
-        if self.tp != 1:
-            raise SegmentError("a decode engine with tensor parallelism > 1 cannot load segments")
-        if num_tokens >= prompt_tokens:
-            raise SegmentError(
-                f"the prompt has {prompt_tokens} tokens; it must extend the {num_tokens} "
-                "transferred tokens by at least the token the prefill sampled"
-            )
-        return tid, ranks, num_tokens, expires_at
+        # The connector's own checks, in its words (tests/realengine/test_contract.py runs
+        # both on one transfer).
+        checked = shm.check_params(
+            params,
+            engine_id=self.engine_id,
+            peer_engine_id=self.peer,
+            ipc_ns=self.ipc_ns,
+            geometry=self.geometry,
+            tensor_parallel=self.tp,
+            prompt_tokens=prompt_tokens,
+        )
+        return checked.transfer_id, checked.ranks, checked.num_tokens, checked.expires_at
 
     def _claim(self, tid: str, rank: int, expires_at: float) -> Path:
         name = segment_name(tid, rank, expires_at)
@@ -260,13 +302,13 @@ class Connector:
                 "(its lease ended before the decode arrived)"
             )
         claimed = path.with_name(name + ".claimed")
+        if not path.exists() and path.with_name(name + ".tmp").exists():
+            raise SegmentError(f"the producer's copy had not landed when the lease ended ({name})")
         try:
             os.rename(path, claimed)
+            os.utime(claimed)  # the claim's time, which the reaper counts from
         except FileNotFoundError:
-            raise SegmentError(
-                f"segment {name} not found in {self.shm_dir} (already used, reaped, or "
-                f"written in another IPC namespace; this engine is in {self.ipc_ns})"
-            ) from None
+            raise SegmentError(shm.not_found(str(path), str(self.shm_dir), self.ipc_ns)) from None
         return claimed
 
     @staticmethod
@@ -301,13 +343,15 @@ class Connector:
         except FileNotFoundError:
             return removed
         for name in names:
-            match = SEGMENT_RE.match(name.removesuffix(".tmp"))
+            match = SEGMENT_RE.match(name)
             if match is None:
                 continue
-            expires = int(match.group("exp"))
-            if match.group("claimed"):
-                expires += int(CLAIM_GRACE_SECONDS)
-            if now > expires + (CLAIM_GRACE_SECONDS if name.endswith(".tmp") else 0):
+            expires = float(match.group("exp"))
+            if match.group("state") == ".claimed":
+                # A claimed segment whose consumer died: one lease after its claim.
+                with contextlib.suppress(FileNotFoundError):
+                    expires = os.stat(self.shm_dir / name).st_mtime + self.lease_seconds
+            if now > expires:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.shm_dir / name)
                     removed.append(name)

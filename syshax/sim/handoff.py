@@ -151,5 +151,6 @@ class Handoff:
         answers them (the scheduler adds the prefill's local prefix-cache hits: none here)."""
         assert self.connector is not None
         params = self.connector.publish(prompt_tokens)
-        params["remote_prefill_cached_tokens"] = 0
+        if "transfer_id" in params:
+            params["remote_prefill_cached_tokens"] = 0
         return params

@@ -73,6 +73,8 @@ class SimServer:
                 lease_seconds=settings.kv_lease_seconds,
                 model=cfg.model,
                 tensor_parallel_size=cfg.tensor_parallel_size,
+                arena_mib=settings.kv_connector.arena_mib,
+                slab_kib=settings.kv_connector.slab_kib,
             )
         self.handoff = Handoff(
             shm_dir=settings.shm_dir,
@@ -120,13 +122,16 @@ class SimServer:
         interval = min(5.0, max(0.1, self.settings.kv_lease_seconds / 4))
         while True:
             await asyncio.sleep(interval)
-            for path in kvshm.reap(self.settings.shm_dir):
-                self.reclaimed += 1
-                log.info("reclaimed leaked KV segment %s", path)
-            if self.connector is not None:
-                for name in self.connector.reap():
+            try:
+                for path in kvshm.reap(self.settings.shm_dir):
                     self.reclaimed += 1
-                    log.info("reclaimed expired KV transfer segment %s", name)
+                    log.info("reclaimed leaked KV segment %s", path)
+                if self.connector is not None:
+                    for name in self.connector.reap():
+                        self.reclaimed += 1
+                        log.info("reclaimed expired KV transfer segment %s", name)
+            except OSError as exc:  # keep reaping: leases must not stop with one error
+                log.warning("reaping %s failed: %s", self.settings.shm_dir, exc)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -291,6 +296,10 @@ class SimServer:
         max_new = check_length(req, self.max_model_len)
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         response_id = req.syshax.request_id_inference or f"{prefix}{uuid.uuid4().hex[:16]}"
+        params = req.kv_transfer_params
+        if self.connector is not None and isinstance(params, dict) and "transfer_id" in params:
+            # The prefill's answer may come before its copy lands: wait for the segment.
+            await self.connector.wait_published(params)
         plan = self.handoff.prepare(req, response_id)
         seq = self._sequence(req, response_id, max_new, plan)
         fmt = responses.StreamFormat(
@@ -355,10 +364,15 @@ class SimServer:
             self.handoff.publish_syshax(plan.sequence_id, tokens)
             return reason.value, None
         if plan.connector_prefill and reason != FinishReason.STOP:
-            # Stopped by itself: nothing is left to decode, so nothing is published.
+            # Stopped by itself: nothing is left to decode, so nothing is published. The
+            # answer goes at once; the segment is published when its copy has landed.
             tokens = seq.prompt_tokens + seq.resumed_tokens
-            await asyncio.sleep(self.handoff.export_seconds(tokens) / speed)
-            return reason.value, self.handoff.publish_connector(tokens)
+            params = self.handoff.publish_connector(tokens)
+            if "transfer_id" in params and self.connector is not None:
+                asyncio.get_running_loop().call_later(
+                    self.handoff.export_seconds(tokens) / speed, self.connector.land, params
+                )
+            return reason.value, params
         if plan.connector_error is not None:
             return reason.value, {"syshax_kv_error": plan.connector_error}
         return reason.value, None

@@ -56,6 +56,18 @@ def test_explicit_affinity_must_lie_within_the_node(admin_client, node, make_pro
     )
 
 
+def test_a_kv_arena_larger_than_the_gpu_containers_shm_is_refused(admin_client) -> None:
+    body = {"name": "p", "model": "m", "engine": "vllm", "gpu_shm_size_gb": 2}
+    response = admin_client.post("/api/v1/profiles/", {**body, "kv_arena_mib": 1537}, format="json")
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == (
+        "kv_arena_mib: must fit the GPU container's /dev/shm (gpu_shm_size_gb 2 GiB, less 512 "
+        "MiB for vLLM): at most 1536 MiB; got 1537"
+    )
+    fits = admin_client.post("/api/v1/profiles/", {**body, "kv_arena_mib": 1536}, format="json")
+    assert fits.status_code == 201, fits.json()
+
+
 def test_same_ports_for_both_engines_is_refused(admin_client) -> None:
     response = admin_client.post(
         "/api/v1/profiles/",

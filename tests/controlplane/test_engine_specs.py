@@ -54,7 +54,9 @@ def test_upstream_vllm_gets_v1_flags_the_kv_connector_and_its_thread_binding(
         make_deployment, node, make_profile, engine="vllm", quantization="none"
     )
     gpu_name, cpu_name = f"syshax-{deployment.pk}-g3-gpu", f"syshax-{deployment.pk}-g3-cpu"
-    for spec, me, peer in ((gpu, gpu_name, cpu_name), (cpu, cpu_name, gpu_name)):
+    # The prefill engine publishes into its arena (the profile's kv_arena_mib); the decode
+    # engine only loads and has none.
+    for spec, me, peer, arena in ((gpu, gpu_name, cpu_name, 2048), (cpu, cpu_name, gpu_name, 0)):
         assert "--preemption-mode" not in spec["args"] and "--syshax-compat" not in spec["args"]
         assert json.loads(flag(spec["args"], "--kv-transfer-config") or "") == {
             "kv_connector": "SyshaxShmConnector",
@@ -63,6 +65,7 @@ def test_upstream_vllm_gets_v1_flags_the_kv_connector_and_its_thread_binding(
             "kv_connector_extra_config": {
                 "shm_dir": "/dev/shm",
                 "lease_seconds": 30,
+                "arena_mib": arena,
                 "engine_id": me,
                 "peer_engine_id": peer,
             },

@@ -46,6 +46,14 @@ LEASE_SECONDS = 4
 # The router's policy file: PD for every request, a re-decision every 16 tokens.
 FORCED_PD = {"mode": "forced-pd", "token_limit_min": 16, "token_limit_max": 16}
 CONNECTOR_EXTRA = {"lease_seconds": LEASE_SECONDS, "reap_interval_seconds": 0.5}
+# The producer's arena: room for the tier's transfers at once (the tiny model's KV pages on
+# vLLM's CPU backend are 64 KiB a layer, 128 tokens), small enough for the arena-full test to
+# fill it. The decode engine publishes nothing and has none.
+GPU_ARENA = {"arena_mib": 4, "slab_kib": 64}
+CPU_ARENA = {"arena_mib": 0}
+# The simulator's model (a 7B preset, 56 KiB a token) moves more per token: a larger arena,
+# whose files are sparse.
+SIM_GPU_ARENA = {"arena_mib": 64, "slab_kib": 1024}
 
 
 @dataclass
@@ -65,14 +73,14 @@ def _vllm_pair(workdir: Path, shm: Path) -> tuple[EngineProcess, EngineProcess]:
         free_port(),
         workdir,
         cpus="0",
-        kv_transfer_config=connector_config("gpu", "cpu", shm, **CONNECTOR_EXTRA),
+        kv_transfer_config=connector_config("gpu", "cpu", shm, **CONNECTOR_EXTRA, **GPU_ARENA),
     )
     cpu = VllmEngine(
         "cpu",
         free_port(),
         workdir,
         cpus="1",
-        kv_transfer_config=connector_config("cpu", "gpu", shm, **CONNECTOR_EXTRA),
+        kv_transfer_config=connector_config("cpu", "gpu", shm, **CONNECTOR_EXTRA, **CPU_ARENA),
     )
     return gpu, cpu
 
@@ -83,14 +91,14 @@ def _sim_pair(workdir: Path, shm: Path) -> tuple[EngineProcess, EngineProcess]:
         free_port(),
         workdir,
         device="a100-80gb",
-        kv_transfer_config=connector_config("gpu", "cpu", shm, **CONNECTOR_EXTRA),
+        kv_transfer_config=connector_config("gpu", "cpu", shm, **CONNECTOR_EXTRA, **SIM_GPU_ARENA),
     )
     cpu = SimEngine(
         "cpu",
         free_port(),
         workdir,
         device="kunpeng-920-7280z",
-        kv_transfer_config=connector_config("cpu", "gpu", shm, **CONNECTOR_EXTRA),
+        kv_transfer_config=connector_config("cpu", "gpu", shm, **CONNECTOR_EXTRA, **CPU_ARENA),
     )
     return gpu, cpu
 
@@ -152,6 +160,11 @@ def router(engines: Pair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield proc
     finally:
         proc.stop()
+
+
+def segments(shm: Path) -> list[str]:
+    """The transfer files in a pair's shm directory (its arena files aside)."""
+    return sorted(p.name for p in shm.iterdir() if p.name.startswith("syshax-kv-"))
 
 
 def router_view(router: Proc, client: httpx.Client | None = None) -> dict[str, dict[str, Any]]:

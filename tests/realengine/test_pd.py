@@ -23,6 +23,7 @@ from tests.realengine.conftest import (
     LEASE_SECONDS,
     Pair,
     router_story,
+    segments,
     wait_engines_idle,
 )
 from tests.router.router_procs import Proc, metric, wait_for
@@ -118,7 +119,7 @@ def test_pd_equals_gpu_only_token_for_token(
     )
     assert injected == pd["usage"]["prompt_tokens"]
     assert metric(router, "syshax_router_kv_transfers_total", outcome="hit") == kv_before + 1
-    assert not list(engines.shm.iterdir()), "the segment is released once loaded"
+    assert not segments(engines.shm), "the segment is released once loaded"
 
 
 def test_openai_client_streams_a_pd_answer(router: Proc) -> None:
@@ -299,3 +300,43 @@ def test_an_unusable_transfer_is_recomputed_and_named(
     # The good segment is still there for its lease, then reaped: nothing leaks.
     segment = engines.shm / params["segment"]
     wait_for(lambda: not segment.exists(), timeout=LEASE_SECONDS + 10, interval=0.2)
+
+
+# A prompt long enough that a few transfers of it fill the tier's arenas (vLLM's: 384 KiB of
+# 4 MiB each; the simulator's 7B preset: 17 MiB of 64 MiB).
+LONG_PROMPT = " ".join([PROMPT] * 25)
+
+
+def test_a_full_arena_falls_back_to_the_gpu_and_is_counted(engines: Pair, router: Proc) -> None:
+    """Prefills whose decodes never come hold the arena for their lease; a PD request then
+    cannot publish its KV, is decoded on the GPU that prefilled it, answers exactly as
+    gpu-only does, and the router counts the fallback. When the leases end, PD resumes."""
+    wait_engines_idle(router)
+    body = {**_body(chat=False, stream=False), "prompt": LONG_PROMPT}
+    reference = ask(router.url, body, mode="gpu-only")
+    held = 0
+    for _ in range(40):
+        r = httpx.post(
+            engines.gpu.url + "/v1/completions",
+            json={"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 1,
+                  "kv_transfer_params": {"do_remote_decode": True}},
+            timeout=60,
+        )  # fmt: skip
+        params = r.json()["kv_transfer_params"]
+        if "syshax_kv_fallback" in params:
+            break
+        held += 1
+    else:
+        raise AssertionError("40 held transfers never filled the arena")
+    assert held >= 1 and "arena full" in params["syshax_kv_fallback"]
+    fallbacks = metric(router, "syshax_router_kv_transfers_total", outcome="fallback")
+    hits = metric(router, "syshax_router_kv_transfers_total", outcome="hit")
+    pd = ask(router.url, body)
+    assert pd["route"] == "pd" and pd["ids"] == reference["ids"]
+    assert metric(router, "syshax_router_kv_transfers_total", outcome="fallback") == fallbacks + 1
+    assert metric(router, "syshax_router_kv_transfers_total", outcome="hit") == hits
+    # The held transfers' leases end, the reaper unlinks them, their slabs come back.
+    wait_for(lambda: not segments(engines.shm), timeout=LEASE_SECONDS + 10, interval=0.2)
+    again = ask(router.url, body)
+    assert again["ids"] == reference["ids"]
+    assert metric(router, "syshax_router_kv_transfers_total", outcome="hit") == hits + 1

@@ -70,6 +70,17 @@ def ensure_vllm() -> Path:
     return python()
 
 
+def ensure_pytest() -> Path:
+    """The vLLM virtualenv's interpreter, with pytest in it: the KV connector's own tests
+    (tests/kvconnector) run there, beside torch and vLLM."""
+    py = ensure_vllm()
+    with _lock("venv"):
+        if subprocess.run([str(py), "-c", "import pytest"], capture_output=True).returncode:
+            pip = [str(py), "-m", "pip", "--disable-pip-version-check", "install", "--quiet"]
+            subprocess.run([*pip, "pytest>=8"], check=True)
+    return py
+
+
 def ensure_tiny_model() -> Path:
     script = ROOT / "scripts" / "make_tiny_model.py"
     stamp = MODEL / "syshax-tiny-model.json"
@@ -233,4 +244,5 @@ class VllmEngine(EngineProcess):
 
 if __name__ == "__main__":
     print(ensure_vllm())
+    print(ensure_pytest())
     print(ensure_tiny_model())

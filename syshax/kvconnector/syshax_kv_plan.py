@@ -1,0 +1,383 @@
+"""The scheduler side of SyshaxShmConnector: which requests publish or load a transfer, the
+arena's slabs, and what the answer says (docs/kv-connector.md). No torch: bookkeeping only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import syshax_kv_shm as shm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger("vllm.syshax_kv_connector")
+SegmentError = shm.SegmentError
+MAX_LEASE_SECONDS = shm.MAX_LEASE_SECONDS
+
+
+def size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.0f} KiB"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``kv_connector_extra_config``, checked; a bad value stops the engine at start."""
+
+    shm_dir: str
+    lease_seconds: float
+    reap_interval_seconds: float
+    claim_grace_seconds: float
+    arena_bytes: int
+    slab_bytes: int
+    engine_id: str
+    peer_engine_id: str | None
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any], default_engine_id: str) -> Settings:
+        def number(key: str, default: float, low: float, high: float) -> float:
+            value = extra.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"SyshaxShmConnector: {key} must be a number, got {value!r}")
+            if not math.isfinite(value) or not low <= value <= high:
+                raise ValueError(f"SyshaxShmConnector: {key} must be in [{low}, {high}]: {value}")
+            return float(value)
+
+        lease = number("lease_seconds", 30.0, 0.1, MAX_LEASE_SECONDS)
+        slab_kib = int(number("slab_kib", 2048, 4, 1 << 20))
+        if slab_kib % 4:
+            raise ValueError(f"SyshaxShmConnector: slab_kib must be a multiple of 4: {slab_kib}")
+        arena = int(number("arena_mib", 1024, 0, 1 << 20) * 2**20)
+        return cls(
+            shm_dir=str(extra.get("shm_dir") or "/dev/shm"),
+            lease_seconds=lease,
+            reap_interval_seconds=number("reap_interval_seconds", 2.0, 0.05, 3600),
+            claim_grace_seconds=number("claim_grace_seconds", lease, 0.1, MAX_LEASE_SECONDS),
+            arena_bytes=arena // (slab_kib * 1024) * slab_kib * 1024,
+            slab_bytes=slab_kib * 1024,
+            engine_id=str(extra.get("engine_id") or default_engine_id),
+            peer_engine_id=str(extra.get("peer_engine_id") or "") or None,
+        )
+
+
+@dataclass
+class StoreOp:
+    request_id: str
+    transfer_id: str
+    num_tokens: int
+    block_ids: list[int]
+    expires_at: float
+    run: shm.Run
+
+
+@dataclass
+class LoadOp:
+    request_id: str
+    transfer_id: str
+    ranks: int
+    expires_at: float
+    start: int  # first token position to load (tokens before it are cached locally)
+    end: int  # one past the last
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SyshaxShmMetadata(KVConnectorMetadata):
+    stores: list[StoreOp] = field(default_factory=list)
+    loads: list[LoadOp] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # transfer ids not to publish
+
+
+@dataclass
+class _Planned:
+    """Scheduler side: a store handed to the workers, until they report it landed."""
+
+    transfer_id: str
+    run: shm.Run
+    expires_at: float
+    params: dict[str, Any]
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What both sides know of their engine."""
+
+    cfg: Settings
+    engine_id: str
+    block_size: int
+    tp: int
+    ipc_ns: str
+    geometry: dict[str, Any]
+
+
+class Planner:
+    """The scheduler-side hooks of the connector."""
+
+    def __init__(
+        self, engine: Engine, *, page_bytes: int, layers: int, block_ids: Callable[[str], list[int]]
+    ) -> None:
+        cfg = engine.cfg
+        self._cfg = cfg
+        self._engine_id = engine.engine_id
+        self._block_size = engine.block_size
+        self._tp = engine.tp
+        self._ipc_ns = engine.ipc_ns
+        self._geometry = engine.geometry
+        self._page_bytes = page_bytes  # one block of one layer on one rank
+        self._num_layers = layers
+        self._block_ids_of = block_ids
+        self._slabs = shm.SlabAllocator(cfg.arena_bytes // cfg.slab_bytes, cfg.slab_bytes)
+        self._want_store: dict[str, tuple[str, int]] = {}  # req id -> (transfer id, tokens)
+        self._planned: dict[str, _Planned] = {}  # req id -> store in flight
+        self._published: dict[str, tuple[shm.Run, float]] = {}  # tid -> run, lease expiry
+        self._fallbacks: dict[str, str] = {}  # req id -> why its KV was not published
+        self._cancels: list[str] = []
+        self._need_load: dict[str, LoadOp] = {}
+        self._ready_loads: dict[str, LoadOp] = {}
+        self._load_errors: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._recover_runs()
+        self._reaper = threading.Thread(
+            target=self._reap_forever, name="syshax-kv-reaper", daemon=True
+        )
+        self._reaper.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+
+    def _transfer_bytes(self, num_tokens: int) -> int:
+        """An upper bound of one rank's bytes for ``num_tokens`` tokens, every layer."""
+        blocks = -(-num_tokens // self._block_size)
+        return self._num_layers * shm.align_up(blocks * self._page_bytes)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        rid = request.request_id
+        if not isinstance(params, dict):
+            return 0, False
+        if params.get("do_remote_decode"):
+            prompt = len(request.prompt_token_ids or ())
+            self._want_store.setdefault(rid, (uuid.uuid4().hex, prompt))
+            return 0, False
+        if "transfer_id" not in params:
+            return 0, False
+        try:
+            op = self._check_transfer(request, params)
+        except Exception as exc:  # any bad field: recompute, never fail the engine
+            self._need_load.pop(rid, None)
+            if rid not in self._load_errors:
+                logger.error(
+                    "SyshaxShmConnector %s: request %s recomputes its prompt, transfer %s "
+                    "unusable: %s",
+                    self._engine_id,
+                    rid,
+                    str(params.get("transfer_id"))[:64],
+                    exc if isinstance(exc, SegmentError) else f"{type(exc).__name__}: {exc}",
+                )
+            self._load_errors[rid] = str(exc)
+            return 0, False
+        if op.end <= num_computed_tokens:
+            return 0, False  # the local prefix cache already holds all of it
+        op.start = num_computed_tokens
+        self._need_load[rid] = op
+        return op.end - num_computed_tokens, True
+
+    def _check_transfer(self, request: Request, params: dict[str, Any]) -> LoadOp:
+        checked = shm.check_params(
+            params,
+            engine_id=self._engine_id,
+            peer_engine_id=self._cfg.peer_engine_id,
+            ipc_ns=self._ipc_ns,
+            geometry=self._geometry,
+            tensor_parallel=self._tp,
+            prompt_tokens=len(request.prompt_token_ids or ()),
+        )
+        tid, ranks, expires = checked.transfer_id, checked.ranks, checked.expires_at
+        now = time.time()
+        if now > expires:
+            shm.unlink_transfer(self._cfg.shm_dir, tid, ranks, expires)
+            raise SegmentError(
+                f"segment {shm.segment_name(tid, 0, expires)} expired {now - expires:.1f}s "
+                "ago (its lease ended before the decode arrived)"
+            )
+        for rank in range(ranks):
+            base = os.path.join(self._cfg.shm_dir, shm.segment_name(tid, rank, expires))
+            if os.path.exists(base + ".claimed"):
+                raise SegmentError(f"segment {os.path.basename(base)} is already claimed")
+            if not (os.path.exists(base) or os.path.exists(base + ".tmp")):
+                raise SegmentError(shm.not_found(base, self._cfg.shm_dir, self._ipc_ns))
+        return LoadOp(request.request_id, tid, ranks, expires, 0, checked.num_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        op = self._need_load.pop(request.request_id, None)
+        if op is not None and num_external_tokens > 0:
+            op.block_ids = list(blocks.get_block_ids()[0])
+            self._ready_loads[request.request_id] = op
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = SyshaxShmMetadata(loads=list(self._ready_loads.values()), cancels=self._cancels)
+        self._ready_loads, self._cancels = {}, []
+        if not self._want_store:
+            return meta
+        computed: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            computed[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            computed[rid] = cached.num_computed_tokens[i]
+        for rid, (tid, prompt) in list(self._want_store.items()):
+            scheduled = scheduler_output.num_scheduled_tokens.get(rid)
+            if scheduled is None or rid not in computed:
+                continue
+            if computed[rid] + scheduled < prompt:
+                continue  # chunked prefill: the prompt completes in a later step
+            del self._want_store[rid]
+            try:
+                op = self._plan_store(rid, tid, prompt)
+            except Exception as exc:  # never fail the engine: the request falls back
+                logger.error("SyshaxShmConnector %s: cannot plan a store: %s", self._engine_id, exc)
+                self._fallbacks[rid] = f"error: {exc}"
+                continue
+            if op is not None:
+                meta.stores.append(op)
+        return meta
+
+    def _plan_store(self, rid: str, tid: str, prompt: int) -> StoreOp | None:
+        cfg = self._cfg
+        need = self._transfer_bytes(prompt)
+        run = self._allocate(need)
+        if run is None:
+            why = (
+                "this engine has no KV arena (arena_mib 0)"
+                if not self._slabs.slabs
+                else f"arena full: the transfer needs {size(need)}, the largest free run is "
+                f"{size(self._slabs.largest_free_run() * cfg.slab_bytes)} of "
+                f"{size(self._slabs.capacity)}"
+            )
+            self._fallbacks[rid] = why
+            logger.warning(
+                "SyshaxShmConnector %s: request %s falls back (decoded where it was prefilled): %s",
+                self._engine_id,
+                rid,
+                why,
+            )
+            return None
+        # Whole seconds (the name carries them), rounded up: a lease is never shorter than asked.
+        expires_at = float(math.ceil(time.time() + cfg.lease_seconds))
+        for rank in range(self._tp):
+            pending = {
+                "transfer_id": tid,
+                "rank": rank,
+                "producer_engine_id": self._engine_id,
+                "arena": shm.arena_name(self._engine_id, rank),
+                "run": [run.first, run.count],
+                "offset": run.offset(cfg.slab_bytes),
+                "length": run.length(cfg.slab_bytes),
+                "num_tokens": prompt,
+                "lease_expires_at": expires_at,
+            }
+            name = shm.segment_name(tid, rank, expires_at) + ".tmp"
+            shm.write_file(os.path.join(cfg.shm_dir, name), shm.encode_header(pending))
+        blocks = list(self._block_ids_of(rid))
+        self._planned[rid] = _Planned(
+            tid,
+            run,
+            expires_at,
+            params={
+                "do_remote_prefill": True,
+                "transfer_id": tid,
+                "segment": shm.segment_name(tid, 0, expires_at),
+                "num_tokens": prompt,
+                "ranks": self._tp,
+                "lease_expires_at": int(expires_at),
+                "producer_engine_id": self._engine_id,
+                "ipc_namespace": self._ipc_ns,
+                "geometry": self._geometry,
+            },
+        )
+        return StoreOp(rid, tid, prompt, blocks, expires_at, run)
+
+    def _allocate(self, nbytes: int) -> shm.Run | None:
+        if not self._slabs.slabs or nbytes > self._slabs.capacity:
+            return None
+        run = self._slabs.allocate(nbytes)
+        if run is None:
+            self._reclaim()
+            run = self._slabs.allocate(nbytes)
+        return run
+
+    def _reclaim(self) -> None:
+        """Free the runs of published transfers whose every file is gone (loaded or reaped)."""
+        for tid, (run, expires_at) in list(self._published.items()):
+            if not shm.transfer_alive(self._cfg.shm_dir, tid, self._tp, expires_at):
+                del self._published[tid]
+                self._slabs.mark(run, False)
+
+    def _recover_runs(self) -> None:
+        """After a restart: runs that live segments of this engine's arena still hold."""
+        if not self._slabs.slabs:
+            return
+        arena = shm.arena_name(self._engine_id, 0)
+        for tid, run, _rank, expires_at in shm.live_runs(self._cfg.shm_dir, arena):
+            with contextlib.suppress(ValueError):
+                self._slabs.mark(run, True)
+                self._published[tid] = (run, expires_at)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for rid in connector_output.finished_sending or ():
+            planned = self._planned.pop(rid, None)
+            if planned is None:
+                continue
+            if planned.cancelled:
+                self._slabs.mark(planned.run, False)  # the worker discarded it
+            else:
+                self._published[planned.transfer_id] = (planned.run, planned.expires_at)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._want_store.pop(rid, None)
+        self._need_load.pop(rid, None)
+        self._ready_loads.pop(rid, None)
+        error = self._load_errors.pop(rid, None)
+        fallback = self._fallbacks.pop(rid, None)
+        planned = self._planned.get(rid)
+        if planned is None:
+            if fallback and request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+                return False, {"syshax_kv_fallback": fallback}
+            return False, ({"syshax_kv_error": error} if error else None)
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+            # Stopped by itself (nothing left to decode), aborted or failed: the copy may be
+            # in flight, so the blocks stay until the worker has discarded it.
+            planned.cancelled = True
+            self._cancels.append(planned.transfer_id)
+            return True, None
+        # The copy may still be in flight: the blocks stay until get_finished reports it.
+        return True, planned.params
+
+    def _reap_forever(self) -> None:
+        while not self._stop.wait(self._cfg.reap_interval_seconds):
+            try:
+                shm.reap_expired(self._cfg.shm_dir, claim_grace=self._cfg.claim_grace_seconds)
+            except OSError as exc:  # keep reaping; a transient error must not kill leases
+                logger.warning("SyshaxShmConnector: reaping %s failed: %s", self._cfg.shm_dir, exc)

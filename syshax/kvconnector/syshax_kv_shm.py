@@ -1,0 +1,488 @@
+"""Shared memory of the SyshaxShmConnector: the arena, the segment files and their leases.
+
+Standard library only (no vLLM, no torch), so the layout can be read, checked and tested
+without an engine. The connector (``syshax_kv_connector.py``) moves the bytes.
+
+The arena
+    One file per producing engine and tensor-parallel rank,
+    ``<shm_dir>/syshax-arena-<engine id>-r<rank>``, of ``slabs x slab_bytes`` bytes, created
+    once when the engine starts: space reserved with ``posix_fallocate`` (a full tmpfs is a
+    clear error at start, not a SIGBUS later), pages faulted in, and on CUDA registered with
+    the driver so copies into it are DMA. A transfer takes a run of consecutive slabs; its
+    layers lie in the run one after another, each aligned to ``ALIGN`` bytes.
+
+A segment
+    One small file per transfer and rank, ``syshax-kv-<transfer id>-r<rank>-<lease expiry>``:
+    ``MAGIC``, the format version, the header's length, then a JSON header that names the
+    arena, the run and every layer's offset, shape and dtype. Its life:
+
+    - ``<name>.tmp``: written by the producer's scheduler when it plans the copy (the header
+      has the run, no layers yet). A consumer that sees it waits: the copy is under way.
+    - ``<name>``: renamed from ``.tmp`` by the producer's worker once every layer's copy has
+      landed, with the full header (or with an ``error``, if a copy failed).
+    - ``<name>.claimed``: renamed by the consumer that loads it, then touched, so its mtime
+      is the claim time; unlinked when the load is done.
+
+    The run is in use while any of these files exists. Every engine with the connector reaps
+    expired ones (:func:`reap_expired`): a published or pending segment when its lease ends,
+    a claimed one ``claim_grace`` seconds after its claim. So a crash of either engine holds
+    a slab no longer than a lease (or the claim grace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import mmap
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+MAGIC = b"SYSHAXKV"
+FORMAT_VERSION = 2
+PREAMBLE = 16  # magic (8), format version (4), header length (4)
+HEADER_LIMIT = 1 << 16  # a header larger than this is refused unread
+ALIGN = 4096  # every layer's bytes start on a page
+MAX_RANKS = 64  # tensor-parallel ranks a transfer may come from
+MAX_LEASE_SECONDS = 3600.0  # a lease further away than this is refused as a lie
+SEGMENT_PREFIX = "syshax-kv-"
+ARENA_PREFIX = "syshax-arena-"
+SEGMENT_RE = re.compile(
+    r"^syshax-kv-(?P<tid>[0-9a-f]{32})-r(?P<rank>\d+)-(?P<exp>\d+)"
+    r"(?P<state>\.tmp|\.claimed)?$"
+)
+TRANSFER_ID_RE = re.compile(r"[0-9a-f]{32}")
+# dtypes a segment may name, with their size in bytes (torch's names without "torch.").
+DTYPE_SIZES = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+FORMATS = ("tokens", "pages")
+# Linux 5.14's madvise advices; older kernels answer EINVAL and pages fault in on first use.
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+class SegmentError(Exception):
+    """A transfer cannot be used; the message names the cause."""
+
+
+def ipc_namespace() -> str:
+    """The IPC namespace of this process (``ipc:[4026531839]``), or ``unknown``."""
+    try:
+        return os.readlink("/proc/self/ns/ipc")
+    except OSError:
+        return "unknown"
+
+
+def segment_name(transfer_id: str, rank: int, expires_at: float) -> str:
+    return f"{SEGMENT_PREFIX}{transfer_id}-r{rank}-{int(expires_at)}"
+
+
+def arena_name(engine_id: str, rank: int) -> str:
+    """The arena's file name: the engine id with anything but ``[A-Za-z0-9._-]`` replaced."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", engine_id)[:100] or "engine"
+    return f"{ARENA_PREFIX}{safe}-r{rank}"
+
+
+def align_up(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+# ---------------------------------------------------------------------------- the arena
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive slabs ``first .. first + count - 1`` of an arena."""
+
+    first: int
+    count: int
+
+    def offset(self, slab_bytes: int) -> int:
+        return self.first * slab_bytes
+
+    def length(self, slab_bytes: int) -> int:
+        return self.count * slab_bytes
+
+
+class SlabAllocator:
+    """First-fit runs of fixed-size slabs: bookkeeping only, no memory."""
+
+    def __init__(self, slabs: int, slab_bytes: int) -> None:
+        if slabs < 0 or slab_bytes < ALIGN or slab_bytes % ALIGN:
+            raise ValueError(f"bad arena shape: {slabs} slabs of {slab_bytes} bytes")
+        self.slabs = slabs
+        self.slab_bytes = slab_bytes
+        self._used = bytearray(slabs)
+
+    @property
+    def capacity(self) -> int:
+        return self.slabs * self.slab_bytes
+
+    def slabs_for(self, nbytes: int) -> int:
+        return max(1, -(-nbytes // self.slab_bytes))
+
+    def free_slabs(self) -> int:
+        return self.slabs - sum(self._used)
+
+    def largest_free_run(self) -> int:
+        best = length = 0
+        for used in self._used:
+            length = 0 if used else length + 1
+            best = max(best, length)
+        return best
+
+    def allocate(self, nbytes: int) -> Run | None:
+        """A run that holds ``nbytes``, marked used; None when no run is free."""
+        want = self.slabs_for(nbytes)
+        start = length = 0
+        for i, used in enumerate(self._used):
+            if used:
+                start, length = i + 1, 0
+                continue
+            length += 1
+            if length == want:
+                self.mark(Run(start, want), True)
+                return Run(start, want)
+        return None
+
+    def mark(self, run: Run, used: bool) -> None:
+        if run.first < 0 or run.count < 1 or run.first + run.count > self.slabs:
+            raise ValueError(f"run {run} is outside the arena's {self.slabs} slabs")
+        self._used[run.first : run.first + run.count] = bytes([used]) * run.count
+
+    def is_free(self, run: Run) -> bool:
+        return not any(self._used[run.first : run.first + run.count])
+
+
+def _populate(mm: mmap.mmap, advice: int) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        mm.madvise(advice)
+
+
+def create_arena(path: str, size: int) -> mmap.mmap:
+    """The producer's arena, ``size`` bytes at ``path``, mapped read-write and faulted in.
+
+    An existing file of that name (this engine's own, from before a restart) is reused: live
+    segments may still point into it. Raises OSError naming the directory and the shortfall
+    when its file system cannot hold ``size`` bytes."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size != size:
+            os.ftruncate(fd, size)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            stat = os.statvfs(os.path.dirname(path) or ".")
+            free = stat.f_bavail * stat.f_frsize
+            raise OSError(
+                exc.errno,
+                f"cannot reserve a {size / 2**20:.0f} MiB KV arena in {os.path.dirname(path)} "
+                f"({free / 2**20:.0f} MiB free): give the GPU container a larger /dev/shm "
+                "(--shm-size, the profile's gpu_shm_size_gb) or a smaller arena_mib",
+            ) from None
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    _populate(mm, MADV_POPULATE_WRITE)
+    return mm
+
+
+@dataclass
+class ArenaView:
+    """A consumer's read-only mapping of a producer's arena."""
+
+    path: str
+    inode: int
+    size: int
+    buffer: mmap.mmap
+
+
+def open_arena(path: str) -> ArenaView:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise SegmentError(f"the producer's arena {os.path.basename(path)} is gone") from None
+    try:
+        stat = os.fstat(fd)
+        if stat.st_size == 0:
+            raise SegmentError(f"the producer's arena {os.path.basename(path)} is empty")
+        mm = mmap.mmap(fd, stat.st_size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    _populate(mm, MADV_POPULATE_READ)
+    return ArenaView(path, stat.st_ino, stat.st_size, mm)
+
+
+# ---------------------------------------------------------------------------- segments
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    if PREAMBLE + len(blob) > HEADER_LIMIT:
+        raise ValueError(f"segment header of {len(blob)} bytes exceeds {HEADER_LIMIT}")
+    version = FORMAT_VERSION.to_bytes(4, "little")
+    return MAGIC + version + len(blob).to_bytes(4, "little") + blob
+
+
+def write_file(path: str, data: bytes, *, exclusive: bool = False) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_EXCL if exclusive else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def read_header(path: str) -> dict[str, Any]:
+    """The JSON header of a segment file, with the preamble checked."""
+    name = os.path.basename(path)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(HEADER_LIMIT + 1)
+    except FileNotFoundError:
+        raise SegmentError(f"segment {name} vanished before it was read") from None
+    if len(data) < PREAMBLE or data[:8] != MAGIC:
+        raise SegmentError(f"{name} is not a syshax KV segment")
+    version = int.from_bytes(data[8:12], "little")
+    if version != FORMAT_VERSION:
+        raise SegmentError(f"{name} has format {version}; this connector reads {FORMAT_VERSION}")
+    length = int.from_bytes(data[12:16], "little")
+    if length > len(data) - PREAMBLE:
+        raise SegmentError(
+            f"{name} is truncated: its header claims {length} bytes, {len(data) - PREAMBLE} follow"
+        )
+    try:
+        header = json.loads(data[PREAMBLE : PREAMBLE + length])
+    except (UnicodeDecodeError, ValueError):
+        raise SegmentError(f"{name} has a header that is not JSON") from None
+    if not isinstance(header, dict):
+        raise SegmentError(f"{name} has a header that is not an object")
+    return header
+
+
+def _int(header: dict[str, Any], key: str, low: int, high: int, where: str) -> int:
+    value = header.get(key)
+    if type(value) is not int or not low <= value <= high:
+        raise SegmentError(f"{where}: {key} {value!r} is not an integer in [{low}, {high}]")
+    return value
+
+
+@dataclass(frozen=True)
+class LayerPiece:
+    """One layer's bytes in an arena: ``nbytes`` at ``offset``, viewed as ``shape``."""
+
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def check_segment(
+    header: dict[str, Any], *, arena_size: int, layers: list[str], transfer_id: str, rank: int
+) -> dict[str, LayerPiece]:
+    """Every size and offset of a published segment, checked against the arena mapping
+    before any byte is touched; the pieces by layer name. Raises SegmentError naming the
+    field that lies."""
+    where = f"segment of transfer {transfer_id} rank {rank}"
+    if header.get("error"):
+        raise SegmentError(f"the producer could not copy the KV: {header['error']}")
+    if header.get("transfer_id") != transfer_id or header.get("rank") != rank:
+        raise SegmentError(f"{where}: its header names another transfer or rank")
+    if header.get("format") not in FORMATS:
+        raise SegmentError(f"{where}: unknown format {header.get('format')!r}")
+    offset = _int(header, "offset", 0, arena_size, where)
+    length = _int(header, "length", 1, arena_size - offset, where)
+    pieces = header.get("layers")
+    if not isinstance(pieces, dict):
+        raise SegmentError(f"{where}: no layer table")
+    out: dict[str, LayerPiece] = {}
+    for name in layers:
+        info = pieces.get(name)
+        if not isinstance(info, dict):
+            raise SegmentError(f"{where}: no layer {name}")
+        at = f"{where}, layer {name}"
+        dtype = info.get("dtype")
+        if dtype not in DTYPE_SIZES:
+            raise SegmentError(f"{at}: dtype {dtype!r} is not one this connector reads")
+        shape = info.get("shape")
+        if (
+            not isinstance(shape, list)
+            or not 1 <= len(shape) <= 8
+            or any(type(d) is not int or d < 1 for d in shape)
+        ):
+            raise SegmentError(f"{at}: shape {shape!r} is not a list of positive integers")
+        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+        start = _int(info, "offset", offset, offset + length, at)
+        if start % ALIGN or start + nbytes > offset + length:
+            raise SegmentError(
+                f"{at}: {nbytes} bytes at offset {start} lie outside its run "
+                f"[{offset}, {offset + length}) of the arena"
+            )
+        out[name] = LayerPiece(start, nbytes, tuple(shape), dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True)
+class Checked:
+    transfer_id: str
+    ranks: int
+    num_tokens: int
+    expires_at: float
+
+
+def check_params(
+    params: dict[str, Any],
+    *,
+    engine_id: str,
+    peer_engine_id: str | None,
+    ipc_ns: str,
+    geometry: dict[str, Any],
+    tensor_parallel: int,
+    prompt_tokens: int,
+) -> Checked:
+    """Every field of a decode's ``kv_transfer_params``, checked before anything is opened;
+    SegmentError naming the field that lies. (The lease's expiry and the segment's presence
+    are the caller's: they depend on when and where it looks.)"""
+    tid = params.get("transfer_id")
+    if not isinstance(tid, str) or not TRANSFER_ID_RE.fullmatch(tid):
+        raise SegmentError(f"transfer_id {str(tid)[:64]!r} is not a syshax transfer id")
+    producer = params.get("producer_engine_id")
+    if peer_engine_id and producer != peer_engine_id:
+        raise SegmentError(
+            f"transfer {tid} was produced by engine {str(producer)[:100]!r}; this engine "
+            f"({engine_id}) decodes for {peer_engine_id!r}"
+        )
+    their_ns = params.get("ipc_namespace")
+    if their_ns and their_ns != ipc_ns:
+        raise SegmentError(
+            f"segment is in IPC namespace {str(their_ns)[:64]} and this engine is in "
+            f"{ipc_ns}: run the CPU engine in the GPU engine's IPC namespace "
+            "(--ipc container:<gpu>)"
+        )
+    if params.get("geometry") != geometry:
+        raise SegmentError(
+            f"segment geometry {str(params.get('geometry'))[:300]} differs from this "
+            f"engine's {geometry} (another model or dtype)"
+        )
+    if tensor_parallel != 1:
+        raise SegmentError("a decode engine with tensor parallelism > 1 cannot load segments")
+    num_tokens = params.get("num_tokens")
+    if type(num_tokens) is not int or not 1 <= num_tokens < prompt_tokens:
+        raise SegmentError(
+            f"num_tokens {str(num_tokens)[:32]} is not in [1, {prompt_tokens - 1}]: the prompt "
+            f"of {prompt_tokens} tokens must extend the transferred tokens by at least the "
+            "token the prefill sampled"
+        )
+    ranks = params.get("ranks", 1)
+    heads = int(geometry["kv_heads"])
+    if type(ranks) is not int or not 1 <= ranks <= min(MAX_RANKS, heads):
+        raise SegmentError(f"ranks {str(ranks)[:32]} is not in [1, {min(MAX_RANKS, heads)}]")
+    if heads % ranks:
+        raise SegmentError(f"ranks {ranks} does not divide the model's {heads} KV heads")
+    expires = params.get("lease_expires_at")
+    if isinstance(expires, bool) or not isinstance(expires, int | float):
+        raise SegmentError(f"lease_expires_at {str(expires)[:32]!r} is not a number")
+    if not math.isfinite(expires) or expires > time.time() + MAX_LEASE_SECONDS:
+        raise SegmentError(f"lease_expires_at {expires!r} is not a lease this side of an hour")
+    return Checked(tid, ranks, num_tokens, float(expires))
+
+
+def not_found(path: str, shm_dir: str, ipc_ns: str) -> str:
+    return (
+        f"segment {os.path.basename(path)} not found in {shm_dir} (already used, reaped, or "
+        f"written in another IPC namespace; this engine is in {ipc_ns})"
+    )
+
+
+# ---------------------------------------------------------------------------- leases
+
+
+def transfer_files(shm_dir: str, transfer_id: str, ranks: int, expires_at: float) -> list[str]:
+    """Paths of every file that may exist for a transfer, all ranks and states."""
+    paths = []
+    for rank in range(ranks):
+        base = os.path.join(shm_dir, segment_name(transfer_id, rank, expires_at))
+        paths += [base, base + ".tmp", base + ".claimed"]
+    return paths
+
+
+def transfer_alive(shm_dir: str, transfer_id: str, ranks: int, expires_at: float) -> bool:
+    return any(os.path.exists(p) for p in transfer_files(shm_dir, transfer_id, ranks, expires_at))
+
+
+def unlink_transfer(shm_dir: str, transfer_id: str, ranks: int, expires_at: float) -> None:
+    for path in transfer_files(shm_dir, transfer_id, ranks, expires_at):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def reap_expired(shm_dir: str, *, claim_grace: float, now: float | None = None) -> list[str]:
+    """Unlink expired segments (any producer's) in ``shm_dir``; returns their names.
+
+    A published or pending segment expires with its lease; a claimed one ``claim_grace``
+    seconds after its claim (its mtime), so a consumer that died mid-load frees the run."""
+    now = time.time() if now is None else now
+    removed = []
+    for name in os.listdir(shm_dir):
+        match = SEGMENT_RE.match(name)
+        if match is None:
+            continue
+        path = os.path.join(shm_dir, name)
+        if match.group("state") == ".claimed":
+            try:
+                expires = os.stat(path).st_mtime + claim_grace
+            except FileNotFoundError:
+                continue
+        else:
+            expires = int(match.group("exp"))
+        if now > expires:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(name)
+    return removed
+
+
+def live_runs(shm_dir: str, arena: str) -> list[tuple[str, Run, int, float]]:
+    """(transfer id, run, rank, lease expiry) of every segment file in ``shm_dir`` that points
+    into ``arena``: what a restarted producer must not hand out again. Unreadable files are
+    skipped (the reaper removes them at their lease)."""
+    found = []
+    for name in os.listdir(shm_dir):
+        match = SEGMENT_RE.match(name)
+        if match is None:
+            continue
+        try:
+            header = read_header(os.path.join(shm_dir, name))
+        except SegmentError:
+            continue
+        if header.get("arena") != arena:
+            continue
+        run = header.get("run")
+        if (
+            not isinstance(run, list)
+            or len(run) != 2
+            or not all(type(v) is int and v >= 0 for v in run)
+        ):
+            continue
+        found.append(
+            (
+                match.group("tid"),
+                Run(run[0], max(1, run[1])),
+                int(match.group("rank")),
+                float(match.group("exp")),
+            )
+        )
+    return found
