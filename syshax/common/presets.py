@@ -3,7 +3,9 @@
 Every number that comes from a datasheet says so in ``source``; docs/simulator.md repeats the
 table with links. The two ``*_efficiency`` factors are not datasheet numbers: they are the
 calibrated fraction of peak that a real vLLM engine reaches on that device (see the
-calibration section of docs/simulator.md and ``scripts/sim_calibrate.py``).
+calibration section of docs/simulator.md and ``scripts/sim_calibrate.py``). Nor are the KV
+handoff rates: they are a link's measured copy rate times the fraction of it our KV
+connector reaches (:class:`ConnectorSpeed`, ``scripts/kv_connector_timing.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ class DevicePreset:
     bw_efficiency: float  # calibrated fraction of mem_bandwidth reached by decode
     flops_efficiency: float  # calibrated fraction of peak_flops reached by prefill
     step_overhead_s: float  # fixed per-step cost: scheduling, kernel launch, sampling
-    kv_export_bandwidth: float  # bytes/s to copy KV from the engine into shared memory
-    kv_import_bandwidth: float  # bytes/s to copy KV from shared memory into the engine
+    kv_export_bandwidth: float  # bytes/s our connector copies KV out into shared memory
+    kv_import_bandwidth: float  # bytes/s our connector copies KV from shared memory in
+    # Of an export's copy time, the share the producer's step waits for (the rest overlaps
+    # the forward); an import always holds the consumer's step (docs/simulator.md).
+    kv_export_stall: float
     swap_bandwidth: float  # bytes/s for KV swap out/in (preemption mode swap)
     cores: int
     numa_nodes: int
@@ -69,6 +74,77 @@ class ModelPreset:
 PCIE4_X16 = 25 * GB  # effective one-direction PCIe Gen4 x16 copy rate (32 GB/s raw)
 PCIE5_X16 = 50 * GB
 
+
+@dataclass(frozen=True)
+class ConnectorSpeed:
+    """How fast our KV connector moves KV on one kind of producer and consumer, as fractions
+    of the link's own copy of the same bytes measured beside it, and how much of a save the
+    producer's step waits for. ``scripts/kv_connector_timing.py`` measures all three."""
+
+    save_fraction: float
+    load_fraction: float
+    save_stall: float
+    source: str
+
+
+# The links' reference rates, measured: a device-to-pinned-host copy on an NVIDIA H200
+# (PCIe Gen5 x16, torch 2.11, CUDA 13: 53-55 GB/s, issue 26's table); a PCIe Gen4 x16 card
+# gets half of it (the datasheets' link rates, 32 against 64 GB/s a direction). A memcpy
+# between two buffers of one NUMA node of a server CPU: 20 GB/s (this project's 2-core VM
+# measures 22 GB/s with two threads).
+H200_PINNED_D2H = 55 * GB
+GEN4_PINNED_D2H = H200_PINNED_D2H / 2
+GEN5_PINNED_D2H = H200_PINNED_D2H
+CPU_MEMCPY = 20 * GB
+
+# A CPU producer and consumer (both engines on the CPU): scripts/kv_connector_timing.py on
+# this project's 2-core VM, 2,048 tokens of an 8B geometry (268 MB), the median over three
+# runs of each run's median of five (docs/kv-connector.md, "Figures"). The save is the one
+# copy there is, done in the step: the step waits for all of it. The load writes from the
+# mapping into the CPU backend's blocks, in the step that follows the segment's arrival.
+CPU_CONNECTOR = ConnectorSpeed(
+    save_fraction=0.72,
+    load_fraction=0.58,
+    save_stall=1.0,
+    source="kv_connector_timing.py, CPU, 2,048 tokens of the 8B geometry: save 72 %, load "
+    "58 % of a memcpy into a pre-faulted mapping",
+)
+# A CUDA producer: not yet measured with this connector (no card in the session that wrote
+# it). Issue 26 measured its design on an H200 (per-layer gather, a side-stream copy into a
+# cudaHostRegister'ed shm mapping, one completion event): the copies ran at the pinned rate
+# beside the forward and added 0.7, -1.0, 4 and 7 ms to forwards whose copies alone took 1.3,
+# 4.9, 19.6 and 38.8 ms (512 to 16,384 tokens): a median of 19 % of the copy's time.
+# Replace with `kv_connector_timing.py --json` on a card.
+CUDA_CONNECTOR = ConnectorSpeed(
+    save_fraction=1.0,
+    load_fraction=1.0,
+    save_stall=0.19,
+    source="issue 26's H200 measurement of the design (not yet of this connector): copies at "
+    "the pinned rate, 19 % of their time added to the forward",
+)
+
+
+def gpu_handoff(link: float) -> dict[str, float]:
+    """A GPU's export and import rates and stall: its link times the CUDA connector's speed."""
+    speed = CUDA_CONNECTOR
+    return {
+        "kv_export_bandwidth": link * speed.save_fraction,
+        "kv_import_bandwidth": link * speed.load_fraction,
+        "kv_export_stall": speed.save_stall,
+    }
+
+
+def cpu_handoff(memcpy: float = CPU_MEMCPY) -> dict[str, float]:
+    """A CPU engine's export and import rates and stall: its memcpy times the CPU
+    connector's speed."""
+    speed = CPU_CONNECTOR
+    return {
+        "kv_export_bandwidth": memcpy * speed.save_fraction,
+        "kv_import_bandwidth": memcpy * speed.load_fraction,
+        "kv_export_stall": speed.save_stall,
+    }
+
+
 DEVICES: dict[str, DevicePreset] = {
     d.name: d
     for d in (
@@ -82,8 +158,7 @@ DEVICES: dict[str, DevicePreset] = {
             bw_efficiency=0.794,
             flops_efficiency=0.292,
             step_overhead_s=0.0005,
-            kv_export_bandwidth=PCIE4_X16,
-            kv_import_bandwidth=PCIE4_X16,
+            **gpu_handoff(GEN4_PINNED_D2H),
             swap_bandwidth=PCIE4_X16,
             cores=108,
             numa_nodes=1,
@@ -100,8 +175,7 @@ DEVICES: dict[str, DevicePreset] = {
             bw_efficiency=0.794,
             flops_efficiency=0.292,
             step_overhead_s=0.0005,
-            kv_export_bandwidth=PCIE5_X16,
-            kv_import_bandwidth=PCIE5_X16,
+            **gpu_handoff(GEN5_PINNED_D2H),
             swap_bandwidth=PCIE5_X16,
             cores=132,
             numa_nodes=1,
@@ -118,8 +192,7 @@ DEVICES: dict[str, DevicePreset] = {
             bw_efficiency=0.794,
             flops_efficiency=0.292,
             step_overhead_s=0.0005,
-            kv_export_bandwidth=PCIE4_X16,
-            kv_import_bandwidth=PCIE4_X16,
+            **gpu_handoff(GEN4_PINNED_D2H),
             swap_bandwidth=PCIE4_X16,
             cores=72,
             numa_nodes=1,
@@ -136,8 +209,7 @@ DEVICES: dict[str, DevicePreset] = {
             bw_efficiency=0.794,
             flops_efficiency=0.292,
             step_overhead_s=0.0008,
-            kv_export_bandwidth=PCIE4_X16,
-            kv_import_bandwidth=PCIE4_X16,
+            **gpu_handoff(GEN4_PINNED_D2H),
             swap_bandwidth=PCIE4_X16,
             cores=24,
             numa_nodes=1,
@@ -154,8 +226,7 @@ DEVICES: dict[str, DevicePreset] = {
             bw_efficiency=0.807,
             flops_efficiency=0.25,
             step_overhead_s=0.001,
-            kv_export_bandwidth=20 * GB,  # memcpy between NUMA-local buffers
-            kv_import_bandwidth=20 * GB,
+            **cpu_handoff(),
             swap_bandwidth=20 * GB,
             cores=160,
             numa_nodes=4,
@@ -173,8 +244,7 @@ DEVICES: dict[str, DevicePreset] = {
             bw_efficiency=0.807,
             flops_efficiency=0.25,
             step_overhead_s=0.001,
-            kv_export_bandwidth=20 * GB,
-            kv_import_bandwidth=20 * GB,
+            **cpu_handoff(),
             swap_bandwidth=20 * GB,
             cores=112,
             numa_nodes=2,

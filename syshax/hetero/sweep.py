@@ -125,8 +125,10 @@ def pair_knobs(pair: Pair, mode: str) -> PolicyKnobs:
     raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
 
 
-def deployment(pair: Pair, mode: str) -> VirtualDeployment:
-    knobs = pair_knobs(pair, mode)
+def deployment(pair: Pair, mode: str, knobs: PolicyKnobs | None = None) -> VirtualDeployment:
+    """The pair's engines for ``mode``, under ``knobs`` (default: the mode's policy at the
+    pair's SLO)."""
+    knobs = knobs or pair_knobs(pair, mode)
     gpu = None if mode == "cpu" else pair.gpu
     cpu = None if mode == "gpu" else pair.cpu
     return VirtualDeployment(gpu, cpu, knobs)
@@ -201,8 +203,9 @@ def measure(
     *,
     requests: int,
     seed: int = 0,
+    knobs: PolicyKnobs | None = None,
 ) -> tuple[RatePoint, RunStats]:
-    stats = deployment(pair, mode).run(
+    stats = deployment(pair, mode, knobs).run(
         rate=rate,
         requests=requests,
         prompt_tokens=scenario.input_tokens,

@@ -13,11 +13,12 @@ counts between scrapes.
 What the live path does, modelled the same way here:
 
 - gpu-only: the GPU prefills and decodes the request.
-- PD: the GPU prefills and samples the first token; the KV is exported to shared memory and
-  imported by the CPU engine (``kv_export_bandwidth`` / ``kv_import_bandwidth`` of the two
-  presets), which decodes ``token_limit`` tokens; then ``decide_next_chunk`` keeps the
-  sequence on the CPU (its KV imported again) or moves it back to the GPU, which recomputes
-  the context (no KV goes back).
+- PD: the GPU prefills and samples the first token; the KV connector saves the KV into
+  shared memory, which adds its measured stall to the prefill step (``kv_export_stall``) and
+  publishes it a copy's time later (``kv_export_bandwidth``); the CPU engine loads it in the
+  step that admits the decode, holding that step (``kv_import_bandwidth``), and decodes
+  ``token_limit`` tokens; then ``decide_next_chunk`` keeps the sequence on the CPU (its KV
+  stays there) or moves it back to the GPU, which recomputes the context (no KV goes back).
 - cpu-only: the CPU engine prefills and decodes.
 - rejected: the request fails (a 429 or 503 to the client).
 
@@ -28,16 +29,17 @@ measures those), and clients that give up.
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
-from router.decide import Decision, Loads, Route, decide, decide_next_chunk, fit_itl_slope
-from router.engine_metrics import UNAVAILABLE, DeviceLoad, EngineSample, derive_load, device_load
+from router.decide import Decision, Loads, Route, decide, decide_next_chunk
+from router.engine_metrics import UNAVAILABLE, DeviceLoad, EngineSample, LoadTracker
 from syshax.common.policy_schema import PolicyKnobs
 from syshax.loadgen.workload import arrival_offsets
 from syshax.sim.engine import EngineConfig, build_scheduler, plan_capacity
 from syshax.sim.perfmodel import effective_hardware, kv_copy_time
 from syshax.sim.scheduler import BatchScheduler, FinishReason, Sequence, Step
+from syshax.sim.stats import ITL_BUCKETS, Histogram
 from syshax.sim.tokens import TokenModel
 
 INF = math.inf
@@ -87,12 +89,13 @@ class Leg:
     chunk: int = 0  # a prefill's: the decode's token_limit on the CPU (0: to the end)
 
 
-class VirtualEngine:
-    """A batch scheduler with the metrics a router scrapes from it."""
+class VirtualEngine(LoadTracker):
+    """A batch scheduler with the metrics a router scrapes from it, and what a router keeps
+    of those scrapes (``LoadTracker``)."""
 
     def __init__(self, config: EngineConfig, role: str) -> None:
+        LoadTracker.__init__(self, role)
         self.config = config
-        self.role = role
         self.capacity = plan_capacity(config)
         hw = effective_hardware(config.device, config.tensor_parallel_size)
         self.sched: BatchScheduler = build_scheduler(
@@ -105,12 +108,7 @@ class VirtualEngine:
         self.generation_tokens = 0
         self.itl_sum = 0.0
         self.itl_count = 0
-        # What the router keeps per backend (router/backends.py).
-        self.sample: EngineSample | None = None
-        self.throughput_tps = 0.0
-        self.itl_ms: float | None = None
-        self.itl_samples: deque[tuple[float, float]] = deque(maxlen=30)
-        self.itl_slope_ms: float | None = None
+        self.itl_histogram = Histogram(ITL_BUCKETS)
         self.inflight = 0
         self.busy_s = 0.0
 
@@ -141,15 +139,12 @@ class VirtualEngine:
             itl_sum=self.itl_sum,
             itl_count=float(self.itl_count),
             avg_generation_tps=None,
+            itl_buckets=self.itl_histogram.bounded_cumulative(),
         )
-        self.throughput_tps, self.itl_ms = derive_load(self.sample, sample, self.itl_ms)
-        if self.itl_ms is not None and sample.running > 0:
-            self.itl_samples.append((sample.running, self.itl_ms))
-            self.itl_slope_ms = fit_itl_slope(list(self.itl_samples))
-        self.sample = sample
+        self.observe(sample)
 
     def load(self) -> DeviceLoad:
-        return device_load(self.sample, self.inflight, self.throughput_tps, self.itl_ms)
+        return self.tracked_load(self.inflight)
 
 
 @dataclass
@@ -205,6 +200,8 @@ class VirtualDeployment:
         limit: int | None = None,
         imported: int = 0,
         ready_at: float = 0.0,
+        load_seconds: float = 0.0,
+        export_stall_seconds: float = 0.0,
         reserved: bool = False,
     ) -> None:
         """Queue ``leg`` on ``engine``; counted in the router's in-flight count there unless
@@ -220,6 +217,8 @@ class VirtualDeployment:
             new_token_limit=limit,
             imported_tokens=imported,
             ready_at=ready_at,
+            load_seconds=load_seconds,
+            export_stall_seconds=export_stall_seconds,
             arrival=now,
             sink=leg,
         )
@@ -238,7 +237,17 @@ class VirtualDeployment:
         elif decision.route is Route.PD and self.gpu is not None and self.cpu is not None:
             # The router counts the CPU decode from the moment it chose it.
             self.cpu.inflight += 1
-            self._submit(self.gpu, Leg(req, "prefill", decision.token_limit), now, limit=1)
+            device = self.gpu.config.device
+            save = kv_copy_time(
+                self.gpu.config.model, req.prompt_tokens, device.kv_export_bandwidth
+            )
+            self._submit(
+                self.gpu,
+                Leg(req, "prefill", decision.token_limit),
+                now,
+                limit=1,
+                export_stall_seconds=device.kv_export_stall * save,
+            )
         else:
             req.error = f"{decision.status or 503}: {decision.reason}"
 
@@ -251,18 +260,18 @@ class VirtualDeployment:
         assert self.cpu is not None
         context = req.prompt_tokens + req.tokens
         model = self.cpu.config.model
-        copy = 0.0
+        published = load = 0.0
         if export_bw is not None:
-            copy = kv_copy_time(model, context, export_bw) + kv_copy_time(
-                model, context, self.cpu.config.device.kv_import_bandwidth
-            )
+            published = kv_copy_time(model, context, export_bw)
+            load = kv_copy_time(model, context, self.cpu.config.device.kv_import_bandwidth)
         self._submit(
             self.cpu,
             Leg(req, "decode"),
             now,
             limit=chunk or None,
             imported=context,
-            ready_at=now + copy,
+            ready_at=now + published,
+            load_seconds=load,
             reserved=reserved,
         )
 
@@ -353,6 +362,7 @@ class VirtualDeployment:
             if len(times) > 1:
                 engine.itl_sum += at - times[-2]
                 engine.itl_count += 1
+                engine.itl_histogram.observe(at - times[-2])
             req.tokens += 1
             if engine.role == "cpu":
                 req.cpu_tokens += 1

@@ -35,7 +35,7 @@ log = logging.getLogger("syshax.sim")
 @dataclass
 class HandoffPlan:
     imported_tokens: int = 0  # KV tokens mapped from shared memory
-    import_seconds: float = 0.0  # modelled copy cost of those tokens (sim seconds)
+    import_seconds: float = 0.0  # the connector's load of those tokens (holds a step)
     new_token_limit: int | None = None
     sequence_id: str | None = None  # sysHAX: the id to publish under when "scheduled"
     connector_prefill: bool = False  # publish the prompt's KV through the connector at the end
@@ -131,7 +131,12 @@ class Handoff:
         plan.sequence_id = rid
 
     def export_seconds(self, tokens: int) -> float:
+        """From the end of the prefill's step until its KV is published."""
         return kv_copy_time(self.model, tokens, self.device.kv_export_bandwidth)
+
+    def export_stall_seconds(self, tokens: int) -> float:
+        """What saving ``tokens`` tokens of KV adds to the step that completes the prompt."""
+        return self.device.kv_export_stall * self.export_seconds(tokens)
 
     def publish_syshax(self, sequence_id: str, tokens: int) -> Path:
         seg = kvshm.publish(

@@ -53,6 +53,12 @@ class Sequence:
     connector_queried: bool = False  # a KV connector was asked for this prompt's KV
     connector_hits: int = 0  # prompt tokens whose KV the connector loaded
     ready_at: float = 0.0  # sim time at which imported KV is in place
+    # The KV connector's copy of the imported KV into this engine: the step that admits the
+    # sequence takes that long more (the connector loads between steps, holding them).
+    load_seconds: float = 0.0
+    # What saving this prompt's KV for a decode elsewhere adds to the step that completes
+    # the prompt (the share of the copy that does not overlap the forward).
+    export_stall_seconds: float = 0.0
     arrival: float = 0.0
     sink: Any = None  # the engine's emission target
     # scheduler state
@@ -216,13 +222,16 @@ class BatchScheduler:
             i += 1
         if not preempted:
             extra += self._swap_in(scheduled)
-            self._admit(now, scheduled)
+            extra += self._admit(now, scheduled)
         if not scheduled:
             return None
         prefill: list[tuple[int, int]] = []
         decode_count = 0
         decode_context = 0
         for seq, chunk in scheduled:
+            if seq.export_stall_seconds and seq.computed + chunk >= seq.context:
+                extra += seq.export_stall_seconds  # the prompt completes: its KV is saved
+                seq.export_stall_seconds = 0.0
             if chunk == 1:
                 decode_count += 1
                 decode_context += seq.computed
@@ -271,8 +280,10 @@ class BatchScheduler:
             budget -= chunk
         return cost
 
-    def _admit(self, now: float, scheduled: list[tuple[Sequence, int]]) -> None:
+    def _admit(self, now: float, scheduled: list[tuple[Sequence, int]]) -> float:
+        """Admit waiting sequences; returns the connector's load time they add to the step."""
         budget = self._budget_left(scheduled)
+        loading = 0.0
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if seq.ready_at > now:
@@ -291,6 +302,9 @@ class BatchScheduler:
             self.running.append(seq)
             scheduled.append((seq, chunk))
             budget -= chunk
+            loading += seq.load_seconds
+            seq.load_seconds = 0.0
+        return loading
 
     def complete(self, step: Step, now: float) -> StepResult:
         """Apply a planned step that ended at sim time ``now``."""

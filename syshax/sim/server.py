@@ -348,7 +348,11 @@ class SimServer:
             imported_tokens=plan.imported_tokens,
             connector_queried=plan.connector_queried,
             connector_hits=plan.connector_hits,
-            ready_at=self.engine.sim_now() + plan.import_seconds,
+            ready_at=self.engine.sim_now(),
+            load_seconds=plan.import_seconds,
+            export_stall_seconds=self.handoff.export_stall_seconds(req.prompt_tokens)
+            if plan.connector_prefill
+            else 0.0,
         )
 
     async def _after(self, seq: Sequence, plan: HandoffPlan) -> tuple[str, dict[str, Any] | None]:

@@ -42,6 +42,16 @@ class Histogram:
         self.sum += value * times
         self.count += times
 
+    def bounded_cumulative(self) -> tuple[tuple[float, float], ...]:
+        """(upper bound, cumulative count) of every bucket, +Inf last: as a scrape reads it."""
+        out = []
+        running = 0
+        for bound, n in zip(self.bounds, self.counts, strict=False):
+            running += n
+            out.append((float(bound), float(running)))
+        out.append((float("inf"), float(self.count)))
+        return tuple(out)
+
     def cumulative(self) -> list[tuple[str, float]]:
         out: list[tuple[str, float]] = []
         running = 0

@@ -71,11 +71,52 @@ def test_threshold_respects_cpu_max_batch_size() -> None:
     assert decide(k, Loads(gpu, cpu)).route is Route.REJECTED
 
 
-def test_capacity_offloads_past_the_gpu_latency_knee() -> None:
+# A CPU measured at 60 ms a token: within 80 % of the default 100 ms CPU SLO.
+MEASURED_CPU = replace(IDLE_CPU, running=1, itl_ms=60.0, itl_batch=1.0)
+
+
+def test_capacity_offloads_past_the_gpu_latency_knee_to_a_cpu_with_margin() -> None:
+    gpu = replace(IDLE_GPU, running=10, itl_ms=49.0)
+    d = decide(knobs(gpu_decode_slo_ms=50.0), Loads(gpu, MEASURED_CPU, gpu_itl_slope_ms=2.0))
+    assert d.route is Route.PD and d.code == "gpu-knee"
+    assert "knee" in d.reason
+
+
+def test_the_knee_sends_nothing_to_a_cpu_never_measured() -> None:
+    """Where the GPU still has room, probing an unknown CPU can only cost the request."""
     gpu = replace(IDLE_GPU, running=10, itl_ms=49.0)
     d = decide(knobs(gpu_decode_slo_ms=50.0), Loads(gpu, IDLE_CPU, gpu_itl_slope_ms=2.0))
-    assert d.route is Route.PD
-    assert "knee" in d.reason
+    assert d.route is Route.GPU_ONLY
+    assert "CPU not yet measured" in d.reason
+    # A GPU that is full (its queue) still probes the unknown CPU.
+    queued = decide(knobs(), Loads(replace(gpu, waiting=2), IDLE_CPU))
+    assert queued.route is Route.PD and queued.code == "gpu-queue"
+
+
+def test_the_knee_sends_nothing_to_a_cpu_without_margin() -> None:
+    """The CPU would meet its SLO (90 ms < 100) but not with the margin (80 ms)."""
+    gpu = replace(IDLE_GPU, running=10, itl_ms=49.0)
+    cpu = replace(MEASURED_CPU, itl_ms=85.0)
+    d = decide(
+        knobs(gpu_decode_slo_ms=50.0), Loads(gpu, cpu, gpu_itl_slope_ms=2.0, cpu_itl_slope_ms=5.0)
+    )
+    assert d.route is Route.GPU_ONLY and "SLO with margin" in d.reason
+    # Past the knee and full: the CPU within its plain SLO takes the decode.
+    full = decide(
+        knobs(gpu_decode_slo_ms=50.0), Loads(replace(gpu, waiting=1), cpu, cpu_itl_slope_ms=5.0)
+    )
+    assert full.route is Route.PD
+
+
+def test_the_knee_reads_decode_steps_not_the_mean_a_prefill_stretched() -> None:
+    """17 ms decode steps, one 700 ms prefill in the scrape interval: the mean ITL is 62 ms
+    (past the 50 ms knee), the median gap 17 ms. The GPU is nowhere near its knee."""
+    gpu = replace(IDLE_GPU, running=10, itl_ms=62.0, itl_batch=10.0, decode_itl_ms=17.0)
+    d = decide(knobs(gpu_decode_slo_ms=50.0), Loads(gpu, MEASURED_CPU, gpu_itl_slope_ms=0.5))
+    assert d.route is Route.GPU_ONLY and d.code == "gpu-room"
+    # Decode steps past the knee do count.
+    slow = replace(gpu, decode_itl_ms=52.0)
+    assert decide(knobs(gpu_decode_slo_ms=50.0), Loads(slow, MEASURED_CPU)).code == "gpu-knee"
 
 
 def test_capacity_keeps_gpu_when_cpu_would_break_its_slo() -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from router.backends import Backend, Timeouts, ejection_seconds
-from router.engine_metrics import derive_load, parse_metrics_text
+from router.engine_metrics import LoadTracker, derive_load, median_itl_ms, parse_metrics_text
 from router.errors import RouterError
 from router.sse import ChunkBuilder, chunk_parts
 from router.state import parse_policy
@@ -55,6 +56,77 @@ def test_derive_load_turns_counters_into_rates() -> None:
     assert itl == pytest.approx(20.0)  # 1 s over 50 tokens
     # No new tokens: the last known ITL is kept.
     assert derive_load(b, b, 7.0)[1] == 7.0
+
+
+CAPTURED = Path(__file__).parent / "data" / "vllm-0.32-metrics.txt"
+
+
+def itl_histogram(counts: dict[str, float], at: float, family: str = "inter_token_latency") -> str:
+    """A scrape with only an ITL histogram of cumulative ``counts`` by ``le``."""
+    lines = [
+        f'vllm:{family}_seconds_bucket{{engine="0",le="{le}",model_name="m"}} {n}'
+        for le, n in counts.items()
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_parse_metrics_reads_the_itl_histogram_of_a_real_engine() -> None:
+    sample = parse_metrics_text(CAPTURED.read_text(), at=0.0)
+    bounds = [bound for bound, _ in sample.itl_buckets]
+    assert bounds[0] == 0.01 and bounds[-1] == float("inf") and bounds == sorted(bounds)
+    counts = [n for _, n in sample.itl_buckets]
+    assert counts == sorted(counts) and counts[-1] == sample.itl_count
+
+
+def test_median_itl_is_a_decode_step_whatever_a_prefill_stretched() -> None:
+    """Between two scrapes, 15 gaps of about 20 ms and one of 700 ms (a prefill in the
+    batch): the mean is 62 ms, the median within the 10-25 ms bucket."""
+    before = parse_metrics_text(itl_histogram({"0.01": 0, "0.025": 0, "0.75": 0, "+Inf": 0}, 0), 0)
+    after = parse_metrics_text(
+        itl_histogram({"0.01": 0, "0.025": 15, "0.75": 16, "+Inf": 16}, 1), 1
+    )
+    median = median_itl_ms(before, after)
+    assert median is not None and 10.0 < median <= 25.0
+    assert median == pytest.approx(10.0 + 15.0 * 8 / 15)  # linear within the bucket
+    # Older engines' family name, too.
+    old = parse_metrics_text(itl_histogram({"0.05": 4, "+Inf": 4}, 0, "time_per_output_token"), 0)
+    assert old.itl_buckets == ((0.05, 4.0), (float("inf"), 4.0))
+
+
+@pytest.mark.parametrize(
+    "later,why",
+    [
+        ({"0.01": 0, "0.025": 0, "0.75": 0, "+Inf": 0}, "no new tokens"),
+        ({"0.01": 0, "0.05": 3, "0.75": 3, "+Inf": 3}, "other bounds"),
+        ({"0.01": 0, "0.025": 0, "+Inf": 0}, "fewer buckets"),
+    ],
+)
+def test_median_itl_is_unknown_without_comparable_scrapes(
+    later: dict[str, float], why: str
+) -> None:
+    before = parse_metrics_text(itl_histogram({"0.01": 0, "0.025": 0, "0.75": 0, "+Inf": 0}, 0), 0)
+    assert median_itl_ms(before, parse_metrics_text(itl_histogram(later, 1), 1)) is None, why
+    assert median_itl_ms(None, before) is None
+    reset = parse_metrics_text(itl_histogram({"0.01": 0, "0.025": 0, "0.75": 0, "+Inf": 0}, 1), 1)
+    grown = parse_metrics_text(itl_histogram({"0.01": 9, "0.025": 9, "0.75": 9, "+Inf": 9}, 0), 0)
+    assert median_itl_ms(grown, reset) is None  # counters went back: a restarted engine
+
+
+def test_an_interval_one_long_prefill_filled_keeps_the_last_decode_step() -> None:
+    """Four streams: an interval with 40 gaps of ~20 ms measures the decode step; the next,
+    which a 1.5 s prefill filled (one stretched gap a stream), leaves it as it was."""
+    tracker = LoadTracker("gpu")
+
+    def scrape(counts: dict[str, float], at: float) -> None:
+        text = itl_histogram(counts, at) + 'vllm:num_requests_running{model_name="m"} 4\n'
+        tracker.observe(parse_metrics_text(text, at))
+
+    scrape({"0.01": 0, "0.025": 0, "2.5": 0, "+Inf": 0}, 0.0)
+    scrape({"0.01": 0, "0.025": 40, "2.5": 40, "+Inf": 40}, 1.0)
+    assert tracker.decode_itl_ms is not None and 10.0 < tracker.decode_itl_ms <= 25.0
+    first = tracker.decode_itl_ms
+    scrape({"0.01": 0, "0.025": 40, "2.5": 44, "+Inf": 44}, 2.5)
+    assert tracker.decode_itl_ms == first
 
 
 def test_split_events_keeps_partial_tail() -> None:
