@@ -101,7 +101,7 @@ class Reference:
             shm = harness.load_connector().shm
             self.path = scratch / "reference-copy"
             self.mapping = shm.create_arena(str(self.path), shm.align_up(nbytes, 1 << 21))
-            self.dst = torch.frombuffer(self.mapping, dtype=torch.uint8)[:nbytes]
+            self.dst = torch.frombuffer(self.mapping.buffer, dtype=torch.uint8)[:nbytes]
             self.src = torch.empty(nbytes, dtype=torch.uint8).random_()
         self.copy()  # warm
 
@@ -114,8 +114,7 @@ class Reference:
     def close(self) -> None:
         del self.dst, self.src
         if self.mapping is not None:
-            self.mapping.close()
-            self.path.unlink()
+            self.mapping.close(unlink=True)
 
 
 def one_handoff(

@@ -51,7 +51,7 @@ class Copier:
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layouts: dict[str, dict[str, Any]] = {}
         self._rank = 0
-        self._arena: Any = None  # the producer's mapping (mmap)
+        self._arena: shm.Arena | None = None  # the producer's
         self._arena_t: torch.Tensor | None = None
         self._arena_registered = False
         self._stream: Any = None
@@ -69,6 +69,10 @@ class Copier:
             with contextlib.suppress(Exception):
                 torch.cuda.cudart().cudaHostUnregister(self._arena_t.data_ptr())
             self._arena_registered = False
+        if self._arena is not None:
+            self._arena_t = None
+            self._arena.close(unlink=True)  # its transfers end with this engine
+            self._arena = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
@@ -97,7 +101,7 @@ class Copier:
     def _open_arena(self, device: torch.device) -> None:
         path = os.path.join(self._cfg.shm_dir, shm.arena_name(self._engine_id, self._rank))
         self._arena = shm.create_arena(path, self._cfg.arena_bytes)
-        self._arena_t = torch.frombuffer(self._arena, dtype=torch.uint8)
+        self._arena_t = torch.frombuffer(self._arena.buffer, dtype=torch.uint8)
         if device.type != "cuda":
             return
         self._stream = torch.cuda.Stream(device=device)
@@ -177,7 +181,7 @@ class Copier:
         if layout["backend"] in PLAIN_TOKEN_BACKENDS:
             # Per-token K|V rows: canonical [2, tokens, heads, head_size], K then V.
             if save.index is None:
-                slots = self._slots(op.block_ids, 0, op.num_tokens).to(kv_layer.device)
+                slots = _on(self._slots(op.block_ids, 0, op.num_tokens), kv_layer.device)
                 kernel_block = kv_layer.shape[2]
                 save.index = (slots // kernel_block, slots % kernel_block)
             rows = kv_layer[save.index[0], :, save.index[1]]
@@ -190,7 +194,7 @@ class Copier:
             used = -(-op.num_tokens // self._block_size)
             if save.index is None:
                 save.index = (
-                    torch.tensor(op.block_ids[:used], dtype=torch.long).to(kv_layer.device),
+                    _on(torch.tensor(op.block_ids[:used], dtype=torch.long), kv_layer.device),
                 )
             shape = [used, *kv_layer.shape[1:]]
             fmt = "pages"
@@ -516,3 +520,11 @@ class Copier:
             )
             return
         raise SegmentError(f"no token writer for attention backend {layout['backend']!r}")
+
+
+def _on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small index tensor on ``device``: on CUDA through pinned memory and a copy queued
+    on the compute stream, so the forward's host thread never waits for the device."""
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)

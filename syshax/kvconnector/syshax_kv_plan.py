@@ -379,5 +379,6 @@ class Planner:
         while not self._stop.wait(self._cfg.reap_interval_seconds):
             try:
                 shm.reap_expired(self._cfg.shm_dir, claim_grace=self._cfg.claim_grace_seconds)
+                shm.reap_arenas(self._cfg.shm_dir)
             except OSError as exc:  # keep reaping; a transient error must not kill leases
                 logger.warning("SyshaxShmConnector: reaping %s failed: %s", self._cfg.shm_dir, exc)

@@ -27,11 +27,16 @@ A segment
     expired ones (:func:`reap_expired`): a published or pending segment when its lease ends,
     a claimed one ``claim_grace`` seconds after its claim. So a crash of either engine holds
     a slab no longer than a lease (or the claim grace).
+
+An arena's owner holds a shared ``flock`` on it for its life; the reaper removes an arena
+nobody holds and no segment points into (:func:`reap_arenas`): a producer that crashed
+leaves no arena behind for longer than its segments' leases. A clean shutdown removes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import mmap
@@ -169,13 +174,48 @@ def _populate(mm: mmap.mmap, advice: int) -> None:
         mm.madvise(advice)
 
 
-def create_arena(path: str, size: int) -> mmap.mmap:
-    """The producer's arena, ``size`` bytes at ``path``, mapped read-write and faulted in.
+@dataclass
+class Arena:
+    """A producer's arena: its mapping, and the open file whose shared lock says that its
+    owner is alive."""
+
+    path: str
+    fd: int
+    buffer: mmap.mmap
+
+    def close(self, *, unlink: bool) -> None:
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        with contextlib.suppress(BufferError, ValueError):
+            self.buffer.close()  # tensors over it may still be alive: the exit frees it then
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def _open_held(path: str) -> int:
+    """``path`` opened (created if missing) with a shared lock held on that very file: one
+    the reaper removed between the open and the lock is opened again."""
+    for _ in range(3):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise OSError(f"the KV arena {path} was removed three times while it was being opened")
+
+
+def create_arena(path: str, size: int) -> Arena:
+    """The producer's arena, ``size`` bytes at ``path``, mapped read-write and faulted in,
+    held (a shared lock) for as long as it is open.
 
     An existing file of that name (this engine's own, from before a restart) is reused: live
     segments may still point into it. Raises OSError naming the directory and the shortfall
     when its file system cannot hold ``size`` bytes."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = _open_held(path)
     try:
         if os.fstat(fd).st_size != size:
             os.ftruncate(fd, size)
@@ -191,10 +231,11 @@ def create_arena(path: str, size: int) -> mmap.mmap:
                 "(--shm-size, the profile's gpu_shm_size_gb) or a smaller arena_mib",
             ) from None
         mm = mmap.mmap(fd, size)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
     _populate(mm, MADV_POPULATE_WRITE)
-    return mm
+    return Arena(path, fd, mm)
 
 
 @dataclass
@@ -453,6 +494,48 @@ def reap_expired(shm_dir: str, *, claim_grace: float, now: float | None = None) 
                 os.unlink(path)
                 removed.append(name)
     return removed
+
+
+def reap_arenas(shm_dir: str) -> list[str]:
+    """Unlink the arenas in ``shm_dir`` whose owner is gone (nobody holds their lock) and
+    into which no segment points any more; returns their names."""
+    removed: list[str] = []
+    referenced: set[str] | None = None
+    for name in os.listdir(shm_dir):
+        if not name.startswith(ARENA_PREFIX):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its producer is alive
+            if referenced is None:
+                referenced = _referenced_arenas(shm_dir)
+            if name in referenced or os.stat(path).st_ino != os.fstat(fd).st_ino:
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _referenced_arenas(shm_dir: str) -> set[str]:
+    names = set()
+    for name in os.listdir(shm_dir):
+        if SEGMENT_RE.match(name):
+            with contextlib.suppress(SegmentError):
+                arena = read_header(os.path.join(shm_dir, name)).get("arena")
+                if isinstance(arena, str):
+                    names.add(arena)
+    return names
 
 
 def live_runs(shm_dir: str, arena: str) -> list[tuple[str, Run, int, float]]:

@@ -25,7 +25,14 @@ def make_pair(
     return producer, consumer
 
 
-def close(engines: tuple[Engine, Engine]) -> None:
+def close(engines: tuple[Engine, Engine], *, crash: bool = False) -> None:
+    """Shut both engines down; with ``crash``, as a killed engine ends: its reaper stops,
+    nothing else is cleaned up (its arena file stays, the lock goes with the process)."""
     for engine in engines:
         engine.scheduler.shutdown()
-        engine.worker.shutdown()
+        if crash:
+            arena = engine.worker._copier._arena
+            if arena is not None:
+                arena.close(unlink=False)  # the descriptor and its lock go, as at exit
+        else:
+            engine.worker.shutdown()

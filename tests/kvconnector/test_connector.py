@@ -308,7 +308,7 @@ def test_the_reaper_frees_published_segments_at_their_lease(shm_dir: Path) -> No
 def test_a_restarted_producer_keeps_the_runs_of_live_segments(shm_dir: Path) -> None:
     producer, consumer = make_pair(shm_dir)
     held = [prefill_and_send(producer)[0] for _ in range(16)]
-    close((producer, consumer))
+    close((producer, consumer), crash=True)
     restarted, consumer = make_pair(shm_dir)  # same engine id, same arena file
     try:
         assert "arena full" in prefill_and_send_fallback(restarted, 20)[0]["syshax_kv_fallback"]
@@ -370,3 +370,26 @@ def test_the_header_is_json_after_the_magic(pair: Any, shm_dir: Path) -> None:
     assert data[:8] == b"SYSHAXKV"
     header = json.loads(data[16:])
     assert header["arena"] == "syshax-arena-gpu-r0" and header["format"] == "pages"
+
+
+def arenas(shm_dir: Path) -> list[str]:
+    return sorted(p.name for p in shm_dir.iterdir() if p.name.startswith("syshax-arena-"))
+
+
+def test_a_clean_shutdown_removes_the_arena(shm_dir: Path) -> None:
+    engines = make_pair(shm_dir)
+    assert arenas(shm_dir) == ["syshax-arena-gpu-r0"]
+    close(engines)
+    assert arenas(shm_dir) == []
+
+
+def test_the_arena_of_a_crashed_producer_goes_once_its_segments_do(shm_dir: Path) -> None:
+    producer, consumer = make_pair(shm_dir, lease=0.3)
+    prefill, _ = prefill_and_send(producer)
+    assert shm.reap_arenas(str(shm_dir)) == []  # its producer holds it
+    close((producer, consumer), crash=True)
+    assert shm.reap_arenas(str(shm_dir)) == []  # a published segment still points into it
+    time.sleep(1.4)
+    assert shm.reap_expired(str(shm_dir), claim_grace=0.3) == [prefill.params["segment"]]
+    assert shm.reap_arenas(str(shm_dir)) == ["syshax-arena-gpu-r0"]
+    assert arenas(shm_dir) == []
