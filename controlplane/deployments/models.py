@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import uuid
 
 from django.conf import settings
@@ -93,7 +94,9 @@ class DeploymentProfile(TimeStampedModel):
         "upstream vLLM V1 always recomputes and has no such flag",
     )
     gpu_shm_size_gb = models.FloatField(
-        default=16.0, validators=[MinValueValidator(0.0625)], help_text="/dev/shm for KV handoff"
+        default=16.0,
+        validators=[MinValueValidator(0.0625), MaxValueValidator(65536.0)],
+        help_text="/dev/shm for KV handoff",
     )
     kv_arena_mib = models.PositiveIntegerField(
         default=2048,
@@ -198,13 +201,21 @@ class DeploymentProfile(TimeStampedModel):
                 '"vllm" needs an engine that loads the syshax KV connector (vllm or simulator); '
                 'sysHAX\'s patched V0 image hands KV over with its own fields: use "syshax"'
             )
-        # The arena lives in the GPU container's /dev/shm beside vLLM's own use of it.
-        room = int(self.gpu_shm_size_gb * 1024) - KV_ARENA_SHM_RESERVE_MIB
-        if self.uses_kv_connector and self.kv_arena_mib > room:
+        # The arena lives in the GPU container's /dev/shm beside vLLM's own use of it (a
+        # simulator's segments are sparse files: it needs no room).
+        shm_gb, arena = self.gpu_shm_size_gb, self.kv_arena_mib
+        if (
+            self.uses_kv_connector
+            and self.engine == EngineKind.VLLM
+            and isinstance(shm_gb, int | float)
+            and isinstance(arena, int)
+            and math.isfinite(shm_gb)
+            and arena > shm_gb * 1024 - KV_ARENA_SHM_RESERVE_MIB
+        ):
+            room = max(0, int(shm_gb * 1024) - KV_ARENA_SHM_RESERVE_MIB)
             errors["kv_arena_mib"] = (
-                f"must fit the GPU container's /dev/shm (gpu_shm_size_gb {self.gpu_shm_size_gb:g} "
-                f"GiB, less {KV_ARENA_SHM_RESERVE_MIB} MiB for vLLM): at most {max(0, room)} MiB; "
-                f"got {self.kv_arena_mib}"
+                f"must fit the GPU container's /dev/shm (gpu_shm_size_gb {shm_gb:g} GiB, less "
+                f"{KV_ARENA_SHM_RESERVE_MIB} MiB for vLLM): at most {room} MiB; got {arena}"
             )
         for field in ("gpu_command", "cpu_command", "gpu_extra_args", "cpu_extra_args"):
             value = getattr(self, field)
