@@ -30,10 +30,6 @@ SegmentError = shm.SegmentError
 MAX_LEASE_SECONDS = shm.MAX_LEASE_SECONDS
 
 
-def size(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.0f} KiB"
-
-
 @dataclass(frozen=True)
 class Settings:
     """``kv_connector_extra_config``, checked; a bad value stops the engine at start."""
@@ -269,9 +265,9 @@ class Planner:
             why = (
                 "this engine has no KV arena (arena_mib 0)"
                 if not self._slabs.slabs
-                else f"arena full: the transfer needs {size(need)}, the largest free run is "
-                f"{size(self._slabs.largest_free_run() * cfg.slab_bytes)} of "
-                f"{size(self._slabs.capacity)}"
+                else f"arena full: the transfer needs {shm.size(need)}, the largest free run is "
+                f"{shm.size(self._slabs.largest_free_run() * cfg.slab_bytes)} of "
+                f"{shm.size(self._slabs.capacity)}"
             )
             self._fallbacks[rid] = why
             logger.warning(

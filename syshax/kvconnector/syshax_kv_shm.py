@@ -98,6 +98,11 @@ def arena_name(engine_id: str, rank: int) -> str:
     return f"{ARENA_PREFIX}{safe}-r{rank}"
 
 
+def size(nbytes: int) -> str:
+    """``nbytes`` for a message: MiB from one MiB up, KiB below."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.0f} KiB"
+
+
 def align_up(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
 

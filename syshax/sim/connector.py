@@ -116,10 +116,6 @@ def is_connector_segment(name: str) -> bool:
     return SEGMENT_RE.match(name) is not None
 
 
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.0f} KiB"
-
-
 class Connector:
     """One engine's connector: publishes its prefills' KV and loads its peer's."""
 
@@ -179,8 +175,9 @@ class Connector:
             why = (
                 "this engine has no KV arena (arena_mib 0)"
                 if not self.slabs
-                else f"arena full: the transfer needs {_size(need * self.slab_bytes)}, "
-                f"{_size(free * self.slab_bytes)} of {_size(self.slabs * self.slab_bytes)} free"
+                else f"arena full: the transfer needs {shm.size(need * self.slab_bytes)}, "
+                f"{shm.size(free * self.slab_bytes)} free of "
+                f"{shm.size(self.slabs * self.slab_bytes)}"
             )
             return {"syshax_kv_fallback": why}
         tid = uuid.uuid4().hex
