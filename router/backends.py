@@ -99,8 +99,8 @@ class Backend(LoadTracker):
     """One engine endpoint. ``role`` is ``gpu`` or ``cpu``."""
 
     def __init__(self, url: str, role: str, timeouts: Timeouts) -> None:
+        LoadTracker.__init__(self, role)  # the role and what the scrapes say
         self.url = url.rstrip("/")
-        self.role = role
         self.timeouts = timeouts
         # The one client for this engine: passthrough, PD, tokenize, scrapes and the proxy.
         self.pool = EnginePool(self.url, timeouts.connect)
@@ -115,7 +115,6 @@ class Backend(LoadTracker):
         self.kv_misses = 0  # consecutive PD decodes that recomputed the handed-over KV
         self.ejection_count = 0
         self.ejected_until = 0.0
-        LoadTracker.__init__(self, role)
         # The scrape's own record, for /health and /metrics.
         self.stale = False  # the latest scrape timed out or was unreadable; still routed to
         self.scrape_interval = 1.0  # the scrape loop's current period, for the sample's age

@@ -10,9 +10,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from router.engine_metrics import DeviceLoad, fit_itl_slope
-
-__all__ = ["Decision", "Loads", "Route", "decide", "decide_next_chunk", "fit_itl_slope"]
+from router.engine_metrics import DeviceLoad
 from syshax.common.policy_schema import PolicyKnobs
 
 

@@ -124,23 +124,12 @@ CUDA_CONNECTOR = ConnectorSpeed(
 )
 
 
-def gpu_handoff(link: float) -> dict[str, float]:
-    """A GPU's export and import rates and stall: its link times the CUDA connector's speed."""
-    speed = CUDA_CONNECTOR
+def handoff(speed: ConnectorSpeed, link: float) -> dict[str, float]:
+    """A device's export and import rates and stall: its link's measured copy rate times the
+    connector's speed there."""
     return {
         "kv_export_bandwidth": link * speed.save_fraction,
         "kv_import_bandwidth": link * speed.load_fraction,
-        "kv_export_stall": speed.save_stall,
-    }
-
-
-def cpu_handoff(memcpy: float = CPU_MEMCPY) -> dict[str, float]:
-    """A CPU engine's export and import rates and stall: its memcpy times the CPU
-    connector's speed."""
-    speed = CPU_CONNECTOR
-    return {
-        "kv_export_bandwidth": memcpy * speed.save_fraction,
-        "kv_import_bandwidth": memcpy * speed.load_fraction,
         "kv_export_stall": speed.save_stall,
     }
 
@@ -158,7 +147,7 @@ DEVICES: dict[str, DevicePreset] = {
             bw_efficiency=0.794,
             flops_efficiency=0.292,
             step_overhead_s=0.0005,
-            **gpu_handoff(GEN4_PINNED_D2H),
+            **handoff(CUDA_CONNECTOR, GEN4_PINNED_D2H),
             swap_bandwidth=PCIE4_X16,
             cores=108,
             numa_nodes=1,
@@ -175,7 +164,7 @@ DEVICES: dict[str, DevicePreset] = {
             bw_efficiency=0.794,
             flops_efficiency=0.292,
             step_overhead_s=0.0005,
-            **gpu_handoff(GEN5_PINNED_D2H),
+            **handoff(CUDA_CONNECTOR, GEN5_PINNED_D2H),
             swap_bandwidth=PCIE5_X16,
             cores=132,
             numa_nodes=1,
@@ -192,7 +181,7 @@ DEVICES: dict[str, DevicePreset] = {
             bw_efficiency=0.794,
             flops_efficiency=0.292,
             step_overhead_s=0.0005,
-            **gpu_handoff(GEN4_PINNED_D2H),
+            **handoff(CUDA_CONNECTOR, GEN4_PINNED_D2H),
             swap_bandwidth=PCIE4_X16,
             cores=72,
             numa_nodes=1,
@@ -209,7 +198,7 @@ DEVICES: dict[str, DevicePreset] = {
             bw_efficiency=0.794,
             flops_efficiency=0.292,
             step_overhead_s=0.0008,
-            **gpu_handoff(GEN4_PINNED_D2H),
+            **handoff(CUDA_CONNECTOR, GEN4_PINNED_D2H),
             swap_bandwidth=PCIE4_X16,
             cores=24,
             numa_nodes=1,
@@ -226,7 +215,7 @@ DEVICES: dict[str, DevicePreset] = {
             bw_efficiency=0.807,
             flops_efficiency=0.25,
             step_overhead_s=0.001,
-            **cpu_handoff(),
+            **handoff(CPU_CONNECTOR, CPU_MEMCPY),
             swap_bandwidth=20 * GB,
             cores=160,
             numa_nodes=4,
@@ -244,7 +233,7 @@ DEVICES: dict[str, DevicePreset] = {
             bw_efficiency=0.807,
             flops_efficiency=0.25,
             step_overhead_s=0.001,
-            **cpu_handoff(),
+            **handoff(CPU_CONNECTOR, CPU_MEMCPY),
             swap_bandwidth=20 * GB,
             cores=112,
             numa_nodes=2,

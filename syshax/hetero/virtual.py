@@ -106,9 +106,7 @@ class VirtualEngine(LoadTracker):
         self.wake_at = INF
         # The Prometheus counters a real engine exports.
         self.generation_tokens = 0
-        self.itl_sum = 0.0
-        self.itl_count = 0
-        self.itl_histogram = Histogram(ITL_BUCKETS)
+        self.itl_histogram = Histogram(ITL_BUCKETS)  # its sum and count are the counters
         self.inflight = 0
         self.busy_s = 0.0
 
@@ -136,8 +134,8 @@ class VirtualEngine(LoadTracker):
             waiting=float(len(sched.waiting) + len(sched.swapped)),
             kv_usage=sched.kv_usage(),
             generation_tokens=float(self.generation_tokens),
-            itl_sum=self.itl_sum,
-            itl_count=float(self.itl_count),
+            itl_sum=self.itl_histogram.sum,
+            itl_count=float(self.itl_histogram.count),
             avg_generation_tps=None,
             itl_buckets=self.itl_histogram.bounded_cumulative(),
         )
@@ -360,8 +358,6 @@ class VirtualDeployment:
             times = seq.token_times
             at = times[-1]
             if len(times) > 1:
-                engine.itl_sum += at - times[-2]
-                engine.itl_count += 1
                 engine.itl_histogram.observe(at - times[-2])
             req.tokens += 1
             if engine.role == "cpu":

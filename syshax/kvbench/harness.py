@@ -155,7 +155,7 @@ class Engine:
         self.worker = module.SyshaxShmConnector(config, role.WORKER, kv_config)
         self.worker.register_kv_caches(self.caches)
         self.override = forward_context_override()
-        self._finished: set[str] = set()
+        self.finished: set[str] = set()  # requests whose copies may still be in flight
 
     def _cache(self, num_blocks: int) -> torch.Tensor:
         g = self.geometry
@@ -219,15 +219,14 @@ def request(rid: str, prompt: list[int], params: dict[str, Any] | None) -> Any:
 
 def scheduled(rid: str, tokens: int, blocks: list[int]) -> Any:
     """A scheduler output with ``rid`` scheduled whole (its prompt in this step)."""
-    return NS(
-        scheduled_new_reqs=[NS(req_id=rid, num_computed_tokens=0, block_ids=(blocks,))],
-        scheduled_cached_reqs=NS(req_ids=[], num_computed_tokens=[]),
-        num_scheduled_tokens={rid: tokens},
-        finished_req_ids=set(),
-    )
+    step = idle()
+    step.scheduled_new_reqs = [NS(req_id=rid, num_computed_tokens=0, block_ids=(blocks,))]
+    step.num_scheduled_tokens = {rid: tokens}
+    return step
 
 
 def idle() -> Any:
+    """A scheduler output with nothing scheduled (the engine steps only for its transfers)."""
     return NS(
         scheduled_new_reqs=[],
         scheduled_cached_reqs=NS(req_ids=[], num_computed_tokens=[]),
@@ -277,7 +276,7 @@ def finish_prefill(
     delay, params = producer.scheduler.request_finished(req, producer.request_blocks[prefill.rid])
     prefill.params = params
     if delay:
-        producer._finished.add(prefill.rid)
+        producer.finished.add(prefill.rid)
     else:
         producer.release(prefill.rid)
 
@@ -285,7 +284,7 @@ def finish_prefill(
 def poll_sent(producer: Engine, max_steps: int = 100_000) -> set[str]:
     """Idle steps until every finished request's copies have landed; their blocks go back."""
     sent: set[str] = set()
-    told = set(producer._finished)
+    told = set(producer.finished)
     for _ in range(max_steps):
         with producer.step(producer.scheduler.build_connector_meta(idle()), told) as s:
             pass
@@ -296,11 +295,11 @@ def poll_sent(producer: Engine, max_steps: int = 100_000) -> set[str]:
         )
         for rid in done:
             producer.release(rid)
-            producer._finished.discard(rid)
+            producer.finished.discard(rid)
         sent |= done
-        if not producer._finished:
+        if not producer.finished:
             return sent
-    raise RuntimeError(f"copies of {sorted(producer._finished)} never landed")
+    raise RuntimeError(f"copies of {sorted(producer.finished)} never landed")
 
 
 @dataclass

@@ -103,7 +103,6 @@ class SyshaxShmConnector(KVConnectorBase_V1):
             raise ValueError("SyshaxShmConnector does not support hybrid (several KV group) models")
         engine = Engine(
             cfg=cfg,
-            engine_id=cfg.engine_id,
             block_size=vllm_config.cache_config.block_size,
             tp=parallel.tensor_parallel_size,
             ipc_ns=shm.ipc_namespace(),

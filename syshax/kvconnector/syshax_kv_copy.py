@@ -45,7 +45,7 @@ class Copier:
 
     def __init__(self, engine: Engine) -> None:
         self._cfg = engine.cfg
-        self._engine_id = engine.engine_id
+        self._engine_id = engine.cfg.engine_id
         self._block_size = engine.block_size
         self._ipc_ns = engine.ipc_ns
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -288,23 +288,20 @@ class Copier:
         op, cfg = save.op, self._cfg
         save.keep.clear()
         save.done = None
-        base = os.path.join(
-            cfg.shm_dir, shm.segment_name(op.transfer_id, self._rank, op.expires_at)
-        )
         if save.cancelled:
             self._discard(op)
             return
         header = {
-            "transfer_id": op.transfer_id,
-            "rank": self._rank,
-            "producer_engine_id": self._engine_id,
+            **shm.segment_header(
+                op.transfer_id,
+                self._rank,
+                engine_id=self._engine_id,
+                run=op.run,
+                slab_bytes=cfg.slab_bytes,
+                num_tokens=op.num_tokens,
+                expires_at=op.expires_at,
+            ),
             "ipc_namespace": self._ipc_ns,
-            "arena": shm.arena_name(self._engine_id, self._rank),
-            "run": [op.run.first, op.run.count],
-            "offset": op.run.offset(cfg.slab_bytes),
-            "length": op.run.length(cfg.slab_bytes),
-            "num_tokens": op.num_tokens,
-            "lease_expires_at": op.expires_at,
             "format": save.fmt,
             "layout": save.layout,
             "layers": {
@@ -314,13 +311,12 @@ class Copier:
         }
         if save.error is not None or set(save.layers) != set(self._kv_caches):
             header["error"] = save.error or "not every layer was copied"
+        base = os.path.join(
+            cfg.shm_dir, shm.segment_name(op.transfer_id, self._rank, op.expires_at)
+        )
         try:
-            # O_TRUNC without O_CREAT: a .tmp the reaper removed (lease over) stays gone.
-            fd = os.open(base + ".tmp", os.O_WRONLY | os.O_TRUNC)
-            try:
-                os.write(fd, shm.encode_header(header))
-            finally:
-                os.close(fd)
+            # A .tmp the reaper removed (its lease over) stays gone: nothing is published.
+            shm.write_file(base + ".tmp", shm.encode_header(header), create=False)
             os.rename(base + ".tmp", base)
         except OSError as exc:
             logger.warning(
@@ -340,10 +336,7 @@ class Copier:
             try:
                 if not self._claim_when_ready(op):
                     continue
-                try:
-                    self._load(op, forward_context)
-                finally:
-                    self._unlink_claimed(op)
+                self._load(op, forward_context)
             except Exception as exc:  # a failed load fails the request, never the engine
                 logger.error(
                     "SyshaxShmConnector %s: request %s cannot load transfer %s: %s",
@@ -352,20 +345,20 @@ class Copier:
                     op.transfer_id,
                     exc if isinstance(exc, SegmentError) else f"{type(exc).__name__}: {exc}",
                 )
-                del self._waiting_loads[rid]
-                shm.unlink_transfer(self._cfg.shm_dir, op.transfer_id, op.ranks, op.expires_at)
                 self._recv_failed.add(rid)
-                continue
+            else:
+                self._recv_done.add(rid)
+                logger.info(
+                    "SyshaxShmConnector %s: request %s loaded %d tokens of transfer %s in %.1f ms",
+                    self._engine_id,
+                    rid,
+                    op.end - op.start,
+                    op.transfer_id,
+                    1000 * (time.perf_counter() - started),
+                )
+            # Loaded or not, the transfer is over: its files go, so its run comes back.
             del self._waiting_loads[rid]
-            self._recv_done.add(rid)
-            logger.info(
-                "SyshaxShmConnector %s: request %s loaded %d tokens of transfer %s in %.1f ms",
-                self._engine_id,
-                rid,
-                op.end - op.start,
-                op.transfer_id,
-                1000 * (time.perf_counter() - started),
-            )
+            shm.unlink_transfer(self._cfg.shm_dir, op.transfer_id, op.ranks, op.expires_at)
 
     def _claim_when_ready(self, op: LoadOp) -> bool:
         """Claim every rank's segment once all are published; False while a copy is still
@@ -398,12 +391,6 @@ class Copier:
             except FileNotFoundError:
                 raise SegmentError(f"segment {os.path.basename(base)} vanished") from None
         return True
-
-    def _unlink_claimed(self, op: LoadOp) -> None:
-        for rank in range(op.ranks):
-            name = shm.segment_name(op.transfer_id, rank, op.expires_at) + ".claimed"
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self._cfg.shm_dir, name))
 
     def _arena_view(self, name: str) -> shm.ArenaView:
         path = os.path.join(self._cfg.shm_dir, name)

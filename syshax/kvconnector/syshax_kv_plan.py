@@ -114,7 +114,6 @@ class Engine:
     """What both sides know of their engine."""
 
     cfg: Settings
-    engine_id: str
     block_size: int
     tp: int
     ipc_ns: str
@@ -129,7 +128,7 @@ class Planner:
     ) -> None:
         cfg = engine.cfg
         self._cfg = cfg
-        self._engine_id = engine.engine_id
+        self._engine_id = cfg.engine_id
         self._block_size = engine.block_size
         self._tp = engine.tp
         self._ipc_ns = engine.ipc_ns
@@ -280,17 +279,15 @@ class Planner:
         # Whole seconds (the name carries them), rounded up: a lease is never shorter than asked.
         expires_at = float(math.ceil(time.time() + cfg.lease_seconds))
         for rank in range(self._tp):
-            pending = {
-                "transfer_id": tid,
-                "rank": rank,
-                "producer_engine_id": self._engine_id,
-                "arena": shm.arena_name(self._engine_id, rank),
-                "run": [run.first, run.count],
-                "offset": run.offset(cfg.slab_bytes),
-                "length": run.length(cfg.slab_bytes),
-                "num_tokens": prompt,
-                "lease_expires_at": expires_at,
-            }
+            pending = shm.segment_header(
+                tid,
+                rank,
+                engine_id=self._engine_id,
+                run=run,
+                slab_bytes=cfg.slab_bytes,
+                num_tokens=prompt,
+                expires_at=expires_at,
+            )
             name = shm.segment_name(tid, rank, expires_at) + ".tmp"
             shm.write_file(os.path.join(cfg.shm_dir, name), shm.encode_header(pending))
         blocks = list(self._block_ids_of(rid))

@@ -141,9 +141,6 @@ class SlabAllocator:
     def slabs_for(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self.slab_bytes))
 
-    def free_slabs(self) -> int:
-        return self.slabs - sum(self._used)
-
     def largest_free_run(self) -> int:
         best = length = 0
         for used in self._used:
@@ -169,9 +166,6 @@ class SlabAllocator:
         if run.first < 0 or run.count < 1 or run.first + run.count > self.slabs:
             raise ValueError(f"run {run} is outside the arena's {self.slabs} slabs")
         self._used[run.first : run.first + run.count] = bytes([used]) * run.count
-
-    def is_free(self, run: Run) -> bool:
-        return not any(self._used[run.first : run.first + run.count])
 
 
 def _populate(mm: mmap.mmap, advice: int) -> None:
@@ -280,13 +274,40 @@ def encode_header(header: dict[str, Any]) -> bytes:
     return MAGIC + version + len(blob).to_bytes(4, "little") + blob
 
 
-def write_file(path: str, data: bytes, *, exclusive: bool = False) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_EXCL if exclusive else 0)
+def write_file(path: str, data: bytes, *, create: bool = True) -> None:
+    """``data`` as the whole of ``path``; with ``create`` False a missing file stays missing
+    (FileNotFoundError)."""
+    flags = os.O_WRONLY | os.O_TRUNC | (os.O_CREAT if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         os.write(fd, data)
     finally:
         os.close(fd)
+
+
+def segment_header(
+    transfer_id: str,
+    rank: int,
+    *,
+    engine_id: str,
+    run: Run,
+    slab_bytes: int,
+    num_tokens: int,
+    expires_at: float,
+) -> dict[str, Any]:
+    """What every header of a transfer's segment says, pending or published: whose it is and
+    where its run lies in which arena."""
+    return {
+        "transfer_id": transfer_id,
+        "rank": rank,
+        "producer_engine_id": engine_id,
+        "arena": arena_name(engine_id, rank),
+        "run": [run.first, run.count],
+        "offset": run.offset(slab_bytes),
+        "length": run.length(slab_bytes),
+        "num_tokens": num_tokens,
+        "lease_expires_at": expires_at,
+    }
 
 
 def read_header(path: str) -> dict[str, Any]:

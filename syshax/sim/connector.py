@@ -27,7 +27,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,7 +46,6 @@ SEGMENT_RE = shm.SEGMENT_RE
 SegmentError = shm.SegmentError
 ipc_namespace = shm.ipc_namespace
 segment_name = shm.segment_name
-MAX_LEASE_SECONDS = shm.MAX_LEASE_SECONDS
 DEFAULT_ARENA_MIB = 1024.0
 DEFAULT_SLAB_KIB = 2048
 
@@ -243,15 +241,13 @@ class Connector:
 
     # -- consumer ------------------------------------------------------------------------
 
-    async def wait_published(self, params: dict[str, Any]) -> None:
+    async def wait_published(self, params: dict[str, Any], prompt_tokens: int) -> None:
         """Wait while the transfer's copy is under way (its segment pending), bounded by its
-        lease; what :meth:`load` then finds decides the outcome."""
-        tid, expires_at = params.get("transfer_id"), params.get("lease_expires_at")
-        if not isinstance(tid, str) or not re.fullmatch(r"[0-9a-f]{32}", tid):
-            return
-        if isinstance(expires_at, bool) or not isinstance(expires_at, int | float):
-            return
-        if not math.isfinite(expires_at) or expires_at > time.time() + MAX_LEASE_SECONDS:
+        lease; what :meth:`load` then finds decides the outcome (a transfer that fails its
+        checks is not waited for)."""
+        try:
+            tid, _, _, expires_at = self._check(params, prompt_tokens)
+        except SegmentError:
             return
         pending = self.shm_dir / (segment_name(tid, 0, expires_at) + ".tmp")
         # Another process publishes it: a short poll, bounded by the lease.

@@ -299,7 +299,7 @@ class SimServer:
         params = req.kv_transfer_params
         if self.connector is not None and isinstance(params, dict) and "transfer_id" in params:
             # The prefill's answer may come before its copy lands: wait for the segment.
-            await self.connector.wait_published(params)
+            await self.connector.wait_published(params, req.prompt_tokens)
         plan = self.handoff.prepare(req, response_id)
         seq = self._sequence(req, response_id, max_new, plan)
         fmt = responses.StreamFormat(

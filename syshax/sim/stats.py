@@ -53,13 +53,11 @@ class Histogram:
         return tuple(out)
 
     def cumulative(self) -> list[tuple[str, float]]:
-        out: list[tuple[str, float]] = []
-        running = 0
-        for bound, n in zip(self.bounds, self.counts, strict=False):
-            running += n
-            out.append((repr(float(bound)), float(running)))
-        out.append(("+Inf", float(self.count)))
-        return out
+        """(the ``le`` label, cumulative count) of every bucket, as Prometheus prints them."""
+        return [
+            ("+Inf" if bound == float("inf") else repr(bound), n)
+            for bound, n in self.bounded_cumulative()
+        ]
 
 
 @dataclass

@@ -13,11 +13,10 @@ from router.decide import (
     cpu_slo_batch,
     decide,
     decide_next_chunk,
-    fit_itl_slope,
     projected_itl_ms,
     token_limit,
 )
-from router.engine_metrics import UNAVAILABLE, DeviceLoad
+from router.engine_metrics import UNAVAILABLE, DeviceLoad, fit_itl_slope
 from syshax.common.policy_schema import PolicyKnobs
 
 IDLE_GPU = DeviceLoad(True, 0, 0, 5.0, 0.0, None)

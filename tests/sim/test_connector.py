@@ -115,6 +115,10 @@ def test_prefill_then_streamed_decode_on_the_peer_uses_the_transferred_kv(pair: 
     assert set(params) == PARAM_KEYS
     assert params["num_tokens"] == 128 and params["producer_engine_id"] == "gpu-a"
     assert params["remote_prefill_cached_tokens"] == 0 and params["ranks"] == 1
+    # The answer may come before the copy lands (a .tmp segment); then it is published.
+    deadline = time.monotonic() + 5
+    while files(pair.shm) != [params["segment"]] and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert files(pair.shm) == [params["segment"]]
     # Sized like the real KV (sparse): 128 tokens x 256 KiB behind the header.
     assert (pair.shm / params["segment"]).stat().st_size == HEADER_SPACE + 128 * 262144
