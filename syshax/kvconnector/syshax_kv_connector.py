@@ -35,8 +35,12 @@ without holding this engine's steps. Once the segment is published it is claimed
 every size and offset of its header is checked against the arena mapping, and the KV is
 written from the mapping itself into the engine's paged cache (the CPU backend's own
 ``cpu_attn_reshape_and_cache`` for per-token KV, a block copy for pages), then unlinked.
-``get_finished`` reports it; a load that cannot finish is reported failed and vLLM fails the
-request (the router resumes the sequence on the GPU).
+``get_finished`` reports it; a load that cannot finish is reported failed and vLLM recomputes
+the prompt (the connector sets vLLM's ``kv_load_failure_policy`` to ``recompute``).
+
+Nothing in a request's ``kv_transfer_params`` or in a segment stops an engine: every hook
+that handles one request's transfer turns an exception into that request's fallback or
+recompute with the cause logged; only one that means the engine is broken goes through.
 
 KV layout: vLLM 0.32 hands connectors a ``[blocks, heads, block_size, C]`` view per layer.
 CUDA's Flash/Triton backends hold each token's K|V in ``C``; their KV travels as *tokens*,
@@ -120,6 +124,10 @@ class SyshaxShmConnector(KVConnectorBase_V1):
         self._planner: Planner | None = None
         self._copier = Copier(engine)
         if role == KVConnectorRole.SCHEDULER:
+            # A load that fails on the worker (a segment gone bad after its checks passed)
+            # recomputes the prompt, as a refused one does; vLLM's default fails the request.
+            # The scheduler reads this after it has built its connector.
+            transfer.kv_load_failure_policy = "recompute"
             self._planner = Planner(
                 engine,
                 page_bytes=_page_bytes(engine, groups, model),
@@ -128,7 +136,7 @@ class SyshaxShmConnector(KVConnectorBase_V1):
             )
         logger.info(
             "SyshaxShmConnector %s (%s): shm %s, lease %.0fs, arena %d MiB in %d KiB slabs, "
-            "IPC namespace %s, peer %s",
+            "IPC namespace %s, peer %s; a transfer that fails recomputes its prompt",
             cfg.engine_id,
             role.name.lower(),
             cfg.shm_dir,

@@ -1,12 +1,16 @@
 """The worker side of SyshaxShmConnector: the copies into the producer's arena and out of it
-into the consumer's paged cache (docs/kv-connector.md)."""
+into the consumer's paged cache (docs/kv-connector.md).
+
+An exception in the copies of one transfer fails that transfer alone: a save publishes its
+segment with the error (its decode recomputes), a load is reported failed (vLLM recomputes
+the prompt), with the cause logged. Only an exception that says the engine itself is broken
+(``engine_broken``: host memory, a CUDA error) goes through to vLLM."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import os
-import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -14,7 +18,7 @@ from typing import Any
 
 import syshax_kv_shm as shm
 import torch
-from syshax_kv_plan import Engine, LoadOp, StoreOp, SyshaxShmMetadata
+from syshax_kv_plan import Engine, LoadOp, StoreOp, SyshaxShmMetadata, cause, engine_broken
 from vllm.logger import init_logger
 
 logger = init_logger("vllm.syshax_kv_connector")
@@ -48,6 +52,11 @@ class Copier:
         self._engine_id = engine.cfg.engine_id
         self._block_size = engine.block_size
         self._ipc_ns = engine.ipc_ns
+        # One token's keys (and values) in this engine's cache: [heads on this rank, size].
+        self._token_shape = (
+            int(engine.geometry["kv_heads"]) // max(1, engine.tp),
+            int(engine.geometry["head_size"]),
+        )
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layouts: dict[str, dict[str, Any]] = {}
         self._rank = 0
@@ -164,7 +173,9 @@ class Copier:
             try:
                 self._save_layer(save, layer_name, kv_layer)
             except Exception as exc:  # the engine goes on; the segment names the failure
-                save.error = f"layer {layer_name}: {type(exc).__name__}: {exc}"
+                if engine_broken(exc):
+                    raise
+                save.error = f"layer {layer_name}: {cause(exc)}"
                 logger.error(
                     "SyshaxShmConnector %s: copying transfer %s failed: %s",
                     self._engine_id,
@@ -265,7 +276,18 @@ class Copier:
             if save.done is not None and not save.done.query():
                 continue  # still copying
             if not save.settled:
-                self._settle(save)
+                try:
+                    self._settle(save)
+                except Exception as exc:  # not published: its decode finds it gone
+                    if engine_broken(exc):
+                        raise
+                    logger.error(
+                        "SyshaxShmConnector %s: transfer %s discarded: %s",
+                        self._engine_id,
+                        save.op.transfer_id,
+                        cause(exc),
+                    )
+                    self._discard(save.op)
                 save.settled = True
             if rid in self._told_finished:
                 sending.add(rid)
@@ -334,16 +356,21 @@ class Copier:
         for rid, op in list(self._waiting_loads.items()):
             started = time.perf_counter()
             try:
+                if op.error is not None:
+                    raise SegmentError(op.error)
                 if not self._claim_when_ready(op):
                     continue
                 self._load(op, forward_context)
-            except Exception as exc:  # a failed load fails the request, never the engine
+            except Exception as exc:  # reported failed: vLLM recomputes the prompt
+                if engine_broken(exc):
+                    raise
                 logger.error(
-                    "SyshaxShmConnector %s: request %s cannot load transfer %s: %s",
+                    "SyshaxShmConnector %s: request %s cannot load transfer %s, it recomputes "
+                    "its prompt: %s",
                     self._engine_id,
                     rid,
                     op.transfer_id,
-                    exc if isinstance(exc, SegmentError) else f"{type(exc).__name__}: {exc}",
+                    cause(exc),
                 )
                 self._recv_failed.add(rid)
             else:
@@ -417,8 +444,8 @@ class Copier:
             )
             header = shm.read_header(path + ".claimed")
             arena = header.get("arena")
-            if not isinstance(arena, str) or not re.fullmatch(r"syshax-arena-[\w.-]+", arena):
-                raise SegmentError(f"segment names no arena of ours: {str(arena)[:100]!r}")
+            if not isinstance(arena, str) or not shm.ARENA_RE.fullmatch(arena):
+                raise SegmentError(f"segment names no arena of ours: {shm.show(arena, 100)}")
             view = self._arena_view(arena)
             pieces = shm.check_segment(
                 header,
@@ -459,8 +486,7 @@ class Copier:
                 dst = torch.tensor(op.block_ids[first:last], dtype=torch.long)
                 cache.index_copy_(0, dst.to(cache.device), src[first:last].to(cache.device))
             elif fmt == "tokens":
-                if op.end > ranks[0].shape[1]:
-                    raise SegmentError(f"the segment holds {ranks[0].shape[1]} tokens")
+                self._check_tokens(layer_name, ranks, op.end)
                 key = torch.cat([r[0, op.start : op.end] for r in ranks], dim=1)
                 value = torch.cat([r[1, op.start : op.end] for r in ranks], dim=1)
                 self._write_tokens(layer_name, cache, key, value, op, context)
@@ -468,6 +494,20 @@ class Copier:
             name = shm.segment_name(op.transfer_id, rank, op.expires_at) + ".claimed"
             if not os.path.exists(os.path.join(self._cfg.shm_dir, name)):
                 raise SegmentError(f"{name} was reaped during the load: its pages may be reused")
+
+    def _check_tokens(self, layer_name: str, ranks: list[torch.Tensor], end: int) -> None:
+        """Each rank's ``[2, tokens, heads, head_size]`` against this engine's cache, before
+        any byte reaches a kernel that trusts its shapes (the CPU backend's writer)."""
+        heads, size = self._token_shape
+        shapes = [tuple(r.shape) for r in ranks]
+        if (
+            any(len(s) != 4 or s[0] != 2 or s[1] < end or s[3] != size for s in shapes)
+            or sum(s[2] for s in shapes) != heads
+        ):
+            raise SegmentError(
+                f"layer {layer_name}: the segment's tokens {shapes} are not [2, >= {end} "
+                f"tokens, {heads} heads in all, {size}] as this engine's cache holds them"
+            )
 
     def _write_tokens(
         self,

@@ -1,5 +1,10 @@
 """The scheduler side of SyshaxShmConnector: which requests publish or load a transfer, the
 arena's slabs, and what the answer says (docs/kv-connector.md). No torch: bookkeeping only.
+
+Every hook that handles one request's transfer turns any exception into that request's
+fallback (a prefill answers ``syshax_kv_fallback``, a decode recomputes its prompt), with the
+cause logged, so no client and no other process can stop the engine through it; only an
+exception that says the engine itself is broken (:func:`engine_broken`) goes through.
 """
 
 from __future__ import annotations
@@ -28,6 +33,25 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.syshax_kv_connector")
 SegmentError = shm.SegmentError
 MAX_LEASE_SECONDS = shm.MAX_LEASE_SECONDS
+
+
+def engine_broken(exc: BaseException) -> bool:
+    """Whether ``exc`` says the engine itself is broken rather than one request's transfer:
+    the host is out of memory, the interpreter failed, or a CUDA error poisoned the device
+    (``torch.AcceleratorError``, a RuntimeError naming it before torch 2.8). Those are never
+    turned into a fallback: the engine stops as it would without the connector."""
+    if isinstance(exc, MemoryError | SystemError):
+        return True
+    if type(exc).__name__ == "AcceleratorError":  # torch is not imported on this side
+        return True
+    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
+
+
+def cause(exc: BaseException) -> str:
+    """What a log line and an answer say of ``exc``: a SegmentError's own words, otherwise
+    its type too; bounded, as it may quote what a client sent."""
+    text = str(exc) if isinstance(exc, SegmentError) else f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 500 else text[:497] + "..."
 
 
 @dataclass(frozen=True)
@@ -89,6 +113,7 @@ class LoadOp:
     start: int  # first token position to load (tokens before it are cached locally)
     end: int  # one past the last
     block_ids: list[int] = field(default_factory=list)
+    error: str | None = None  # the scheduler could not prepare it: the worker fails it
 
 
 @dataclass
@@ -144,7 +169,8 @@ class Planner:
         self._cancels: list[str] = []
         self._need_load: dict[str, LoadOp] = {}
         self._ready_loads: dict[str, LoadOp] = {}
-        self._load_errors: dict[str, str] = {}
+        self._loading: set[str] = set()  # req ids whose load the workers have
+        self._load_errors: dict[str, str] = {}  # req id -> why it recomputes its prompt
         self._stop = threading.Event()
         self._recover_runs()
         self._reaper = threading.Thread(
@@ -163,34 +189,56 @@ class Planner:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        params = request.kv_transfer_params or {}
-        rid = request.request_id
+        params = request.kv_transfer_params
         if not isinstance(params, dict):
             return 0, False
-        if params.get("do_remote_decode"):
-            prompt = len(request.prompt_token_ids or ())
-            self._want_store.setdefault(rid, (uuid.uuid4().hex, prompt))
+        wants_store = params.get("do_remote_decode")
+        if wants_store is not None and wants_store is not False:
+            self._match_store(request, wants_store)
             return 0, False
         if "transfer_id" not in params:
             return 0, False
+        return self._match_load(request, params, num_computed_tokens)
+
+    def _match_store(self, request: Request, wants_store: Any) -> None:
+        rid = request.request_id
+        if rid in self._want_store or rid in self._planned or rid in self._fallbacks:
+            return  # asked again (still waiting, or preempted): one transfer per request
+        try:
+            if wants_store is not True:
+                raise SegmentError(f"do_remote_decode {shm.show(wants_store, 32)} is not true")
+            prompt = len(request.prompt_token_ids or ())
+        except Exception as exc:
+            if engine_broken(exc):
+                raise
+            self._fall_back(rid, cause(exc))
+            return
+        self._want_store[rid] = (uuid.uuid4().hex, prompt)
+
+    def _match_load(
+        self, request: Request, params: dict[str, Any], num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if rid in self._load_errors:
+            return 0, False  # refused, or its load failed: it recomputes its prompt
         try:
             op = self._check_transfer(request, params)
+            if op.end <= num_computed_tokens:
+                return 0, False  # the local prefix cache already holds all of it
+            op.start = num_computed_tokens
         except Exception as exc:  # any bad field: recompute, never fail the engine
+            if engine_broken(exc):
+                raise
             self._need_load.pop(rid, None)
-            if rid not in self._load_errors:
-                logger.error(
-                    "SyshaxShmConnector %s: request %s recomputes its prompt, transfer %s "
-                    "unusable: %s",
-                    self._engine_id,
-                    rid,
-                    str(params.get("transfer_id"))[:64],
-                    exc if isinstance(exc, SegmentError) else f"{type(exc).__name__}: {exc}",
-                )
-            self._load_errors[rid] = str(exc)
+            self._load_errors[rid] = why = cause(exc)
+            logger.error(
+                "SyshaxShmConnector %s: request %s recomputes its prompt, transfer %s unusable: %s",
+                self._engine_id,
+                rid,
+                shm.show(params.get("transfer_id")),
+                why,
+            )
             return 0, False
-        if op.end <= num_computed_tokens:
-            return 0, False  # the local prefix cache already holds all of it
-        op.start = num_computed_tokens
         self._need_load[rid] = op
         return op.end - num_computed_tokens, True
 
@@ -203,6 +251,7 @@ class Planner:
             geometry=self._geometry,
             tensor_parallel=self._tp,
             prompt_tokens=len(request.prompt_token_ids or ()),
+            max_lease_seconds=self._cfg.lease_seconds,
         )
         tid, ranks, expires = checked.transfer_id, checked.ranks, checked.expires_at
         now = time.time()
@@ -223,10 +272,18 @@ class Planner:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        op = self._need_load.pop(request.request_id, None)
-        if op is not None and num_external_tokens > 0:
+        rid = request.request_id
+        op = self._need_load.pop(rid, None)
+        if op is None or num_external_tokens <= 0:
+            return
+        try:
             op.block_ids = list(blocks.get_block_ids()[0])
-            self._ready_loads[request.request_id] = op
+        except Exception as exc:  # the request waits for this load: the worker fails it
+            if engine_broken(exc):
+                raise
+            op.error = f"its blocks are unknown: {cause(exc)}"
+        self._ready_loads[rid] = op
+        self._loading.add(rid)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = SyshaxShmMetadata(loads=list(self._ready_loads.values()), cancels=self._cancels)
@@ -249,8 +306,10 @@ class Planner:
             try:
                 op = self._plan_store(rid, tid, prompt)
             except Exception as exc:  # never fail the engine: the request falls back
-                logger.error("SyshaxShmConnector %s: cannot plan a store: %s", self._engine_id, exc)
-                self._fallbacks[rid] = f"error: {exc}"
+                if engine_broken(exc):
+                    raise
+                self._release_plan(rid)
+                self._fall_back(rid, f"error: {cause(exc)}")
                 continue
             if op is not None:
                 meta.stores.append(op)
@@ -261,23 +320,19 @@ class Planner:
         need = self._transfer_bytes(prompt)
         run = self._allocate(need)
         if run is None:
-            why = (
+            self._fall_back(
+                rid,
                 "this engine has no KV arena (arena_mib 0)"
                 if not self._slabs.slabs
                 else f"arena full: the transfer needs {shm.size(need)}, the largest free run is "
                 f"{shm.size(self._slabs.largest_free_run() * cfg.slab_bytes)} of "
-                f"{shm.size(self._slabs.capacity)}"
-            )
-            self._fallbacks[rid] = why
-            logger.warning(
-                "SyshaxShmConnector %s: request %s falls back (decoded where it was prefilled): %s",
-                self._engine_id,
-                rid,
-                why,
+                f"{shm.size(self._slabs.capacity)}",
             )
             return None
         # Whole seconds (the name carries them), rounded up: a lease is never shorter than asked.
         expires_at = float(math.ceil(time.time() + cfg.lease_seconds))
+        # Held from here: a failure below gives the run and the files back (_release_plan).
+        planned = self._planned[rid] = _Planned(tid, run, expires_at, params={})
         for rank in range(self._tp):
             pending = shm.segment_header(
                 tid,
@@ -291,23 +346,35 @@ class Planner:
             name = shm.segment_name(tid, rank, expires_at) + ".tmp"
             shm.write_file(os.path.join(cfg.shm_dir, name), shm.encode_header(pending))
         blocks = list(self._block_ids_of(rid))
-        self._planned[rid] = _Planned(
-            tid,
-            run,
-            expires_at,
-            params={
-                "do_remote_prefill": True,
-                "transfer_id": tid,
-                "segment": shm.segment_name(tid, 0, expires_at),
-                "num_tokens": prompt,
-                "ranks": self._tp,
-                "lease_expires_at": int(expires_at),
-                "producer_engine_id": self._engine_id,
-                "ipc_namespace": self._ipc_ns,
-                "geometry": self._geometry,
-            },
-        )
+        planned.params = {
+            "do_remote_prefill": True,
+            "transfer_id": tid,
+            "segment": shm.segment_name(tid, 0, expires_at),
+            "num_tokens": prompt,
+            "ranks": self._tp,
+            "lease_expires_at": int(expires_at),
+            "producer_engine_id": self._engine_id,
+            "ipc_namespace": self._ipc_ns,
+            "geometry": self._geometry,
+        }
         return StoreOp(rid, tid, prompt, blocks, expires_at, run)
+
+    def _fall_back(self, rid: str, why: str) -> None:
+        self._fallbacks[rid] = why
+        logger.warning(
+            "SyshaxShmConnector %s: request %s falls back (decoded where it was prefilled): %s",
+            self._engine_id,
+            rid,
+            why,
+        )
+
+    def _release_plan(self, rid: str) -> None:
+        """Undo a store that failed while it was planned: its files and its run."""
+        planned = self._planned.pop(rid, None)
+        if planned is None:
+            return
+        shm.unlink_transfer(self._cfg.shm_dir, planned.transfer_id, self._tp, planned.expires_at)
+        self._slabs.mark(planned.run, False)
 
     def _allocate(self, nbytes: int) -> shm.Run | None:
         if not self._slabs.slabs or nbytes > self._slabs.capacity:
@@ -337,21 +404,58 @@ class Planner:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for rid in connector_output.finished_sending or ():
-            planned = self._planned.pop(rid, None)
-            if planned is None:
-                continue
-            if planned.cancelled:
-                self._slabs.mark(planned.run, False)  # the worker discarded it
-            else:
-                self._published[planned.transfer_id] = (planned.run, planned.expires_at)
+            try:
+                self._sent(rid)
+            except Exception as exc:  # bookkeeping of one transfer: never the engine's step
+                if engine_broken(exc):
+                    raise
+                logger.error(
+                    "SyshaxShmConnector %s: request %s sent, its run not recorded: %s",
+                    self._engine_id,
+                    rid,
+                    cause(exc),
+                )
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        for rid in connector_output.finished_recving or ():
+            if rid in failed and rid in self._loading:
+                # vLLM recomputes it (kv_load_failure_policy "recompute") and asks again.
+                self._load_errors.setdefault(rid, "its load failed (logged above)")
+            self._loading.discard(rid)
+
+    def _sent(self, rid: str) -> None:
+        planned = self._planned.pop(rid, None)
+        if planned is None:
+            return
+        if planned.cancelled:
+            self._slabs.mark(planned.run, False)  # the worker discarded it
+        else:
+            self._published[planned.transfer_id] = (planned.run, planned.expires_at)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        try:
+            return self._finished(request)
+        except Exception as exc:
+            if engine_broken(exc):
+                raise
+            why = f"error: {cause(exc)}"
+            logger.error("SyshaxShmConnector %s: request %s: %s", self._engine_id, rid, why)
+            planned = self._planned.get(rid)
+            if planned is None:
+                return False, {"syshax_kv_fallback": why}
+            # Its copy may be in flight: the blocks stay until the worker has discarded it.
+            planned.cancelled = True
+            self._cancels.append(planned.transfer_id)
+            return True, {"syshax_kv_fallback": why}
+
+    def _finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
         self._want_store.pop(rid, None)
         self._need_load.pop(rid, None)
         self._ready_loads.pop(rid, None)
+        self._loading.discard(rid)
         error = self._load_errors.pop(rid, None)
         fallback = self._fallbacks.pop(rid, None)
         planned = self._planned.get(rid)

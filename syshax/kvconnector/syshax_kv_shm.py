@@ -60,6 +60,8 @@ SEGMENT_RE = re.compile(
     r"(?P<state>\.tmp|\.claimed)?$"
 )
 TRANSFER_ID_RE = re.compile(r"[0-9a-f]{32}")
+# What arena_name() makes: one file name in the shm directory, no separator, nothing above it.
+ARENA_RE = re.compile(r"syshax-arena-[A-Za-z0-9._-]{1,100}-r\d{1,3}")
 # dtypes a segment may name, with their size in bytes (torch's names without "torch.").
 DTYPE_SIZES = {
     "bfloat16": 2,
@@ -366,7 +368,9 @@ def check_segment(
     if header.get("transfer_id") != transfer_id or header.get("rank") != rank:
         raise SegmentError(f"{where}: its header names another transfer or rank")
     if header.get("format") not in FORMATS:
-        raise SegmentError(f"{where}: unknown format {header.get('format')!r}")
+        raise SegmentError(f"{where}: unknown format {show(header.get('format'))}")
+    if not isinstance(header.get("layout", {}), dict):
+        raise SegmentError(f"{where}: its layout is not an object")
     offset = _int(header, "offset", 0, arena_size, where)
     length = _int(header, "length", 1, arena_size - offset, where)
     pieces = header.get("layers")
@@ -410,6 +414,25 @@ class Checked:
     expires_at: float
 
 
+def show(value: Any, limit: int = 64) -> str:
+    """``value`` for a message, at most ``limit`` characters; never raises, whatever a client
+    sent (a ``repr`` too long or too deep to build names only the type)."""
+    try:
+        text = repr(value)
+    except Exception:  # RecursionError, ValueError of a huge int, ...
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _same_geometry(theirs: Any, ours: dict[str, Any]) -> bool:
+    """Equal key for key and type for type: ``2.0`` or ``true`` is not the layer count 2."""
+    return (
+        isinstance(theirs, dict)
+        and theirs.keys() == ours.keys()
+        and all(type(theirs[k]) is type(v) and theirs[k] == v for k, v in ours.items())
+    )
+
+
 def check_params(
     params: dict[str, Any],
     *,
@@ -419,29 +442,36 @@ def check_params(
     geometry: dict[str, Any],
     tensor_parallel: int,
     prompt_tokens: int,
+    max_lease_seconds: float = MAX_LEASE_SECONDS,
+    now: float | None = None,
 ) -> Checked:
     """Every field of a decode's ``kv_transfer_params``, checked before anything is opened;
-    SegmentError naming the field that lies. (The lease's expiry and the segment's presence
-    are the caller's: they depend on when and where it looks.)"""
+    SegmentError naming the field that lies, and no other exception whatever the client sent.
+    A lease may end at most ``max_lease_seconds`` (and the second the producer rounds up to)
+    from ``now``. (Whether it already ended, and the segment's presence, are the caller's:
+    they depend on when and where it looks.)"""
     tid = params.get("transfer_id")
     if not isinstance(tid, str) or not TRANSFER_ID_RE.fullmatch(tid):
-        raise SegmentError(f"transfer_id {str(tid)[:64]!r} is not a syshax transfer id")
+        raise SegmentError(f"transfer_id {show(tid)} is not a syshax transfer id")
     producer = params.get("producer_engine_id")
+    if producer is not None and (not isinstance(producer, str) or len(producer) > 256):
+        raise SegmentError(f"producer_engine_id {show(producer)} is not an engine id")
     if peer_engine_id and producer != peer_engine_id:
         raise SegmentError(
-            f"transfer {tid} was produced by engine {str(producer)[:100]!r}; this engine "
+            f"transfer {tid} was produced by engine {show(producer, 100)}; this engine "
             f"({engine_id}) decodes for {peer_engine_id!r}"
         )
     their_ns = params.get("ipc_namespace")
-    if their_ns and their_ns != ipc_ns:
+    if their_ns is not None and their_ns != ipc_ns:
+        ns = their_ns[:64] if isinstance(their_ns, str) else show(their_ns)
         raise SegmentError(
-            f"segment is in IPC namespace {str(their_ns)[:64]} and this engine is in "
+            f"segment is in IPC namespace {ns} and this engine is in "
             f"{ipc_ns}: run the CPU engine in the GPU engine's IPC namespace "
             "(--ipc container:<gpu>)"
         )
-    if params.get("geometry") != geometry:
+    if not _same_geometry(params.get("geometry"), geometry):
         raise SegmentError(
-            f"segment geometry {str(params.get('geometry'))[:300]} differs from this "
+            f"segment geometry {show(params.get('geometry'), 300)} differs from this "
             f"engine's {geometry} (another model or dtype)"
         )
     if tensor_parallel != 1:
@@ -449,22 +479,36 @@ def check_params(
     num_tokens = params.get("num_tokens")
     if type(num_tokens) is not int or not 1 <= num_tokens < prompt_tokens:
         raise SegmentError(
-            f"num_tokens {str(num_tokens)[:32]} is not in [1, {prompt_tokens - 1}]: the prompt "
+            f"num_tokens {show(num_tokens, 32)} is not in [1, {prompt_tokens - 1}]: the prompt "
             f"of {prompt_tokens} tokens must extend the transferred tokens by at least the "
             "token the prefill sampled"
         )
     ranks = params.get("ranks", 1)
     heads = int(geometry["kv_heads"])
     if type(ranks) is not int or not 1 <= ranks <= min(MAX_RANKS, heads):
-        raise SegmentError(f"ranks {str(ranks)[:32]} is not in [1, {min(MAX_RANKS, heads)}]")
+        raise SegmentError(f"ranks {show(ranks, 32)} is not in [1, {min(MAX_RANKS, heads)}]")
     if heads % ranks:
         raise SegmentError(f"ranks {ranks} does not divide the model's {heads} KV heads")
+    return Checked(tid, ranks, num_tokens, _lease(params, max_lease_seconds, now))
+
+
+def _lease(params: dict[str, Any], max_lease_seconds: float, now: float | None) -> float:
     expires = params.get("lease_expires_at")
     if isinstance(expires, bool) or not isinstance(expires, int | float):
-        raise SegmentError(f"lease_expires_at {str(expires)[:32]!r} is not a number")
-    if not math.isfinite(expires) or expires > time.time() + MAX_LEASE_SECONDS:
-        raise SegmentError(f"lease_expires_at {expires!r} is not a lease this side of an hour")
-    return Checked(tid, ranks, num_tokens, float(expires))
+        raise SegmentError(f"lease_expires_at {show(expires, 32)} is not a number")
+    try:
+        finite = math.isfinite(expires)
+    except OverflowError:  # an integer past any float
+        finite = False
+    if not finite or expires <= 0:
+        raise SegmentError(f"lease_expires_at {show(expires, 32)} is not a time (seconds)")
+    now = time.time() if now is None else now
+    if expires > now + max_lease_seconds + 1:
+        raise SegmentError(
+            f"lease_expires_at {show(expires, 32)} ends {expires - now:.0f}s from now, past "
+            f"this engine's lease of {max_lease_seconds:.0f}s"
+        )
+    return float(expires)
 
 
 def not_found(path: str, shm_dir: str, ipc_ns: str) -> str:

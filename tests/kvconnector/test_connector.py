@@ -181,6 +181,11 @@ LIES: dict[str, Any] = {
     "run past the arena": lambda h: h.update(offset=2**40),
     "another transfer's header": lambda h: h.update(transfer_id="f" * 32),
     "missing layer": lambda h: h["layers"].pop(LAYER),
+    "negative offset": lambda h: h["layers"][LAYER].update(offset=-4096),
+    "length past the arena": lambda h: h.update(length=2**40),
+    "arena path traversal": lambda h: h.update(arena="../../../etc/passwd"),
+    "arena name with a separator": lambda h: h.update(arena="syshax-arena-gpu-r0/../../x"),
+    "layout not an object": lambda h: h.update(layout=["pages"]),
 }
 LAYER = "model.layers.1.self_attn.attn"
 CAUSES = {
@@ -192,6 +197,11 @@ CAUSES = {
     "run past the arena": "offset",
     "another transfer's header": "another transfer",
     "missing layer": "no layer",
+    "negative offset": "offset -4096 is not an integer",
+    "length past the arena": "length",
+    "arena path traversal": "names no arena of ours",
+    "arena name with a separator": "names no arena of ours",
+    "layout not an object": "layout is not an object",
 }
 
 
@@ -237,6 +247,14 @@ def test_a_damaged_segment_file_fails_the_load_naming_the_cause(
     assert cause in caplog.text, caplog.text
 
 
+# What the tiny model's engines answer as their geometry.
+TINY_GEOMETRY = {
+    "layers": 2,
+    "kv_heads": 2,
+    "head_size": 64,
+    "kv_dtype": "auto",
+    "model_dtype": "torch.bfloat16",
+}
 BAD_PARAMS: dict[str, Any] = {
     "lease nan": {"lease_expires_at": math.nan},
     "lease infinite": {"lease_expires_at": math.inf},
@@ -254,6 +272,27 @@ BAD_PARAMS: dict[str, Any] = {
     "other producer": {"producer_engine_id": "gpu-of-another-deployment"},
     "other namespace": {"ipc_namespace": "ipc:[1]"},
     "unknown transfer": {"transfer_id": "0" * 32},
+    # What a JSON body can carry (json.loads reads 1e999 as inf, NaN as nan).
+    "lease 1e999 in JSON": json.loads('{"lease_expires_at": 1e999}'),
+    "lease NaN in JSON": json.loads('{"lease_expires_at": NaN}'),
+    "lease -Infinity in JSON": json.loads('{"lease_expires_at": -Infinity}'),
+    "lease an integer past any float": {"lease_expires_at": 10**400},
+    "lease negative": {"lease_expires_at": -5},
+    "lease a bool": {"lease_expires_at": True},
+    "lease past this engine's": {"lease_expires_at": int(time.time()) + 600},
+    "ranks three": {"ranks": 3},  # the tiny model has 2 KV heads: no producer has 3 ranks
+    "ranks negative": {"ranks": -1},
+    "ranks a string": {"ranks": "1"},
+    "num_tokens a string": {"num_tokens": "20"},
+    "num_tokens a float": {"num_tokens": 20.0},
+    "transfer_id with a separator": {"transfer_id": "0" * 31 + "/"},
+    "transfer_id an integer": {"transfer_id": 10**40},
+    "geometry with a float": {"geometry": {**TINY_GEOMETRY, "layers": 2.0}},
+    "geometry with another key": {"geometry": {**TINY_GEOMETRY, "layers_of_mine": 2}},
+    "geometry a string": {"geometry": "same"},
+    "producer a list": {"producer_engine_id": ["gpu"]},
+    "namespace empty": {"ipc_namespace": ""},
+    "namespace a list": {"ipc_namespace": ["ipc:[1]"]},
 }
 
 
@@ -272,6 +311,8 @@ def test_parameters_that_lie_recompute_the_prompt_and_never_raise(
     req.status = harness.request_status().FINISHED_LENGTH_CAPPED
     delay, answer = consumer.scheduler.request_finished(req, [])
     assert delay is False and answer is not None and answer["syshax_kv_error"]
+    # The cause is a check that names the field, not an exception that slipped through one.
+    assert "Error:" not in answer["syshax_kv_error"], answer
 
 
 def test_parameters_that_are_not_an_object_are_ignored(pair: Any) -> None:
