@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from router.access import MODE_HEADER_OFF, MODE_HEADER_POLICIES
 from router.backends import Timeouts, scrape_forever
 from router.managed import ControlPlaneClient
 from router.server import Router, ServerConfig, build_app
@@ -24,6 +25,11 @@ from syshax.common.policy_schema import KNOBS, PolicyError, validate_knobs
 from syshax.common.routing import PD_PROTOCOLS, DeploymentSpec
 
 log = logging.getLogger("syshax.router")
+
+# The benchmark keys' environment variable: the router's list, and the key the benchmark
+# client (syshax benchmark) sends.
+BENCHMARK_KEY_ENV = "SYSHAX_ROUTER_BENCHMARK_KEY"
+MODE_HEADER_ENV = "SYSHAX_ROUTER_MODE_HEADER"
 
 
 def parse_size(text: str) -> int:
@@ -59,9 +65,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest request body, e.g. 10MB (default)",
     )
     parser.add_argument(
+        "--benchmark-key",
+        dest="benchmark_keys",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=f"a key that gets in like --api-key and may force a policy mode per request with "
+        f"X-Syshax-Mode (repeatable; default: env {BENCHMARK_KEY_ENV}, comma-separated)",
+    )
+    parser.add_argument(
+        "--mode-header",
+        choices=MODE_HEADER_POLICIES,
+        default=os.environ.get(MODE_HEADER_ENV) or MODE_HEADER_POLICIES[0],
+        help="who may force a policy mode with X-Syshax-Mode: benchmark-keys (default; "
+        "others get a 403), all (every client), off (the header is ignored)",
+    )
+    parser.add_argument(
         "--no-mode-header",
-        action="store_true",
-        help="ignore X-Syshax-Mode (the per-request forced policy mode benchmarks use)",
+        dest="mode_header",
+        action="store_const",
+        const=MODE_HEADER_OFF,
+        help="the same as --mode-header off",
     )
     parser.add_argument("--connect-timeout", type=float, default=3.0)
     parser.add_argument("--first-byte-timeout", type=float, default=120.0)
@@ -303,13 +327,32 @@ async def _policy_source(router: Router, args: argparse.Namespace) -> PolicySour
     return standalone
 
 
+def benchmark_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The benchmark keys from the flags, else the environment; raises StartupError when one
+    is the API key (every client would then force modes)."""
+    given = args.benchmark_keys or [os.environ.get(BENCHMARK_KEY_ENV, "")]
+    keys = tuple(key.strip() for text in given for key in text.split(",") if key.strip())
+    if args.api_key and args.api_key in keys:
+        raise StartupError(
+            f"a benchmark key (--benchmark-key / {BENCHMARK_KEY_ENV}) must differ from the API "
+            "key: every client holding it could force policy modes"
+        )
+    if args.mode_header not in MODE_HEADER_POLICIES:
+        raise StartupError(
+            f"{MODE_HEADER_ENV} must be one of {', '.join(MODE_HEADER_POLICIES)}; "
+            f"got {args.mode_header!r}"
+        )
+    return keys
+
+
 async def compose(args: argparse.Namespace) -> tuple[Router, web.Application, PolicySource]:
     """The router the flags describe: its state, its app and its policy source, wired
     together. The one place the parts meet; raises StartupError."""
     config = ServerConfig(
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
-        allow_mode_header=not args.no_mode_header,
+        benchmark_keys=benchmark_keys(args),
+        mode_header=args.mode_header,
         timeouts=Timeouts(
             args.connect_timeout,
             args.first_byte_timeout,
@@ -317,6 +360,10 @@ async def compose(args: argparse.Namespace) -> tuple[Router, web.Application, Po
             args.eject_base_seconds,
         ),
     )
+    if config.mode_header == MODE_HEADER_POLICIES[0]:
+        log.info("X-Syshax-Mode: honoured for %d benchmark key(s)", len(config.benchmark_keys))
+    else:
+        log.info("X-Syshax-Mode: --mode-header %s", config.mode_header)
     router = Router(config)
     source = await _policy_source(router, args)
     return router, build_app(router), source

@@ -77,6 +77,9 @@ class Loads:
     # The node's readings from the agents' heartbeats, via the control plane (None: unknown).
     gpu_temperature_c: float | None = None
     host_memory_percent: float | None = None
+    # Sequences this router has on the CPU engine now (exact: a scrape lags the ones that
+    # ended since it); what the CPU batch cap of a forced request counts.
+    cpu_inflight: int = 0
 
 
 # Sequences an idle, never-measured CPU engine takes before its first ITL is scraped.
@@ -221,6 +224,45 @@ def decide(knobs: PolicyKnobs, loads: Loads) -> Decision:
     if knobs.algorithm == "syshax-threshold":
         return syshax_threshold(knobs, loads)
     return capacity(knobs, loads, chunk)
+
+
+def hold_to_limits(decision: Decision, knobs: PolicyKnobs, loads: Loads) -> Decision:
+    """A route a request forced (``X-Syshax-Mode``), held to the operator's hard limits.
+
+    A forced mode picks the device; it never puts a decode on a device past a limit the
+    policy sets for it: a GPU at ``gpu_max_temperature_c``, or saturated with
+    ``max_queue_size`` requests already waiting, takes no forced gpu-only request; a host at
+    ``cpu_max_memory_percent``, or a CPU running its batch cap, takes no forced cpu-only or
+    PD decode. Each is a 429, like the policy's own ``queue-full``. The batch cap counts the
+    router's own sequences on the CPU, not the last scrape's: a benchmark runs at exactly its
+    concurrency, and a scraped count that still holds the requests ended since the scrape
+    would refuse requests the engine has room for. This is stricter than
+    ``auto`` on a hot GPU on purpose: auto queues there only after the CPU had no room,
+    while a forced request turned the CPU down. The latency SLOs are not limits here: a
+    benchmark measures a device past them.
+    """
+    if decision.route is Route.GPU_ONLY and loads.gpu.available:
+        hot = loads.gpu_temperature_c
+        if hot is not None and hot >= knobs.gpu_max_temperature_c:
+            why = f"GPU at {hot:g} C >= gpu_max_temperature_c {knobs.gpu_max_temperature_c:g} C"
+            return _refused(knobs, why, "gpu-hot")
+        code, why = gpu_saturation(knobs, loads)
+        if code and loads.gpu.waiting >= knobs.max_queue_size:
+            return _refused(knobs, f"{why}; GPU queue at max_queue_size", "queue-full")
+    if decision.route in (Route.CPU_ONLY, Route.PD) and loads.cpu.available:
+        host, most = loads.host_memory_percent, knobs.cpu_max_memory_percent
+        if host is not None and host >= most:
+            why = f"host memory {host:g}% >= cpu_max_memory_percent {most:g}%"
+            return _refused(knobs, why, "host-memory")
+        limit, name = cpu_batch_limit(knobs, loads)
+        if loads.cpu_inflight >= limit:
+            why = f"CPU running {loads.cpu_inflight} from this router >= {name} {limit}"
+            return _refused(knobs, why, "cpu-full")
+    return decision
+
+
+def _refused(knobs: PolicyKnobs, why: str, code: str) -> Decision:
+    return Decision(Route.REJECTED, reason=f"forced {knobs.mode}: {why}", status=429, code=code)
 
 
 def syshax_threshold(knobs: PolicyKnobs, loads: Loads) -> Decision:

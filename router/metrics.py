@@ -32,6 +32,10 @@ _LATENCY_BUCKETS = (
 )
 
 
+# Why a request was refused before any engine saw it (the refusals counter's label).
+REFUSAL_REASONS = ("router-field", "mode-header", "path")
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -90,6 +94,16 @@ class RouterMetrics:
             ["stage", "route", "reason"],
             registry=r,
         )
+        self.refusals = Counter(
+            "syshax_router_refusals",
+            "Requests turned away for asking what a client may not: router-field (a field "
+            "only the router sets, e.g. kv_transfer_params), mode-header (X-Syshax-Mode "
+            "without a benchmark key), path (an engine path the router does not forward)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REFUSAL_REASONS:
+            self.refusals.labels(reason)  # exported at 0 from the start, for rate()
         self.chunks = Counter(
             "syshax_router_decode_chunks",
             "Decode segments by device",
@@ -226,6 +240,9 @@ class RouterMetrics:
 
     def decision(self, stage: str, route: str, reason: str) -> None:
         self._child(self.decision_reasons, stage, route, reason or "other").inc()
+
+    def refusal(self, reason: str) -> None:
+        self._child(self.refusals, reason).inc()
 
     def chunk(self, device: str) -> None:
         self._child(self.chunks, device).inc()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
+import json
 import logging
 import os
 import time
@@ -14,36 +14,38 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from router.access import (
+    MODE_HEADER,
+    MODE_HEADER_BENCHMARK_KEYS,
+    NOT_RELAYED,
+    allowed_mode_header,
+    bearer,
+    forwarded_headers,
+    key_matches,
+    proxied_path,
+)
 from router.backends import SCRAPE_FAILURE_KINDS, Backend, Timeouts
 from router.client_stream import ClientGone, ClientRequest
 from router.deadlines import DEADLINES
-from router.decide import Decision, Route, cpu_allowed, decide, retry_after_seconds
+from router.decide import (
+    Decision,
+    Route,
+    cpu_allowed,
+    decide,
+    hold_to_limits,
+    retry_after_seconds,
+)
 from router.errors import RouterError, error_response, saturated, unavailable
 from router.flow import Exchange
 from router.metrics import RouterMetrics
 from router.state import Deployment, RouterState
 from router.transport import BackendRemoved, UpstreamFailed, request
-from router.validate import check_request, parse_body
+from router.validate import check_request, parse_body, strip_router_fields
 from syshax.common.policy_schema import MODES, PolicyKnobs
 
 log = logging.getLogger("syshax.router")
 
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
-HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailers",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Host",
-        "Content-Length",
-    )
-)
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,10 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 10 * 1024 * 1024
     timeouts: Timeouts = field(default_factory=Timeouts)
-    # Honour X-Syshax-Mode (per-request forced policy mode) from clients.
-    allow_mode_header: bool = True
+    # Keys that get in like the API key and may force a policy mode (router/access.py).
+    benchmark_keys: tuple[str, ...] = ()
+    # Who may force a policy mode with X-Syshax-Mode: benchmark-keys, all or off.
+    mode_header: str = MODE_HEADER_BENCHMARK_KEYS
 
 
 class Router:
@@ -73,8 +77,11 @@ class Router:
             f"no engine can serve this request: {decision.reason}", retry_after=retry
         )
 
-
-MODE_HEADER = "X-Syshax-Mode"
+    def refuse(self, reason: str, err: RouterError) -> RouterError:
+        """A request turned away for asking what its client may not (a router-only field,
+        a forced mode without a benchmark key, an engine path not listed): counted."""
+        self.metrics.refusal(reason)
+        return err
 
 
 def forced_knobs(base: PolicyKnobs, header: str | None) -> PolicyKnobs | None:
@@ -111,11 +118,20 @@ def _fallback(
     knobs = router.state.knobs_for(deployment, req.knobs)
     now = time.monotonic()
     cpu_ok = deployment.cpu is not None and deployment.cpu.available(now)
+    nxt = None
     if failed in (Route.GPU_ONLY, Route.PD) and cpu_ok and cpu_allowed(knobs):
-        return Decision(Route.CPU_ONLY, reason="GPU engine failed", fallback=True)
-    if failed is Route.CPU_ONLY and deployment.gpu.available(now) and knobs.mode != "cpu-only":
-        return Decision(Route.GPU_ONLY, reason="CPU engine failed", fallback=True)
-    return None
+        nxt = Decision(Route.CPU_ONLY, reason="GPU engine failed", fallback=True)
+    elif failed is Route.CPU_ONLY and deployment.gpu.available(now) and knobs.mode != "cpu-only":
+        nxt = Decision(Route.GPU_ONLY, reason="CPU engine failed", fallback=True)
+    if nxt is not None and _forced(req):
+        nxt = hold_to_limits(nxt, knobs, deployment.loads(now))
+    return nxt if nxt is not None and nxt.route is not Route.REJECTED else None
+
+
+def _forced(req: ClientRequest) -> bool:
+    """Whether the request pinned its route with X-Syshax-Mode (``auto`` pins nothing: the
+    decider's own limits apply)."""
+    return req.knobs is not None and req.knobs.mode != "auto"
 
 
 def _plan(
@@ -123,10 +139,10 @@ def _plan(
 ) -> tuple[Decision, PolicyKnobs]:
     """The route for ``req`` on ``deployment``, and the knobs it was decided with."""
     base = router.state.policy_for(deployment).knobs
-    if router.config.allow_mode_header:
-        req.knobs = forced_knobs(base, req.mode_header)
+    req.knobs = forced_knobs(base, req.mode_header)
     knobs = req.knobs or base
-    decision = decide(knobs, deployment.loads(time.monotonic()))
+    loads = deployment.loads(time.monotonic())
+    decision = decide(knobs, loads)
     if decision.route is Route.PD and (req.body.get("n") or 1) > 1:
         # Splicing several choices across engines is not worth it; the GPU serves n > 1.
         decision = Decision(Route.GPU_ONLY, reason="n > 1", code="n-above-1")
@@ -136,6 +152,9 @@ def _plan(
         why = deployment.pd.unspliceable(req.body)
         if why is not None:
             decision = Decision(Route.GPU_ONLY, reason=why, code="not-spliceable")
+    if _forced(req):
+        # A forced mode picks the device, never past the policy's hard limits.
+        decision = hold_to_limits(decision, knobs, loads)
     router.metrics.decision("new", decision.route.value, decision.code)
     return decision, knobs
 
@@ -271,9 +290,16 @@ async def completions(http: web.Request) -> web.StreamResponse:
     router = http.app[ROUTER_KEY]
     received = time.perf_counter()
     chat = http.path.endswith("/chat/completions")
-    raw = await _read_body(http, router.config.max_body_bytes)
+    config = router.config
+    try:
+        mode_header = allowed_mode_header(http.headers, config.mode_header, config.benchmark_keys)
+    except RouterError as err:
+        raise router.refuse("mode-header", err) from None
+    raw = await _read_body(http, config.max_body_bytes)
     body = parse_body(raw)
     model, stream, include_usage, max_tokens = check_request(body, chat=chat)
+    # Every path sends these bytes (passthrough) or this body (PD, fallbacks, failover).
+    raw = _without_router_fields(router, body, raw)
     deployment = router.state.choose(model)
     if deployment is None:
         known = ", ".join(sorted(router.state.by_model)) or "none"
@@ -293,12 +319,22 @@ async def completions(http: web.Request) -> web.StreamResponse:
         include_usage=include_usage,
         max_tokens=max_tokens,
         received_at=received,
-        mode_header=http.headers.get(MODE_HEADER) if router.config.allow_mode_header else None,
+        mode_header=mode_header,
     )
     decision, knobs = _plan(router, req, deployment)
     if decision.route is Route.REJECTED:
         raise router.record_rejection(decision)
     return await _serve(router, http, req, deployment, decision, knobs)
+
+
+def _without_router_fields(router: Router, body: dict[str, Any], raw: bytes) -> bytes:
+    """``raw`` without the router-only fields the client sent empty (``body`` loses them
+    too; the bytes are encoded again only then). One that carries anything is a 400."""
+    try:
+        changed = strip_router_fields(body)
+    except RouterError as err:
+        raise router.refuse("router-field", err) from None
+    return json.dumps(body).encode() if changed else raw
 
 
 async def _read_body(http: web.Request, limit: int) -> bytes:
@@ -431,24 +467,28 @@ async def metrics_endpoint(http: web.Request) -> web.Response:
 
 
 async def proxy(http: web.Request) -> web.StreamResponse:
-    """Any other path goes to a GPU engine unchanged, as sysHAX does."""
+    """The engine API paths the router does not serve itself (``access.PROXIED``: /version,
+    /tokenize ...) go to a GPU engine, as sysHAX does, with the client's content headers
+    only; any other path is a 404."""
     router = http.app[ROUTER_KEY]
+    try:
+        path = proxied_path(http.method, http.path)
+    except RouterError as err:
+        raise router.refuse("path", err) from None
     deployments = router.state.deployments
     if not deployments:
         raise RouterError(404, f"no route for {http.path}", code="not_found")
     now = time.monotonic()
     gpu = next((d.gpu for d in deployments if d.gpu.available(now)), deployments[0].gpu)
-    headers = "".join(
-        f"{name}: {value}\r\n"
-        for name, value in http.headers.items()
-        if name.lower() not in HOP_BY_HOP
-    ).encode("latin-1")
+    headers = forwarded_headers(http.headers)
     body = await _read_body(http, router.config.max_body_bytes)
+    if body:
+        body = _without_router_fields(router, parse_body(body), body)
     response: web.StreamResponse | None = None
     try:
         async with request(
             gpu,
-            http.path_qs,
+            path,
             body,
             first_byte=router.config.timeouts.first_byte,
             method=http.method.encode(),
@@ -459,7 +499,7 @@ async def proxy(http: web.Request) -> web.StreamResponse:
                 headers=[
                     (name, value)
                     for name, value in upstream.header_items()
-                    if name not in HOP_BY_HOP
+                    if name not in NOT_RELAYED
                 ],
             )
             await response.prepare(http)
@@ -488,12 +528,12 @@ async def errors_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
-    key = router.config.api_key
+    config = router.config
     try:
-        if key is not None and request.path not in OPEN_PATHS:
-            supplied = request.headers.get("Authorization", "")
-            token = supplied[7:] if supplied.startswith("Bearer ") else ""
-            if not hmac.compare_digest(token.encode(), key.encode()):
+        if config.api_key is not None and request.path not in OPEN_PATHS:
+            # A benchmark key gets in as the API key does.
+            keys = (config.api_key, *config.benchmark_keys)
+            if not key_matches(bearer(request.headers.get("Authorization", "")), keys):
                 raise RouterError(
                     401,
                     "Incorrect or missing API key",

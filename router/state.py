@@ -53,6 +53,7 @@ class Deployment:
             cpu_max_num_seqs=self.spec.cpu_max_num_seqs,
             gpu_temperature_c=self.spec.gpu_temperature_c,
             host_memory_percent=self.spec.host_memory_percent,
+            cpu_inflight=self.cpu.inflight if self.cpu is not None else 0,
         )
 
     def pressure(self, now: float) -> float:

@@ -85,3 +85,46 @@ def check_request(body: dict[str, Any], *, chat: bool) -> tuple[str, bool, bool,
         max_tokens = max_completion
     _optional_int(body, "n", 1)
     return model, stream, include_usage, max_tokens
+
+
+# Fields of an engine request that only the router writes (docs/router.md, "Fields only the
+# router sets"): the vLLM protocol's KV handoff, and sysHAX's PD fields (the syshax protocol).
+# From a client they would hand an engine a lease, ranks or another request's KV.
+ROUTER_ONLY_FIELDS = (
+    "kv_transfer_params",
+    "request_id_inference",
+    "num_decode_tokens",
+    "generated_text",
+)
+# vLLM copies ``vllm_xargs`` into the sampling parameters' ``extra_args``, where the KV
+# connector reads ``kv_transfer_params``: the same field by another door.
+EXTRA_ARGS = "vllm_xargs"
+
+
+def strip_router_fields(body: dict[str, Any]) -> bool:
+    """Removes the router-only fields a client sent empty (null, ``{}`` or ``""``: they ask
+    for nothing) and returns whether the body changed; one that carries anything is a 400
+    naming it."""
+    changed = False
+    for key in ROUTER_ONLY_FIELDS:
+        if key not in body:
+            continue
+        if body[key] in (None, {}, ""):
+            del body[key]
+            changed = True
+            continue
+        raise bad_request(
+            f"'{key}' is set by the router only (PD handoffs between its engines); a client "
+            "request may not carry it",
+            param=key,
+            code="router_only_field",
+        )
+    extra = body.get(EXTRA_ARGS)
+    if isinstance(extra, dict) and any(key in extra for key in ROUTER_ONLY_FIELDS):
+        field = next(key for key in ROUTER_ONLY_FIELDS if key in extra)
+        raise bad_request(
+            f"'{EXTRA_ARGS}.{field}' is set by the router only; a client request may not carry it",
+            param=f"{EXTRA_ARGS}.{field}",
+            code="router_only_field",
+        )
+    return changed

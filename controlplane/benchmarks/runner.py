@@ -59,9 +59,10 @@ def target_url(run: BenchmarkRun) -> str:
 
 
 def router_api_key(url: str) -> str:
-    """``ROUTER_API_KEY`` when ``url`` is a registered router's, else nothing: the key is
-    never sent to an engine or an allowed outside target."""
-    key = str(settings.ROUTER_API_KEY)
+    """The routers' benchmark key (``ROUTER_BENCHMARK_KEY``, which may force each mode; else
+    ``ROUTER_API_KEY``) when ``url`` is a registered router's, else nothing: a key is never
+    sent to an engine or an allowed outside target."""
+    key = str(settings.ROUTER_BENCHMARK_KEY or settings.ROUTER_API_KEY)
     listening = RouterInstance.objects.exclude(listen_url="").values_list("listen_url", flat=True)
     endpoint = _endpoint(url)
     if key and endpoint is not None and endpoint in {_endpoint(u) for u in listening}:

@@ -181,6 +181,9 @@ BENCHMARK_ALLOWED_TARGETS = env_list("BENCHMARK_ALLOWED_TARGETS", [])
 # The routers' API key (their SYSHAX_ROUTER_API_KEY): a benchmark run sends it to a registered
 # router, and to no other target.
 ROUTER_API_KEY = env_str("ROUTER_API_KEY", "") or ""
+# Their benchmark key (SYSHAX_ROUTER_BENCHMARK_KEY), which may force a policy mode per request:
+# sent in place of ROUTER_API_KEY when set, so a run's CPU, GPU and hetero modes are honoured.
+ROUTER_BENCHMARK_KEY = env_str("ROUTER_BENCHMARK_KEY", "") or ""
 
 # Throttle counts (access/throttling.py): shared through Redis when there is one.
 # A frozen Redis must not hang every request: each cache call gives up after a second, and

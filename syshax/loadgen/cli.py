@@ -52,6 +52,8 @@ from syshax.loadgen.workload import WARMUP_INDEX, build_requests
 
 CONTROL_PLANE_ENV = "SYSHAX_CONTROL_PLANE_URL"
 API_KEY_ENV = "SYSHAX_ROUTER_API_KEY"
+# A router's benchmark key: only its holders may force a mode (X-Syshax-Mode, docs/router.md).
+BENCHMARK_KEY_ENV = "SYSHAX_ROUTER_BENCHMARK_KEY"
 # Flags whose values are secrets: not copied into the JSON results.
 _SECRET_FLAGS = ("--token", "--api-key")
 
@@ -101,8 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     where.add_argument(
         "--api-key",
-        help=f"the router's API key, sent to every target as 'Authorization: Bearer KEY' "
-        f"(default: env {API_KEY_ENV}, which keeps it off the command line)",
+        help=f"the router's key, sent to every target as 'Authorization: Bearer KEY' (default: "
+        f"env {BENCHMARK_KEY_ENV} for a router whose modes are forced, else {API_KEY_ENV}; the "
+        "environment keeps it off the command line)",
     )
     where.add_argument("--mode", choices=MODE_CHOICES, help="default: the modes given targets")
 
@@ -252,20 +255,22 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(row.summary.failed for row in rows) else 0
 
 
-def _auth(args: argparse.Namespace) -> dict[str, str]:
-    key = args.api_key or os.environ.get(API_KEY_ENV)
+def _auth(args: argparse.Namespace, target: Target) -> dict[str, str]:
+    """The key for ``target``: ``--api-key``; else, where the run forces the router's mode,
+    its benchmark key (a plain key may not force one); else its API key."""
+    forcing = os.environ.get(BENCHMARK_KEY_ENV) if target.forced else None
+    key = args.api_key or forcing or os.environ.get(API_KEY_ENV)
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-async def _models(
-    args: argparse.Namespace, targets: list[Target], auth: dict[str, str]
-) -> dict[str, str]:
+async def _models(args: argparse.Namespace, targets: list[Target]) -> dict[str, str]:
     """Every target's model, asked before the first row, so a dead target stops the run at
     once instead of after an hour of other rows."""
     models: dict[str, str] = {}
     async with make_session() as session:
         for target in targets:
             if target.url not in models:
+                auth = _auth(args, target)
                 models[target.url] = args.model or await discover_model(session, target.url, auth)
     return models
 
@@ -275,14 +280,13 @@ def _client(
     pool: ConnectionPool,
     target: Target,
     model: str,
-    auth: dict[str, str],
 ) -> StreamClient:
     return StreamClient(
         pool,
         target.url,
         model,
         api=args.api,
-        headers={**target.headers, **auth},
+        headers={**target.headers, **_auth(args, target)},
         timeout_s=args.timeout,
     )
 
@@ -295,8 +299,7 @@ async def _benchmark(
     slo: SLO,
 ) -> list[Row]:
     rows: list[Row] = []
-    auth = _auth(args)
-    models = await _models(args, targets, auth)
+    models = await _models(args, targets)
     pool = ConnectionPool()
     try:
         for level in levels:
@@ -314,7 +317,7 @@ async def _benchmark(
                 first_index=WARMUP_INDEX,
             )
             for target in targets:
-                client = _client(args, pool, target, models[target.url], auth)
+                client = _client(args, pool, target, models[target.url])
                 load = LoadSpec(level, args.request_rate, args.burstiness, args.seed)
                 bar = ProgressBar(
                     len(specs),
@@ -376,7 +379,6 @@ async def _sweep(
 ) -> list[Row]:
     """Every target through every rate (then the bisection), one row per (mode, rate)."""
     rows: list[Row] = []
-    auth = _auth(args)
     plan = SweepPlan(
         rates=rates,
         slo=slo,
@@ -398,11 +400,11 @@ async def _sweep(
         bar = ProgressBar(count, f"{mode:>6} r={rate:<5g}", live=None)
         return bar.update, bar.close
 
-    models = await _models(args, targets, auth)
+    models = await _models(args, targets)
     pool = ConnectionPool()
     try:
         for target in targets:
-            client = _client(args, pool, target, models[target.url], auth)
+            client = _client(args, pool, target, models[target.url])
             search, target_rows = await sweep_target(
                 client,
                 target,

@@ -408,9 +408,10 @@ def test_a_run_sends_the_router_api_key_to_a_registered_router_only(
     from controlplane.routers.models import RouterInstance
     from syshax.loadgen.simproc import running_router
 
-    settings.ROUTER_API_KEY = "sxk_bench"
+    settings.ROUTER_API_KEY = "sxk_user"
+    settings.ROUTER_BENCHMARK_KEY = "sxk_bench"  # sent in its place: it may force the mode
     scenario = Scenario.objects.create(name="tiny3", input_tokens=8, output_tokens=4)
-    extra = ("--api-key", "sxk_bench")
+    extra = ("--api-key", "sxk_user", "--benchmark-key", "sxk_bench")
     with running_router(simulated_gpu, simulated_gpu, mode="gpu-only", extra_args=extra) as url:
         assert runner.router_api_key(url) == ""  # not registered: no key
         RouterInstance.objects.create(

@@ -14,6 +14,7 @@ import pytest
 from syshax.loadgen.simproc import running_router, running_sim
 
 SYSHAX = ("--syshax-compat",)
+BENCHMARK = ("--benchmark-key", "sxk_bench")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,9 @@ def test_hetero_rows_record_the_routers_decision(pd_router: str, tmp_path: Path)
 def test_the_benchmark_sends_a_routers_api_key_from_its_environment(tmp_path: Path) -> None:
     with (
         running_sim("a100-80gb", speed=20.0) as gpu,
-        running_router(gpu, gpu, mode="gpu-only", extra_args=("--api-key", "sxk_test")) as router,
+        running_router(
+            gpu, gpu, mode="gpu-only", extra_args=("--api-key", "sxk_test", *BENCHMARK)
+        ) as router,
     ):
         command = [
             sys.executable, "-m", "syshax.cli", "benchmark", "--no-progress",
@@ -58,15 +61,17 @@ def test_the_benchmark_sends_a_routers_api_key_from_its_environment(tmp_path: Pa
             "--concurrency", "1", "--iterations", "2", "--warmup", "0", "--target", router,
             "--mode", "gpu", "--json", str(tmp_path / "out.json"),
         ]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k != "SYSHAX_ROUTER_API_KEY"}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SYSHAX_ROUTER_")}
         refused = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
         assert refused.returncode == 2 and "HTTP 401" in refused.stderr, refused.stderr
         env["SYSHAX_ROUTER_API_KEY"] = "sxk_test"
+        # --mode gpu forces the router's mode: the benchmark key is sent for that.
+        env["SYSHAX_ROUTER_BENCHMARK_KEY"] = "sxk_bench"
         done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
         assert done.returncode == 0, done.stdout + done.stderr
     document = json.loads((tmp_path / "out.json").read_text())
     assert document["rows"][0]["summary"]["completed"] == 2
-    assert "sxk_test" not in json.dumps(document)
+    assert "sxk_test" not in json.dumps(document) and "sxk_bench" not in json.dumps(document)
 
 
 def test_the_json_results_leave_secret_flags_out() -> None:

@@ -152,6 +152,9 @@ def router(engines: Pair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             str(policy),
             "--log-level",
             "INFO",
+            # The tests force modes (a gpu-only reference answer) without client keys.
+            "--mode-header",
+            "all",
         ],
         workdir,
     )

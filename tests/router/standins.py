@@ -95,7 +95,7 @@ class StandInControlPlane(_Threaded):
             self.deployments = deployments
             self.version += 1
 
-    def start_router(self, workdir: Path, name: str) -> Proc:
+    def start_router(self, workdir: Path, name: str, *extra: str) -> Proc:
         return Proc(
             name,
             [
@@ -112,6 +112,7 @@ class StandInControlPlane(_Threaded):
                 "0.1",
                 "--log-level",
                 "INFO",
+                *extra,
             ],
             workdir,
         )

@@ -13,6 +13,7 @@ from router.decide import (
     cpu_slo_batch,
     decide,
     decide_next_chunk,
+    hold_to_limits,
     projected_itl_ms,
     token_limit,
 )
@@ -262,3 +263,47 @@ def test_a_hot_gpu_counts_as_saturated_and_a_full_host_stops_offload() -> None:
     )
     assert full_host.route is Route.GPU_ONLY and full_host.code == "both-busy"
     assert "host memory 95% >= 95%" in full_host.reason
+
+
+def test_a_forced_mode_is_held_to_the_hard_limits() -> None:
+    """X-Syshax-Mode picks the device, never past the temperature, memory, queue and CPU
+    batch limits (the latency SLOs are not limits for it: a benchmark measures past them)."""
+
+    def forced(mode: str, loads: Loads, **kw: object) -> tuple[Route, str]:
+        k = knobs(mode=mode, **kw)
+        d = hold_to_limits(decide(k, loads), k, loads)
+        return d.route, d.code
+
+    idle = Loads(IDLE_GPU, IDLE_CPU)
+    assert forced("gpu-only", idle) == (Route.GPU_ONLY, "offload-off")
+    assert forced("cpu-only", idle) == (Route.CPU_ONLY, "mode")
+    assert forced("forced-pd", idle) == (Route.PD, "mode")
+    hot = replace(idle, gpu_temperature_c=90.0)
+    assert forced("gpu-only", hot) == (Route.REJECTED, "gpu-hot")
+    assert forced("forced-pd", hot)[0] is Route.PD  # the decode leaves the hot GPU
+    full = Loads(replace(IDLE_GPU, running=4, waiting=3), IDLE_CPU)
+    assert forced("gpu-only", full, max_num_seqs=4, max_queue_size=3) == (
+        Route.REJECTED,
+        "queue-full",
+    )
+    assert forced("gpu-only", full, max_num_seqs=4, max_queue_size=4)[0] is Route.GPU_ONLY
+    swapped = replace(idle, host_memory_percent=95.0)
+    for mode in ("cpu-only", "forced-pd"):
+        assert forced(mode, swapped) == (Route.REJECTED, "host-memory")
+        busy = Loads(IDLE_GPU, replace(IDLE_CPU, running=8), cpu_inflight=8)
+        assert forced(mode, busy, cpu_max_batch_size=8) == (Route.REJECTED, "cpu-full")
+        capped = replace(busy, cpu_max_num_seqs=4, cpu_inflight=4)
+        assert forced(mode, capped) == (Route.REJECTED, "cpu-full")
+        # The cap counts the router's own sequences: a scrape still counting the ones that
+        # ended since does not refuse a benchmark running at exactly its concurrency.
+        lagging = replace(busy, cpu_inflight=7)
+        assert forced(mode, lagging, cpu_max_batch_size=8)[0] is not Route.REJECTED
+        # Far past its latency SLO, but below its caps: a benchmark may measure it there.
+        slow = Loads(
+            IDLE_GPU, replace(IDLE_CPU, running=7, itl_ms=900.0, itl_batch=7.0), cpu_inflight=7
+        )
+        assert forced(mode, slow)[0] is not Route.REJECTED
+    # A rejection is a 429 that names the limit, like the policy's own.
+    k = knobs(mode="cpu-only")
+    refused = hold_to_limits(decide(k, swapped), k, swapped)
+    assert refused.status == 429 and "cpu_max_memory_percent" in refused.reason

@@ -20,9 +20,11 @@ def client(router: Proc, **kw: Any) -> openai.OpenAI:
     )
 
 
-def stream_chat(router: Proc, max_tokens: int, **extra: Any) -> tuple[str, list[Any], str]:
+def stream_chat(
+    router: Proc, max_tokens: int, api_key: str = "x", **extra: Any
+) -> tuple[str, list[Any], str]:
     """Returns (route header, chunks, joined text) of one streamed chat completion."""
-    with client(router).chat.completions.with_streaming_response.create(
+    with client(router, api_key=api_key).chat.completions.with_streaming_response.create(
         model=MODEL,
         messages=PROMPT,
         max_tokens=max_tokens,
@@ -301,16 +303,17 @@ def test_engine_refusals_pass_through_and_do_not_count_against_it(
 def test_the_mode_header_forces_a_policy_mode_per_request(
     engines: tuple[Proc, Proc], router_factory: Callable[..., Proc]
 ) -> None:
-    """Benchmarks run CPU, GPU and hetero mode through one router on the same engines."""
+    """Benchmarks run CPU, GPU and hetero mode through one router on the same engines
+    (with a benchmark key: test_router_access.py has who else may)."""
     gpu, cpu = engines
-    router = router_factory(gpu.url, cpu.url, "--mode", "gpu-only")
+    router = router_factory(gpu.url, cpu.url, "--mode", "gpu-only", "--benchmark-key", "bench")
     for forced, route in (("cpu-only", "cpu-only"), ("forced-pd", "pd"), ("gpu-only", "gpu-only")):
-        seen, chunks, _ = stream_chat(router, 6, extra_headers={"X-Syshax-Mode": forced})
+        seen, chunks, _ = stream_chat(router, 6, "bench", extra_headers={"X-Syshax-Mode": forced})
         assert seen == route, forced
         assert_one_continuous_stream(chunks, 6)
     bad = httpx.post(
         router.url + "/v1/chat/completions",
-        headers={"X-Syshax-Mode": "turbo"},
+        headers={"X-Syshax-Mode": "turbo", "Authorization": "Bearer bench"},
         json={"model": MODEL, "messages": PROMPT, "max_tokens": 2},
         timeout=10,
     )
@@ -323,6 +326,8 @@ def test_the_mode_header_can_be_switched_off(
     engines: tuple[Proc, Proc], router_factory: Callable[..., Proc]
 ) -> None:
     gpu, cpu = engines
-    router = router_factory(gpu.url, cpu.url, "--mode", "gpu-only", "--no-mode-header")
-    seen, _, _ = stream_chat(router, 4, extra_headers={"X-Syshax-Mode": "cpu-only"})
+    router = router_factory(
+        gpu.url, cpu.url, "--mode", "gpu-only", "--no-mode-header", "--benchmark-key", "bench"
+    )
+    seen, _, _ = stream_chat(router, 4, "bench", extra_headers={"X-Syshax-Mode": "cpu-only"})
     assert seen == "gpu-only"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
 from router.backends import Backend, Timeouts, ejection_seconds
+from router.cli import BENCHMARK_KEY_ENV, StartupError, add_arguments, benchmark_keys
 from router.engine_metrics import LoadTracker, derive_load, median_itl_ms, parse_metrics_text
 from router.errors import RouterError
 from router.sse import ChunkBuilder, chunk_parts
@@ -347,3 +349,16 @@ def test_every_wire_protocol_of_the_contract_has_its_pd_protocol() -> None:
 
     assert sorted(PROTOCOLS) == sorted(PD_PROTOCOLS)
     assert all(PROTOCOLS[name].name == name for name in PROTOCOLS)
+
+
+def test_a_benchmark_key_must_differ_from_the_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    monkeypatch.setenv(BENCHMARK_KEY_ENV, " b1, b2 ,,")
+    assert benchmark_keys(parser.parse_args([])) == ("b1", "b2")
+    flags = parser.parse_args(["--benchmark-key", "f1", "--benchmark-key", "f2"])
+    assert benchmark_keys(flags) == ("f1", "f2")  # the flags win over the environment
+    with pytest.raises(StartupError, match="must differ from the API key"):
+        benchmark_keys(parser.parse_args(["--api-key", "b2"]))
+    assert parser.parse_args(["--no-mode-header"]).mode_header == "off"
+    assert parser.parse_args([]).mode_header == "benchmark-keys"

@@ -33,3 +33,13 @@ def test_the_router_key_is_made_once_beside_the_machine_tokens(db, tmp_path) -> 
     assert up_stack.ensure_router_api_key(tmp_path) == (key, False)
     stored = json.loads((tmp_path / "up" / "tokens.json").read_text())
     assert set(stored) == {"agent", "router", "router_api_key"}
+
+
+def test_the_router_benchmark_key_is_made_once_and_is_not_the_api_key(db, tmp_path) -> None:
+    """Only the benchmark key may force a policy mode: `syshax up` keeps it apart."""
+    key, _ = up_stack.ensure_router_api_key(tmp_path)
+    bench = up_stack.ensure_router_benchmark_key(tmp_path)
+    assert bench.startswith(up_stack.ROUTER_API_KEY_PREFIX) and bench != key
+    assert up_stack.ensure_router_benchmark_key(tmp_path) == bench
+    stored = json.loads((tmp_path / "up" / "tokens.json").read_text())
+    assert (stored["router_api_key"], stored["router_benchmark_key"]) == (key, bench)
