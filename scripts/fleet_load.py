@@ -36,6 +36,11 @@ heartbeat, one command fetch and both 304s in-process (Django's ``CaptureQueries
 the loaded database) with their median CPU and wall time, and times reaper passes over all
 the nodes with ``--stale`` of them silent. The database is dropped at the end (``--keep-db``
 keeps it).
+
+Two gateways side by side: ``--gateway --versus TREE --repeat 3`` runs the whole measurement
+six times, alternating the gateway of another checkout (``TREE``, e.g. made by ``git archive
+REV | tar -x -C TREE``; only the gateway process runs its code) with this one's, and prints
+each run's figures and the medians of each side.
 """
 
 from __future__ import annotations
@@ -148,10 +153,11 @@ class Stack:
     logs: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def start(self, name: str, argv: list[str], **env: str) -> None:
+    def start(self, name: str, argv: list[str], cwd: Path = ROOT, **env: str) -> None:
+        """Start ``argv`` in ``cwd``, whose code ``python -m`` runs before the installed one."""
         log = (self.logs / f"{name}.log").open("wb")
         self.procs[name] = subprocess.Popen(
-            argv, env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+            argv, env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT, cwd=cwd
         )
 
     def stop(self) -> None:
@@ -353,9 +359,9 @@ async def agent(
     # once, and every other agent fetches once a heartbeat, after it.
     side = None
     if ARGS.long_poll:
-        side = asyncio.create_task(commands_held(fetch))
+        side = asyncio.create_task(commands_held(fetch, stop))
     elif index == 0:
-        side = asyncio.create_task(commands_every_second(fetch))
+        side = asyncio.create_task(commands_every_second(fetch, stop))
     try:
         await heartbeats(
             api, node_id, token, inventory, digest, rng, lost_at, stop, None if side else fetch
@@ -396,19 +402,21 @@ async def heartbeats(
         api.recorder.events.setdefault("lost_silent_at", time.time())  # the agent has died
 
 
-async def commands_every_second(fetch: Callable[[], Awaitable[Any]]) -> None:
+# The command side ends at ``stop`` by itself too: Python 3.11's wait_for (inside the client)
+# can lose a cancellation that meets a response, and the fetches then went on for ever.
+async def commands_every_second(fetch: Callable[[], Awaitable[Any]], stop: float) -> None:
     loop = asyncio.get_running_loop()
     tick = loop.time()
-    while True:
+    while loop.time() < stop:
         await fetch()
         tick = next_tick(tick, 1.0, loop.time())
         await asyncio.sleep(max(0.0, tick - loop.time()))
 
 
-async def commands_held(fetch: Callable[[float], Awaitable[int | None]]) -> None:
+async def commands_held(fetch: Callable[[float], Awaitable[int | None]], stop: float) -> None:
     """Each fetch held by the control plane until a command is queued or ``--long-poll``
     ends, then asked again at once."""
-    while True:
+    while asyncio.get_running_loop().time() < stop:
         if await fetch(ARGS.long_poll) is None:
             await asyncio.sleep(1.0)  # a transport error: the agent backs off
 
@@ -1352,11 +1360,24 @@ def parse_args() -> argparse.Namespace:
         help="the load generator's event loop (default uvloop; asyncio's own cost it a third"
         " more CPU, which it shares with what it measures)",
     )
+    p.add_argument(
+        "--versus",
+        type=Path,
+        metavar="TREE",
+        help="with --gateway: alternate runs of the gateway of the checkout TREE with this"
+        " one's, --repeat times each, and print the medians side by side",
+    )
+    p.add_argument(
+        "--repeat", type=int, default=3, help="runs of each side with --versus (default 3)"
+    )
+    p.add_argument("--gateway-tree", type=Path, help=argparse.SUPPRESS)  # a --versus run's
     p.add_argument("--step", choices=["setup", "queries", "reaper"], help=argparse.SUPPRESS)
     p.add_argument("--tokens", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.long_poll < 0:
         p.error(f"--long-poll must be 0 or more seconds, not {args.long_poll:g}")
+    if args.versus and not (args.gateway and (args.versus / "controlplane").is_dir()):
+        p.error("--versus needs --gateway and a checkout of this project (its controlplane/)")
     if args.long_poll and not (args.gateway and args.client == "wire"):
         p.error(
             "--long-poll needs --gateway (Django holds a web thread for each held fetch) and"
@@ -1386,10 +1407,84 @@ def wait_healthy(base: str, stack: Stack, timeout: float = 60.0) -> None:
     raise SystemExit(f"the control plane did not answer health in {timeout:g} s")
 
 
+# ------------------------------------------------------------------ two gateways side by side
+
+# What --versus prints of each run: the figure, and where it is in the run's JSON.
+COMPARED: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (
+    ("heartbeats/s", lambda f: _row(f, "POST heartbeat")["rate"]),
+    ("heartbeat p50 ms", lambda f: _row(f, "POST heartbeat")["p50_ms"]),
+    ("heartbeat p99 ms", lambda f: _row(f, "POST heartbeat")["p99_ms"]),
+    ("fetch p99 ms", lambda f: _row(f, "GET agent/commands")["p99_ms"]),
+    ("policy 304 p99 ms", lambda f: _row(f, "GET routing/policies 304")["p99_ms"]),
+    ("stats p99 ms", lambda f: _row(f, "POST routers/stats")["p99_ms"]),
+    ("errors", lambda f: sum(sum(r["errors"].values()) for r in f["rows"])),
+    ("gateway cores", lambda f: f["cpu"].get("gateway", 0.0) / f["seconds"]),
+    ("gateway CPU ms an answer", lambda f: 1000 * f["cpu"].get("gateway", 0.0) / _answers(f)),
+    ("web cores", lambda f: f["cpu"].get("web", 0.0) / f["seconds"]),
+    # What else ran: batches grow when the machine is busy, and a heartbeat then costs less.
+    ("other cores", lambda f: f["cpu"].get("everything else", 0.0) / f["seconds"]),
+)
+
+
+def _answers(figures: dict[str, Any]) -> int:
+    """Requests answered in the measured window (the inventory PUTs are counted from the
+    start)."""
+    return max(1, sum(r["count"] for r in figures["rows"] if r["endpoint"] != "PUT inventory"))
+
+
+def _row(figures: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    return next(r for r in figures["rows"] if r["endpoint"] == endpoint)
+
+
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` less ``options`` and their values."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in options)):
+            out.append(arg)
+    return out
+
+
+def versus() -> int:
+    """This command's run, --repeat times, alternating the gateway of --versus and this one's
+    (the other first); each in a child process of its own, set-up included."""
+    argv = _without(sys.argv[1:], ("--versus", "--repeat", "--json", "--gateway-tree"))
+    sides = {f"{ARGS.versus}": ["--gateway-tree", str(ARGS.versus.resolve())], "this tree": []}
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+    with tempfile.TemporaryDirectory(prefix="fleet-versus-") as tmp:
+        for n in range(ARGS.repeat):
+            for side, extra in sides.items():
+                out = Path(tmp) / f"{len(runs[side])}-{side.replace('/', '_')}.json"
+                print(f"\n=== run {n + 1} of {ARGS.repeat}: {side}", flush=True)
+                cmd = [sys.executable, __file__, *argv, *extra, "--json", str(out)]
+                subprocess.run(cmd, check=True, cwd=ROOT)
+                figures = json.loads(out.read_text())
+                runs[side].append(figures)
+                print(json.dumps({name: round(get(figures), 3) for name, get in COMPARED}))
+    summary = {
+        side: {name: statistics.median(get(f) for f in figures) for name, get in COMPARED}
+        for side, figures in runs.items()
+    }
+    print(f"\nmedians of {ARGS.repeat} runs each, alternating:")
+    print("| gateway | " + " | ".join(name for name, _ in COMPARED) + " |")
+    print("|---|" + "---|" * len(COMPARED))
+    for side, figures in summary.items():
+        print(f"| {side} | " + " | ".join(f"{v:.2f}" for v in figures.values()) + " |")
+    if ARGS.json:
+        ARGS.json.write_text(json.dumps({"medians": summary, "runs": runs}, indent=2))
+    return 0
+
+
 def main() -> int:
     if ARGS.step:
         run_step()
         return 0
+    if ARGS.versus:
+        return versus()
     gc.callbacks.append(COLLECTIONS)
     with tempfile.TemporaryDirectory(prefix="fleet-") as tmp, fleet_database(ARGS.postgres) as url:
         var_dir = Path(tmp)
@@ -1430,6 +1525,7 @@ def main() -> int:
                         else ()
                     ),
                 ),
+                cwd=ARGS.gateway_tree or ROOT,
                 LOG_LEVEL="INFO",  # its counts, every 30 s
             )
         if not ARGS.no_celery:

@@ -54,16 +54,19 @@ def active_machine_credentials(tokens: Iterable[str]) -> dict[str, MachineCreden
 
 
 def credentials_fingerprint() -> tuple[Any, ...]:
-    """Changes whenever a machine credential is issued, revoked or deleted: the gateway drops
-    its cached lookups when it does."""
+    """Changes whenever a machine credential is issued, changed in any way but its use (its
+    kind, node, revocation: ``MachineCredential.revision``) or deleted: the gateway drops its
+    cached lookups when it does. Issuing raises the largest id (ids are never reused),
+    deleting lowers the count, and any other change raises the sum of revisions."""
     totals = MachineCredential.objects.aggregate(
         n=models.Count("pk"),
         top=models.Max("pk"),
         ids=models.Sum("pk"),
+        revisions=models.Sum("revision"),
         revoked=models.Count("revoked_at"),
         last=models.Max("revoked_at"),
     )
-    return tuple(totals[k] for k in ("n", "top", "ids", "revoked", "last"))
+    return tuple(totals[k] for k in ("n", "top", "ids", "revisions", "revoked", "last"))
 
 
 def _authorization(request: Request) -> list[str]:

@@ -41,6 +41,18 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+# A credential's fields whose change is no new revision: its use, noted as it is used.
+USE_FIELDS = frozenset({"last_used_at"})
+
+
+class MachineCredentialQuerySet(models.QuerySet["MachineCredential"]):
+    def update(self, **kwargs: Any) -> int:
+        """Any change but a use is a new revision (``MachineCredential.revision``)."""
+        if set(kwargs) - USE_FIELDS:
+            kwargs.setdefault("revision", models.F("revision") + 1)
+        return super().update(**kwargs)
+
+
 class MachineCredential(models.Model):
     """A scoped bearer token for an agent (bound to one node) or a router.
 
@@ -65,6 +77,12 @@ class MachineCredential(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # Counts the credential's changes (all but its use), whatever the ORM path: save(), a
+    # queryset's update(). The machine gateway's cache of lookups watches their sum
+    # (credentials_fingerprint), so a credential moved to another node or kind is dropped.
+    revision = models.PositiveBigIntegerField(default=0, editable=False)
+
+    objects = MachineCredentialQuerySet.as_manager()
 
     class Meta:
         ordering = ["kind", "name"]
@@ -78,6 +96,22 @@ class MachineCredential(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.name} ({self.key_hint}…)"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        fields = kwargs.get("update_fields")
+        if self._state.adding or (fields is not None and not set(fields) - USE_FIELDS):
+            super().save(*args, **kwargs)
+            return
+        revision = self.revision
+        self.revision = models.F("revision") + 1  # type: ignore[assignment]
+        if fields is not None:
+            kwargs["update_fields"] = {*fields, "revision"}
+        try:
+            super().save(*args, **kwargs)
+        except BaseException:
+            self.revision = revision
+            raise
+        self.refresh_from_db(fields=["revision"])
 
     @property
     def active(self) -> bool:

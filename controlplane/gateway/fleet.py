@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import psycopg
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, InterfaceError, OperationalError, connections
 
 from controlplane.access.authentication import (
     active_machine_credentials,
@@ -165,9 +165,11 @@ class Batched(Coalescing, Generic[K, V]):
 
 class Credentials(Batched[str, Machine]):
     """Machine tokens to their credentials. A token is looked up once, then its answer kept
-    for ``ttl`` seconds or until any machine credential is issued, revoked or deleted (the
-    snapshot's fingerprint changes, at most one snapshot later): a revoked token passes the
-    gateway's own answers for up to one snapshot interval (docs/decisions.md)."""
+    for ``ttl`` seconds or until any machine credential is issued, changed (its kind, node or
+    revocation) or deleted (the snapshot's fingerprint changes, at most one snapshot later): a
+    revoked or moved token passes the gateway's own answers for up to one snapshot interval
+    (docs/decisions.md). A lookup under way when the cache is dropped answers its requests
+    but is not kept: it may have read the credential before its change."""
 
     MAX_ENTRIES = 50_000
 
@@ -176,9 +178,16 @@ class Credentials(Batched[str, Machine]):
         self.ttl = ttl
         # By the token's hash, so the cache itself holds no secret.
         self._cache: dict[str, tuple[float, Machine | None]] = {}
+        self._generation = 0  # how many times the cache was dropped
+        self._reading = 0  # the generation the lookup under way began in
 
     def forget(self) -> None:
         self._cache.clear()
+        self._generation += 1
+
+    async def _serve_batch(self) -> None:
+        self._reading = self._generation
+        await super()._serve_batch()
 
     async def get(self, key: str) -> Machine | None:
         cached = self._cache.get(hash_token(key))
@@ -187,6 +196,8 @@ class Credentials(Batched[str, Machine]):
         return await super().get(key)
 
     def found(self, key: str, value: Machine | None) -> None:
+        if self._reading != self._generation:
+            return  # read before the change that dropped the cache
         now = time.monotonic()
         if len(self._cache) >= self.MAX_ENTRIES:
             self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
@@ -366,6 +377,12 @@ class Statements:
             async with conn.cursor() as cursor:
                 await cursor.execute(sql, params)
                 return await cursor.fetchall()
+        except psycopg.DatabaseError as exc:
+            # A statement the server refused (a report's data) leaves an autocommit
+            # connection as it was; anything else may have broken it.
+            if conn.broken or database_down(exc):
+                await self.close()
+            raise
         except Exception:
             await self.close()
             raise
@@ -378,6 +395,23 @@ class Statements:
 
 
 Write = Callable[[list[Any]], Awaitable[tuple[dict[Any, Any], list[float]]]]
+
+
+def database_down(exc: BaseException) -> bool:
+    """Whether a write failed for the database's sake (unreachable, shutting down, out of
+    time or space, locked), which every other batch would share; else it was for a report's
+    (its data refused by the database or by the statement's own encoding)."""
+    return isinstance(
+        exc,
+        (
+            psycopg.OperationalError,
+            psycopg.InterfaceError,
+            OperationalError,
+            InterfaceError,
+            OSError,
+            TimeoutError,
+        ),
+    )
 
 
 def in_thread(db: Database, fn: Callable[[list[Any]], dict[Any, Any]]) -> Write:
@@ -411,6 +445,10 @@ def in_loop(
     return write
 
 
+# A report waiting in a group commit: its key, the report, and its request's future.
+Pending = tuple[K, Any, "asyncio.Future[V | None]"]
+
+
 class GroupCommit(Coalescing, Generic[K, V]):
     """A group commit: every report that arrives while one batch is being written goes into
     the next, so a busy fleet costs one database call per batch, not one per report, and an
@@ -419,16 +457,28 @@ class GroupCommit(Coalescing, Generic[K, V]):
 
     ``write`` takes the batch's reports and answers, for each key it stored, what that
     report's answer needs, with the seconds of its steps; a key it leaves out (or a failed
-    write) is None to the caller, whose request then goes to the control plane."""
+    write) is None to the caller, whose request then goes to the control plane. A key names
+    whose report it is (the node, or the router and the credential that sent it), so one
+    request never gets the answer to another's report.
+
+    One bad report never fails the others: a write that fails for a report's sake (not the
+    database's, :func:`database_down`) wrote nothing, so its halves are written apart, and
+    theirs, down to the report that fails alone and goes to the control plane, which answers
+    it as it would without a gateway (``MAX_RETRIES`` writes at most, then the rest go too).
+    Each answer comes from the write that held its report."""
 
     SLOW = 0.1  # a batch that takes longer is logged, with its steps' times
+    # Writes after a failed one, a batch: one bad report in 500 takes 2 * 9.
+    MAX_RETRIES = 32
 
     def __init__(self, what: str, write: Write, max_batch: int = 500) -> None:
         super().__init__()
         self.what, self.write, self.max_batch = what, write, max_batch
-        self._pending: list[tuple[K, Any, asyncio.Future[V | None]]] = []
+        self._pending: list[Pending[K, V]] = []
         self.batches = 0
         self.written = 0  # reports stored
+        self.failed = 0  # reports whose write failed, handed to the control plane
+        self.retries = 0  # writes of a failed batch's parts
         self.write_seconds = 0.0  # wall time spent in the batches' writes
         self.largest = 0
         self.slowest = (0.0, 0)  # the slowest batch since the last report: (seconds, size)
@@ -449,11 +499,28 @@ class GroupCommit(Coalescing, Generic[K, V]):
         del self._pending[: self.max_batch]
         started = time.monotonic()
         steps: list[float] = []
-        try:
-            written, steps = await self.write([r for _, r, _ in batch])
-        except Exception as exc:
-            log.warning("%s batch of %d not written: %s", self.what, len(batch), exc)
-            written = {}
+        parts, retries = [batch], self.MAX_RETRIES  # a stack: the next part to write last
+        while parts:
+            part = parts.pop()
+            try:
+                written, took_steps = await self.write([r for _, r, _ in part])
+            except Exception as exc:
+                down = database_down(exc)
+                if len(part) > 1 and not down and retries >= 2:
+                    retries -= 2
+                    self.retries += 2
+                    half = len(part) // 2
+                    parts += [part[half:], part[:half]]
+                    continue
+                log.warning("%s batch of %d not written: %s", self.what, len(part), exc)
+                if down:  # the rest would fail alike: all go to the control plane
+                    part = [entry for rest in (part, *parts) for entry in rest]
+                    parts = []
+                self._settle(part, {})
+                self.failed += len(part)
+                continue
+            steps += took_steps
+            self._settle(part, written)
         took = time.monotonic() - started
         if took > self.SLOW:
             log.info(
@@ -467,9 +534,12 @@ class GroupCommit(Coalescing, Generic[K, V]):
         if took > self.slowest[0]:
             self.slowest = (took, len(batch))
         self.batches += 1
-        self.written += sum(1 for key, _, _ in batch if key in written)
         self.largest = max(self.largest, len(batch))
-        for key, _, future in batch:
+
+    def _settle(self, part: list[Pending[K, V]], written: dict[Any, Any]) -> None:
+        """Answer each report of ``part`` from the write that held it."""
+        for key, _, future in part:
+            self.written += key in written
             if not future.done():
                 future.set_result(written.get(key))
 
@@ -491,13 +561,14 @@ def heartbeats(db: Database, statements: Statements) -> GroupCommit[int, tuple[s
     return GroupCommit("heartbeat", in_thread(db, record_steady_heartbeats))
 
 
-def _stats(reports: list[tuple[int, int, dict[str, Any]]]) -> dict[int, bool]:
+def _stats(reports: list[tuple[int, int, dict[str, Any]]]) -> dict[tuple[int, int], bool]:
     return dict.fromkeys(record_stats_batch(reports), True)
 
 
-def router_stats(db: Database, statements: Statements) -> GroupCommit[int, bool]:
-    """Routers' stats, keyed by router: True for each stored. A report is ``(router id,
-    the credential's id, validated stats)``."""
+def router_stats(db: Database, statements: Statements) -> GroupCommit[tuple[int, int], bool]:
+    """Routers' stats, keyed by ``(router id, the id of the credential that sent them)``:
+    True for each stored, which only a router's own active credential's reports are. A
+    report is ``(router id, credential id, validated stats)``."""
     if _on_postgresql():
         return GroupCommit(
             "router stats", in_loop(statements, stats_batch_statement, stats_batch_stored)

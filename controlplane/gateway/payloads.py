@@ -1,20 +1,27 @@
 """The gateway's fast reading of the requests it answers itself.
 
-Each function returns exactly what the control plane's own validator (a DRF serializer)
-returns for the same input, or None for anything it is not sure of: the gateway then hands
-the request to the control plane, whose serializer stays the one validator and the one voice
-of every error (``tests/controlplane/test_gateway.py`` holds the two to that). So these may
-refuse more than the serializers do (a number sent as a string, a ``true`` for a number) but
-never accept anything they refuse, or read it differently.
+Each function returns exactly what the control plane returns for the same input (its JSON
+parser, ``StrictJSONParser``, then its own validator, a DRF serializer), or None for
+anything it is not sure of: the gateway then hands the request to the control plane, whose
+parser and serializer stay the one validator and the one voice of every error
+(``tests/controlplane/test_gateway_readers.py`` holds the two to that over generated
+payloads). So these may refuse more than the control plane does (a number sent as a string,
+a ``true`` for a number, a body in another charset) but never accept anything it refuses,
+or read it differently.
 """
 
 from __future__ import annotations
 
+import codecs
+import json
 import math
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from django.utils.http import parse_header_parameters
+
+from controlplane.core.parsers import UNSTORABLE, unstorable_text
 from controlplane.inventory.api.serializers import MAX_BYTES
 from controlplane.routers.choices import DECISIONS
 
@@ -24,10 +31,52 @@ WAIT = re.compile(r"\d{1,3}(\.\d{1,6})?")
 MAX_WAIT = 60.0
 
 
-def _number(value: Any, low: float, high: float) -> float | None:
-    if type(value) not in (int, float) or not math.isfinite(value):
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")  # as DRF's parser: NaN and the infinities
+
+
+def _charset(content_type: str) -> str | None:
+    """The codec the control plane decodes a body of ``content_type`` with (Django's
+    ``request.encoding``: the ``charset`` parameter when Python knows it, else UTF-8), or
+    None when it is not JSON."""
+    media, params = parse_header_parameters(content_type)
+    if media != "application/json":
         return None
-    return float(value) if low <= value <= high else None
+    try:
+        return codecs.lookup(params.get("charset", "utf-8")).name
+    except LookupError:
+        return "utf-8"  # a charset Python does not know is ignored
+
+
+def document(content_type: str, body: bytes) -> Any:
+    """The JSON document ``StrictJSONParser`` reads from ``body``, sent as ``content_type``;
+    None when it refuses it or may read it otherwise: a body in another charset than UTF-8,
+    with a byte-order mark, invalid UTF-8 (``json.loads`` of bytes lets encoded surrogates
+    through, and guesses UTF-16 and UTF-32), NaN or an infinity anywhere, NUL or a lone
+    surrogate in any string, nesting too deep to parse. A ``null`` body is None too; no
+    reader takes one."""
+    if _charset(content_type) != "utf-8":
+        return None
+    try:
+        text = body.decode("utf-8")  # strict: DRF's reader decodes so, and keeps a BOM
+        data = json.loads(text, parse_constant=_refuse_constant)
+        # A strictly decoded body holds neither character raw; only an escape spells one.
+        if "\\u" in text and unstorable_text(data):
+            return None
+    except (ValueError, RecursionError):
+        return None
+    return data
+
+
+def _number(value: Any, low: float, high: float) -> float | None:
+    """A ``FloatField(min_value=low, max_value=high)``: compared as the float it becomes."""
+    if type(value) not in (int, float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past the largest float: the serializer refuses it
+        return None
+    return number if math.isfinite(number) and low <= number <= high else None
 
 
 def _count(value: Any) -> int | None:
@@ -37,8 +86,11 @@ def _count(value: Any) -> int | None:
 
 
 def _text(value: Any, limit: int, *, blank: bool) -> str | None:
-    # The serializers trim white space and refuse NUL; a value with either is left to them.
-    if type(value) is not str or len(value) > limit or value != value.strip() or "\x00" in value:
+    """A ``CharField``. The serializers trim white space (a value with any is left to them)
+    and refuse NUL and surrogates."""
+    if type(value) is not str or len(value) > limit or value != value.strip():
+        return None
+    if UNSTORABLE.search(value):
         return None
     return value if value or blank else None
 
@@ -104,7 +156,7 @@ def _tally(value: Any, known: tuple[str, ...] | None) -> dict[str, int] | None:
     for name, count in value.items():
         if known is not None and name not in known:
             return None
-        if "\x00" in name:  # the control plane's parser refuses it; the database cannot keep it
+        if UNSTORABLE.search(name):  # the control plane's parser refuses it (no column keeps it)
             return None
         if type(count) is not int or not 0 <= count <= MAX_COUNT:
             return None

@@ -38,6 +38,7 @@ from django.conf import settings
 from controlplane.access.throttling import MachineRateThrottle
 from controlplane.core.api import etag_listed
 from controlplane.gateway import payloads
+from controlplane.gateway.edge import Edge, EdgeLimits, Listener, Reply, Request, connection_cap
 from controlplane.gateway.fleet import (
     Credentials,
     Database,
@@ -48,8 +49,14 @@ from controlplane.gateway.fleet import (
     inventory_hashes,
     router_stats,
 )
+from controlplane.gateway.upstream import (
+    HOP_BY_HOP,
+    KEPT_WITHOUT,
+    end_to_end,
+    upstream_base,
+    upstream_url,
+)
 from syshax.common.collections_timed import CollectionTimes, freeze_heap
-from syshax.common.http1_server import Limits, Reply, Request, Server
 from syshax.common.inventory import inventory_hash
 from syshax.common.reports import AGENT_ONLY, CardReport
 from syshax.loadgen.stats import percentile
@@ -72,26 +79,13 @@ MAX_INVENTORY = 1024 * 1024
 # waits for the client to send its SYN again, 1 s later and then 3 s (docs/scale.md). Linux
 # caps this at net.core.somaxconn.
 BACKLOG = 4096
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "content-length",
-        "expect",  # answered here (100 Continue); the body goes on whole
-    }
-)
+# Seconds the answers under way get to go out once the gateway stops; a long poll held longer
+# is cut off, and its agent asks again.
+STOP_GRACE = 10.0
 # Seconds a thread holds the GIL before another waiting for it gets it (Python's default
 # is 0.005). A tenth of that took the heartbeat p99 at 5,000 agents from 127-139 ms to 85-87
 # ms, back to back (docs/scale.md, "The heartbeat's tail").
 SWITCH_INTERVAL = 0.0005
-# What a kept answer leaves out of the control plane's fields: it gets its own.
-KEPT_WITHOUT = HOP_BY_HOP | {"date"}
 SECURITY_HEADERS = (
     ("X-Content-Type-Options", "nosniff"),
     ("X-Frame-Options", "DENY"),
@@ -240,8 +234,11 @@ class Gateway:
         snapshot_interval: float = 0.25,
         credential_ttl: float | None = None,
         read_timeout: float = 10.0,
+        idle_timeout: float = 20.0,
+        max_connections: int = 16_384,
     ) -> None:
         self.upstream = upstream.rstrip("/")
+        self.upstream_url = upstream_base(self.upstream)
         self.read_timeout = read_timeout
         self.db = Database()
         ttl = settings.TOKEN_LAST_USED_SECONDS if credential_ttl is None else credential_ttl
@@ -254,7 +251,15 @@ class Gateway:
         self.throttle = Throttle()
         self.routing = RoutingAnswers()
         self.session: aiohttp.ClientSession | None = None
-        self.server: Server | None = None
+        self.edge = Edge(
+            EdgeLimits(
+                max_body=settings.MAX_REQUEST_BODY_BYTES,
+                read_timeout=read_timeout,
+                idle_timeout=idle_timeout,
+                max_connections=max_connections,
+            )
+        )
+        self.server: Listener | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.answered = 0
         self.proxied = 0
@@ -285,15 +290,14 @@ class Gateway:
         ]
         gc.callbacks.append(self.collections)
         # Bodies are read whole (within the read timeout), as the web worker reads them.
-        limits = Limits(max_body=settings.MAX_REQUEST_BODY_BYTES, read_timeout=self.read_timeout)
-        self.server = Server(self.dispatch, limits)
-        await self.server.listen(host, port, backlog=BACKLOG)
+        self.server = Listener(self.dispatch, self.edge, backlog=BACKLOG, grace=STOP_GRACE)
+        await self.server.listen(host, port)
 
-    async def stop(self, grace: float = 10.0) -> None:
-        """Stop listening, let the answers under way go out (at most ``grace`` seconds),
+    async def stop(self) -> None:
+        """Stop listening, let the answers under way go out (at most ``STOP_GRACE`` seconds),
         then stop the background work and close the database threads' connections."""
         if self.server is not None:
-            await self.server.close(grace)
+            await self.server.close()
         if self.collections in gc.callbacks:
             gc.callbacks.remove(self.collections)
         for task in self._tasks:
@@ -341,7 +345,8 @@ class Gateway:
             f" {lag * 1000:.0f} ms, longest garbage collection {collection * 1000:.0f} ms;"
             f" {self.stats.written} router stats in {self.stats.batches} batches;"
             f" {self.credentials.calls} credential lookups; {self.watcher.holding()} fetches"
-            " held"
+            f" held; {self.server.open_connections if self.server else 0} connections open,"
+            f" {self.edge.counts}"
         )
 
     # --- dispatch --------------------------------------------------------------------------
@@ -368,7 +373,7 @@ class Gateway:
             answer = await self._routing(request, policy=None)
         if isinstance(answer, Answer):
             self.answered += 1
-            reply.send(answer.status, answer.headers, answer.body)
+            await reply.send(answer.status, answer.headers, answer.body)
             return
         await self.proxy(request, reply, keep=answer)
 
@@ -403,10 +408,8 @@ class Gateway:
         length = request.content_length
         if length is None or length > limit or request.content_type != "application/json":
             return None
-        try:
-            return machine, json.loads(request.body)
-        except ValueError:
-            return None
+        data = payloads.document(request.header("content-type"), request.body)
+        return None if data is None else (machine, data)
 
     async def _heartbeat(self, request: Request, node_id: int) -> Answer | None:
         report = await self._agent_report(request, node_id, MAX_HEARTBEAT)
@@ -440,7 +443,8 @@ class Gateway:
         stats = payloads.router_stats(report[1])
         if stats is None or not self.throttle.allow(machine):
             return None
-        if not await self.stats.submit(router_id, (router_id, machine.credential_id, stats)):
+        owner = (router_id, machine.credential_id)  # its answer is this credential's alone
+        if not await self.stats.submit(owner, (*owner, stats)):
             return None
         return _json({"accepted": True})
 
@@ -537,57 +541,61 @@ class Gateway:
     ) -> None:
         assert self.session is not None
         self.proxied += 1
-        headers = [
-            (k, v)
-            for k, v in request.headers
-            if k.lower() not in HOP_BY_HOP and k.lower() != "x-forwarded-for"
-        ]
+        headers = end_to_end(request.headers, HOP_BY_HOP | {"x-forwarded-for"})
         forwarded = request.header("x-forwarded-for")
         peer = request.remote
         headers.append(("X-Forwarded-For", f"{forwarded}, {peer}" if forwarded else peer))
         try:
             async with self.session.request(
                 request.method,
-                self.upstream + request.target,
+                upstream_url(self.upstream_url, request),
                 headers=headers,
                 data=request.body if request.body or request.content_length == 0 else None,
                 allow_redirects=False,
             ) as upstream:
-                fields = [
-                    (name, value)
-                    for name, value in upstream.headers.items()
-                    if name.lower() not in HOP_BY_HOP
-                ]
+                fields = end_to_end(list(upstream.headers.items()), KEPT_WITHOUT)
                 if keep is not None:
                     # A routing answer (small) is read whole and kept before any of it is
                     # sent, so the router's next poll finds it kept.
                     body = await upstream.read()
                     self.routing.keep(request.path, upstream.status, fields, body)
-                    reply.send(upstream.status, fields, body)
+                    await reply.send(upstream.status, fields, body)
                     return
                 await reply.start(upstream.status, fields, upstream.content_length)
                 async for chunk in upstream.content.iter_any():
                     await reply.write(chunk)
-                reply.end()
+                await reply.end()
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("control plane failed %s %s: %s", request.method, request.path, exc)
             if reply.started:
                 reply.abort()  # part of the answer left already: the client sees it cut off
                 return
             error = _error(502, "control_plane_unavailable", "the control plane did not answer")
-            reply.send(error.status, error.headers, error.body)
+            await reply.send(error.status, error.headers, error.body)
 
 
 def serve(
-    host: str, port: int, upstream: str, switch_interval: float = SWITCH_INTERVAL, **options: Any
+    host: str,
+    port: int,
+    upstream: str,
+    switch_interval: float = SWITCH_INTERVAL,
+    max_connections: int = 16_384,
+    **options: Any,
 ) -> None:
     """Run a gateway until SIGINT or SIGTERM, then stop it gracefully."""
     # The database threads wait for the GIL each time a statement returns, while the event
     # loop holds it for up to this long: five times a batch (docs/scale.md).
     sys.setswitchinterval(switch_interval)
+    cap = connection_cap(max_connections)
+    if cap < max_connections:
+        log.warning(
+            "the open-file limit leaves room for %d client connections, not %d",
+            cap,
+            max_connections,
+        )
 
     async def main() -> None:
-        gateway = Gateway(upstream, **options)
+        gateway = Gateway(upstream, max_connections=cap, **options)
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

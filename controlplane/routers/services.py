@@ -17,6 +17,7 @@ from controlplane.deployments.models import Deployment
 from controlplane.inventory.models import Heartbeat
 from controlplane.routers.models import RouterInstance, RouterStatsSample
 from syshax.common.errors import FieldError
+from syshax.common.hosts import is_http_url
 from syshax.common.routing import DeploymentSpec
 
 
@@ -62,14 +63,17 @@ def record_stats(
         )
 
 
-def record_stats_batch(reports: Sequence[tuple[int, int, dict[str, Any]]]) -> set[int]:
+def record_stats_batch(
+    reports: Sequence[tuple[int, int, dict[str, Any]]],
+) -> set[tuple[int, int]]:
     """Many routers' stats at once, for the machine gateway's group commit (docs/scale.md),
     each stored as :func:`record_stats` stores it. A report is ``(router id, the id of the
     credential that sent it, validated stats)`` (``StatsSerializer``'s ``validated_data``
-    form); it is stored only when that router is the credential's own. The answer is the
-    routers stored; a report of any other (unknown, or another credential's) was left alone,
-    and must go to the view, which refuses it. A router reported twice keeps its last report
-    and gets a sample for each.
+    form); it is stored only when that router is the credential's own and the credential is
+    not revoked. The answer is the ``(router id, credential id)`` of the reports stored: a
+    report of another credential's router is left alone (its router's own report in the same
+    batch is not its answer), and must go to the view, which refuses it. A router reported
+    twice keeps its last report and gets a sample for each.
 
     On PostgreSQL the batch is one statement, atomic by itself; elsewhere each report is
     :func:`record_stats` in one transaction."""
@@ -78,16 +82,16 @@ def record_stats_batch(reports: Sequence[tuple[int, int, dict[str, Any]]]) -> se
     if connection.vendor != "postgresql":
         now = timezone.now()
         owners = dict(
-            RouterInstance.objects.filter(pk__in={r for r, _, _ in reports}).values_list(
-                "pk", "credential_id"
-            )
+            RouterInstance.objects.filter(
+                pk__in={r for r, _, _ in reports}, credential__revoked_at__isnull=True
+            ).values_list("pk", "credential_id")
         )
         stored = set()
         with transaction.atomic():
             for router_id, credential_id, stats in reports:
                 if owners.get(router_id) == credential_id:
                     record_stats(RouterInstance(pk=router_id), stats, now=now)
-                    stored.add(router_id)
+                    stored.add((router_id, credential_id))
         return stored
     sql, params = stats_batch_statement(reports)
     with connection.cursor() as cursor:
@@ -110,18 +114,19 @@ def stats_batch_statement(
     return _stats_statement(), {"doc": doc, "now": now, "iso": now.isoformat()}
 
 
-def stats_batch_stored(rows: Iterable[Sequence[Any]]) -> set[int]:
-    """The routers stored, from the statement's rows."""
-    return {int(row[0]) for row in rows}
+def stats_batch_stored(rows: Iterable[Sequence[Any]]) -> set[tuple[int, int]]:
+    """The ``(router id, credential id)`` of the reports stored, from the statement's rows."""
+    return {(int(row[0]), int(row[1])) for row in rows}
 
 
 @functools.cache
 def _stats_statement() -> str:
     """One PostgreSQL statement over one JSON document of the reports (in their order):
-    ``seen`` updates each router that is its reporter's own, from its last report, and
-    ``samples`` stores a sample of every report of those."""
+    ``seen`` updates each router from its last report by its own (active) credential, and
+    ``samples`` stores a sample of every report by that router and that credential."""
     q = connection.ops.quote_name
     router, sample = q(RouterInstance._meta.db_table), q(RouterStatsSample._meta.db_table)
+    credential = q(MachineCredential._meta.db_table)
 
     def col(model: Any, name: str) -> str:
         return str(q(model._meta.get_field(name).column))
@@ -138,16 +143,22 @@ def _stats_statement() -> str:
         f"  {col(RouterInstance, 'request_rate')} = {rate},"
         f"  {col(RouterInstance, 'stats')} ="
         "   x.stats || jsonb_build_object('received_at', CAST(%(iso)s AS TEXT))"
-        "  FROM (SELECT DISTINCT ON (router) * FROM s ORDER BY router, n DESC) x"
+        "  FROM (SELECT DISTINCT ON (s.router) s.* FROM s"
+        f"   JOIN {router} o ON o.{col(RouterInstance, 'id')} = s.router"
+        f"   AND o.{col(RouterInstance, 'credential')} = s.credential"
+        f"   JOIN {credential} c ON c.{col(MachineCredential, 'id')} = s.credential"
+        f"   AND c.{col(MachineCredential, 'revoked_at')} IS NULL"
+        "   ORDER BY s.router, s.n DESC) x"
         f"  WHERE {router}.{col(RouterInstance, 'id')} = x.router"
         f"  AND {router}.{col(RouterInstance, 'credential')} = x.credential"
-        f"  RETURNING {router}.{col(RouterInstance, 'id')} AS router),"
+        f"  RETURNING {router}.{col(RouterInstance, 'id')} AS router,"
+        f"  {router}.{col(RouterInstance, 'credential')} AS credential),"
         f" samples AS (INSERT INTO {sample} ({col(RouterStatsSample, 'router')},"
         f"  {col(RouterStatsSample, 'received_at')}, {col(RouterStatsSample, 'request_rate')},"
         f"  {col(RouterStatsSample, 'decisions')}, {col(RouterStatsSample, 'policy_version')})"
         f"  SELECT x.router, %(now)s, {rate}, x.stats->'decisions', {version}"
-        "  FROM s x JOIN seen USING (router) ORDER BY x.n)"
-        " SELECT router FROM seen"
+        "  FROM s x JOIN seen USING (router, credential) ORDER BY x.n)"
+        " SELECT router, credential FROM seen"
     )
 
 
@@ -199,6 +210,9 @@ def routable_deployments() -> list[dict[str, Any]]:
             **_telemetry(d),
         ).as_api()
         for d in rows
+        # An endpoint built from an address stored before addresses were checked is never
+        # handed to a router (syshax/common/hosts.py).
+        if all(not url or is_http_url(url) for url in (d.gpu_endpoint, d.cpu_endpoint))
     ]
 
 

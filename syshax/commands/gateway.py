@@ -33,6 +33,17 @@ def _seconds(low: float, high: float) -> Callable[[str], float]:
     return parse
 
 
+def _count(low: int, high: int) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        if not value.isdigit() or not low <= int(value) <= high:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} must be a whole number from {low} to {high}"
+            )
+        return int(value)
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bind", type=_host_port, default=("127.0.0.1", 8000), help="HOST:PORT to listen on"
@@ -52,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--credential-ttl",
         type=_seconds(0.0, 3600.0),
         help="seconds a machine token's lookup is kept at most (default: "
-        "TOKEN_LAST_USED_SECONDS); any issued, revoked or deleted credential drops them all "
-        "at the next snapshot",
+        "TOKEN_LAST_USED_SECONDS); any change to a credential (issued, moved, revoked, "
+        "deleted) drops them all at the next snapshot",
     )
     parser.add_argument(
         "--switch-interval",
@@ -61,6 +72,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0005,
         help="seconds the event loop holds Python's GIL before a database thread gets it "
         "(default 0.0005; Python's own is 0.005)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=_seconds(1.0, 3600.0),
+        default=20.0,
+        help="seconds a connection may wait for its next request, its first included "
+        "(default 20, over the machines' own clients' keep-alive)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=_count(16, 1_000_000),
+        default=16_384,
+        help="open client connections at most (default 16384; fewer if the open-file limit "
+        "leaves no room): one more closes the one idle longest",
     )
 
 
@@ -86,5 +111,7 @@ def run(args: argparse.Namespace) -> int:
         credential_ttl=args.credential_ttl,
         switch_interval=args.switch_interval,
         read_timeout=limits_from_env(os.environ).timeout,
+        idle_timeout=args.idle_timeout,
+        max_connections=args.max_connections,
     )
     return 0

@@ -1,7 +1,7 @@
 """A fleet of separate hosts for a test: the control plane, node agents and routers, each on
 a machine of its own (tests/support/netns.py), talking only over the private network.
 
-    fleet.start_control_plane()              # web + worker on the host's side of the bridge
+    fleet.start_control_plane()              # web, gateway, worker on the host's side
     n1 = fleet.add_node("n1")                # a Node row, its token, its namespace, its agent
     router = fleet.router()                  # a managed router in a namespace of its own
     fleet.kill_node("n1")                    # the machine is lost, engines and all
@@ -9,7 +9,8 @@ a machine of its own (tests/support/netns.py), talking only over the private net
 
 The control plane runs in the host's namespace because it must reach PostgreSQL and Redis on
 the host's 127.0.0.1, which no namespace can; it binds only the bridge address, so to every
-other machine it is simply ``http://<that address>:<port>``. Agents and routers get a bare
+other machine it is simply ``http://<that address>:<port>``: web for people, the machine
+gateway in front of it for agents and routers, as a deployment runs them. Those get a bare
 environment (no database or broker URL), as a real remote machine would. Rows are written
 with the ORM in the test's own process, on the suite's test database.
 """
@@ -131,6 +132,7 @@ class Fleet:
     interval: float = 0.5
     tolerance: float = 3.0
     port: int = 8000  # the bridge address is ours alone, so the usual port is free on it
+    gateway_port: int = 8010  # the machine gateway, in front of web: what machines talk to
     nodes: dict[str, ClusterNode] = field(default_factory=dict)
     routers: dict[str, ClusterRouter] = field(default_factory=dict)
     procs: list[Proc] = field(default_factory=list)
@@ -138,7 +140,13 @@ class Fleet:
 
     @property
     def url(self) -> str:
+        """Web: what people (and these tests) use."""
         return f"http://{self.network.host.address}:{self.port}"
+
+    @property
+    def machines_url(self) -> str:
+        """The machine gateway: what agents and routers use, as deployments run them."""
+        return f"http://{self.network.host.address}:{self.gateway_port}"
 
     # ---------------------------------------------------------------- processes
 
@@ -162,15 +170,26 @@ class Fleet:
         return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
     def start_control_plane(self) -> None:
-        """Web (gunicorn, bound to the bridge address only) and one Celery worker."""
+        """Web (gunicorn, bound to the bridge address only), the machine gateway in front of
+        it, and one Celery worker."""
         env = self.control_plane_env()
         bind = f"{self.network.host.address}:{self.port}"
-        # Each agent holds a thread in its long-polled command fetch; leave room for the rest.
+        # The gateway holds the agents' long polls; a fetch with a command goes on to a thread.
         web = [*SYSHAX, "web", "--bind", bind, "--no-migrate", "--workers", "1", "--threads", "12"]
         web_proc = self._start("web", self.network.host, web, env)
+        gateway = [*SYSHAX, "gateway", "--bind", f"{self.network.host.address}:{self.gateway_port}"]
+        gateway_proc = self._start(
+            "gateway", self.network.host, [*gateway, "--upstream", self.url], env
+        )
         self._start("worker", self.network.host, [*SYSHAX, "worker", "--concurrency", "1"], env)
         wait_until(
             lambda: _answers(self.url + "/api/v1/health"), 60, "the web app", alive=web_proc.alive
+        )
+        wait_until(
+            lambda: _answers(self.machines_url + "/api/v1/health"),
+            60,
+            "the machine gateway",
+            alive=gateway_proc.alive,
         )
         self.admin = User.objects.create_superuser("cluster-admin", "admin@example.com", "x")
 
@@ -199,7 +218,7 @@ class Fleet:
 
     def _start_agent(self, node: ClusterNode) -> None:
         node.starts += 1
-        argv = [*SYSHAX, "agent", "--control-plane", self.url]
+        argv = [*SYSHAX, "agent", "--control-plane", self.machines_url]
         argv += ["--name", node.name, "--runtime", "process", "--state-dir", str(node.state_dir)]
         for preset in node.accelerators:
             argv += ["--simulate-accelerator", preset]
@@ -254,7 +273,7 @@ class Fleet:
         host = self.network.add(name)
         token = MachineCredential.issue("router", name)[1]
         connections.close_all()
-        argv = [*SYSHAX, "router", "--control-plane", self.url]
+        argv = [*SYSHAX, "router", "--control-plane", self.machines_url]
         argv += ["--name", name, "--host", host.address, "--port", str(ROUTER_PORT)]
         argv += ["--state-dir", str(self.tmp / f"state-{name}"), "--poll-interval", "0.25"]
         argv += ["--stats-interval", "1"]

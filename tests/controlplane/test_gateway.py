@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -26,7 +25,7 @@ from controlplane.access.models import MachineCredential
 from controlplane.core.models import AuditEntry
 from controlplane.deployments.models import AgentCommand
 from controlplane.gateway import payloads
-from controlplane.gateway.server import SWITCH_INTERVAL, Gateway
+from controlplane.gateway.server import SWITCH_INTERVAL
 from controlplane.inventory.api.serializers import HeartbeatInSerializer
 from controlplane.inventory.models import Accelerator, Heartbeat, Node
 from controlplane.inventory.services import record_steady_heartbeats
@@ -38,52 +37,16 @@ from syshax.commands.gateway import add_arguments
 from syshax.common.supervisor import free_port
 from tests.controlplane.test_inventory import KUNPENG
 from tests.support.factories import build_node
+from tests.support.gateway import Running, serving_gateway
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@dataclass
-class Running:
-    url: str
-    gateway: Gateway
-    loop: asyncio.AbstractEventLoop
-
-    def call(self, fn: Any) -> Any:
-        """Run ``fn`` in the gateway's loop and return what it returns."""
-
-        async def run() -> Any:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
 
 
 @pytest.fixture
 def gateway(live_server: Any) -> Iterator[Running]:
     """A gateway on its own event loop thread, in front of the live server."""
-    gw = Gateway(live_server.url, snapshot_interval=0.1, credential_ttl=0.0)
-    loop = asyncio.new_event_loop()
-    port = free_port()
-    started = threading.Event()
-
-    def main() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(gw.start("127.0.0.1", port))
-        started.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=main, name="gateway", daemon=True)
-    thread.start()
-    assert started.wait(30)
-    deadline = time.monotonic() + 30
-    while gw.watcher.current() is None:
-        assert time.monotonic() < deadline, "the gateway took no snapshot"
-        time.sleep(0.05)
-    try:
-        yield Running(f"http://127.0.0.1:{port}", gw, loop)
-    finally:
-        asyncio.run_coroutine_threadsafe(gw.stop(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
+    with serving_gateway(live_server.url, credential_ttl=0.0) as running:
+        yield running
 
 
 def _fields(response: httpx.Response) -> dict[str, str]:
@@ -763,7 +726,7 @@ def test_routers_stats_in_one_batch_are_one_statement_on_postgresql() -> None:
         stored = record_stats_batch(reports)
     if connection.vendor == "postgresql":
         assert [q["sql"].split()[0].upper() for q in queries.captured_queries] == ["WITH"]
-    assert stored == {first.pk}
+    assert stored == {(first.pk, first.credential_id)}
     first.refresh_from_db()
     assert first.request_rate == 5.0 and first.policy_version == 3
     rates = sorted(first.samples.values_list("request_rate", "policy_version"))
