@@ -12,6 +12,7 @@ from controlplane.benchmarks.choices import ACTIVE_STATUSES, EXECUTE_RUN_TASK, R
 from controlplane.benchmarks.models import BenchmarkRun
 from controlplane.core import audit, dispatch
 from controlplane.deployments.models import Deployment
+from controlplane.inventory.models import engine_host
 from controlplane.routers.models import RouterInstance
 
 ADVISOR_RUNS = 20  # the mode advisor's window: the newest successful runs
@@ -48,7 +49,7 @@ def known_targets() -> set[tuple[str, int]]:
     for address, gpu, cpu in Deployment.objects.values_list(
         "node__address", "profile__gpu_port", "profile__cpu_port"
     ):
-        host = (address or "127.0.0.1").lower()
+        host = engine_host(address).lower()  # a stored address that is not a host: none
         host = "127.0.0.1" if host in LOOPBACK else host
         known |= {(host, gpu), (host, cpu)}
     return known

@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from django.contrib import admin, messages
 from django.urls import reverse
 from django.utils.html import format_html
 
 from controlplane.deployments import services
+from controlplane.deployments.masking import hide_env, hide_spec_env, may_see_env
 from controlplane.deployments.models import (
     AgentCommand,
     ContainerInstance,
@@ -15,6 +19,10 @@ from controlplane.deployments.models import (
 from controlplane.deployments.placement import PlacementError
 from controlplane.deployments.render import render_profile
 from syshax.common.errors import FieldError
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 @admin.register(DeploymentProfile)
@@ -90,6 +98,32 @@ class DeploymentProfileAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         ("What the agent would start", {"fields": ["docker_run_lines"]}),
     ]
     readonly_fields = ["docker_run_lines"]
+    # What a person who may not change profiles sees in place of the env fields.
+    hidden_env_fields = {"gpu_env": "gpu_env_values_hidden", "cpu_env": "cpu_env_values_hidden"}
+
+    def get_fieldsets(self, request, obj=None):  # type: ignore[no-untyped-def]
+        fieldsets = super().get_fieldsets(request, obj)
+        if obj is None or may_see_env(request.user):
+            return fieldsets
+        swap = self.hidden_env_fields
+        return [
+            (name, {**options, "fields": [swap.get(f, f) for f in options["fields"]]})
+            for name, options in fieldsets
+        ]
+
+    def get_readonly_fields(self, request, obj=None):  # type: ignore[no-untyped-def]
+        fields = list(super().get_readonly_fields(request, obj))
+        if obj is not None and not may_see_env(request.user):
+            fields += self.hidden_env_fields.values()
+        return fields
+
+    @admin.display(description="GPU env")
+    def gpu_env_values_hidden(self, obj: DeploymentProfile) -> str:
+        return _json(hide_env(obj.gpu_env))
+
+    @admin.display(description="CPU env")
+    def cpu_env_values_hidden(self, obj: DeploymentProfile) -> str:
+        return _json(hide_env(obj.cpu_env))
 
     @admin.display(description="docker run")
     def docker_run_lines(self, obj: DeploymentProfile | None) -> str:
@@ -221,7 +255,21 @@ class AgentCommandAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     ]
     list_filter = ["status", "action", "role", "node"]
     search_fields = ["dispatch_id", "deployment__name"]
-    readonly_fields = [f.name for f in AgentCommand._meta.fields]
+
+    def get_fields(self, request, obj=None):  # type: ignore[no-untyped-def]
+        # The spec carries the profile's env: its values only for people who may change
+        # profiles (controlplane/deployments/masking.py).
+        names = [f.name for f in AgentCommand._meta.fields]
+        if not may_see_env(request.user):
+            names[names.index("spec")] = "spec_env_values_hidden"
+        return names
+
+    def get_readonly_fields(self, request, obj=None):  # type: ignore[no-untyped-def]
+        return self.get_fields(request, obj)
+
+    @admin.display(description="spec")
+    def spec_env_values_hidden(self, obj: AgentCommand) -> str:
+        return _json(hide_spec_env(obj.spec))
 
 
 @admin.register(DeploymentEvent)

@@ -13,9 +13,9 @@ are left out, because a node's agent adopts containers that carry them.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from controlplane.deployments.masking import HIDDEN, hide_env
 from controlplane.deployments.models import DeploymentProfile
 from controlplane.deployments.placement import PlacementError
 from controlplane.deployments.services import placement_plan
@@ -24,8 +24,6 @@ from controlplane.inventory.models import Node
 from syshax.common.containers import container_kwargs, docker_run_argv
 from syshax.common.engine_spec import EngineSpec, kv_connector_dir, prepend_python_path
 from syshax.common.errors import FieldError
-
-HIDDEN = "<hidden>"
 
 
 class RenderError(FieldError):
@@ -44,11 +42,6 @@ class Rendered:
 
 def _names(profile: DeploymentProfile) -> tuple[str, str]:
     return (f"syshax-{profile.name}-gpu", f"syshax-{profile.name}-cpu")
-
-
-def _hide(env: dict[str, str], secret_keys: Iterable[str]) -> dict[str, str]:
-    keys = set(secret_keys)
-    return {k: (HIDDEN if k in keys and v else v) for k, v in env.items()}
 
 
 def _wrap(argv: list[str], starts: set[int]) -> str:
@@ -121,7 +114,7 @@ def render_profile(
         spec = profile_engine_spec(profile, role, node=node, plan=plan, names=names)
         if not show_secrets:
             own = profile.gpu_env if role == "gpu" else profile.cpu_env
-            spec = replace(spec, env=_hide(dict(spec.env), own))
+            spec = replace(spec, env=hide_env(spec.env, own))
         if docker:
             lines.append(_docker_line(spec, role, names[0]))
         else:

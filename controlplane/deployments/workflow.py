@@ -33,6 +33,7 @@ from controlplane.deployments.choices import (
 from controlplane.deployments.models import AgentCommand, Deployment
 from controlplane.deployments.services import add_event, set_state
 from controlplane.deployments.specs import engine_spec
+from syshax.common.hosts import http_url
 
 log = logging.getLogger(__name__)
 
@@ -177,11 +178,11 @@ def _finish(deployment: Deployment, steps: tuple[Step, ...]) -> None:
         deployment.save(update_fields=["step", "updated_at"])
         return
     profile = deployment.profile
-    host = deployment.node.address or "127.0.0.1"
+    host = deployment.node.engine_host
     if deployment.desired_state == DesiredState.RUNNING:
-        deployment.gpu_endpoint = f"http://{host}:{profile.gpu_port}"
+        deployment.gpu_endpoint = http_url(host, profile.gpu_port)
         deployment.cpu_endpoint = (
-            f"http://{host}:{profile.cpu_port}" if profile.enable_cpu_engine else ""
+            http_url(host, profile.cpu_port) if profile.enable_cpu_engine else ""
         )
         set_state(deployment, DeploymentState.RUNNING, "")
         message = "running; endpoints published to routers"

@@ -3,6 +3,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
@@ -10,11 +11,31 @@ from django.utils import timezone
 from controlplane.core.models import TimeStampedModel
 from controlplane.inventory.choices import AcceleratorKind, NodeStatus
 from controlplane.inventory.cpulist import parse_cpu_list
+from syshax.common.hosts import HostError, check_host, is_host
 
 node_name_validator = RegexValidator(
     r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
     "use lower-case letters, digits and '-', starting and ending with a letter or digit",
 )
+
+# Where a node that reported no address runs its engines: one machine (``syshax up``).
+LOOPBACK = "127.0.0.1"
+
+
+def validate_node_address(value: str) -> None:
+    """A node's address is a host name or an IP literal: routers and benchmarks send traffic
+    to ``http://<address>:<port>`` (syshax/common/hosts.py)."""
+    try:
+        check_host(value)
+    except HostError as exc:
+        raise ValidationError(str(exc), code="invalid_address") from None
+
+
+def engine_host(address: str) -> str:
+    """The host a node with ``address`` runs its engines on and is reached at. An address that
+    is not a host (stored before addresses were checked; migration 0004 blanks those) is
+    never used: the node counts as one that reported none."""
+    return address if address and is_host(address) else LOOPBACK
 
 
 class Node(TimeStampedModel):
@@ -22,7 +43,10 @@ class Node(TimeStampedModel):
 
     name = models.CharField(max_length=63, unique=True, validators=[node_name_validator])
     address = models.CharField(
-        max_length=255, blank=True, help_text="host or IP the router uses to reach its engines"
+        max_length=255,
+        blank=True,
+        validators=[validate_node_address],
+        help_text="host name or IP address the router uses to reach its engines",
     )
     hostname = models.CharField(max_length=255, blank=True)
     labels = models.JSONField(default=dict, blank=True)
@@ -49,6 +73,10 @@ class Node(TimeStampedModel):
             return False
         now = now or timezone.now()
         return now - self.last_heartbeat_at <= self.heartbeat_grace()
+
+    @property
+    def engine_host(self) -> str:
+        return engine_host(self.address)
 
     def core_ids(self) -> list[int]:
         cpus: set[int] = set()

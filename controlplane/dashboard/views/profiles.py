@@ -6,6 +6,7 @@ from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 
+from controlplane.deployments.masking import may_see_env
 from controlplane.deployments.models import DeploymentProfile
 from controlplane.deployments.render import render_profile
 from controlplane.inventory.models import Node
@@ -21,7 +22,7 @@ def profile_detail(request: HttpRequest, name: str) -> HttpResponse:
     if node is None and not wanted and len(nodes) == 1:
         node = nodes[0]
     # The profile's own env may hold tokens: only people who may change profiles see them.
-    show_secrets = request.user.has_perm("deployments.change_deploymentprofile")
+    show_secrets = may_see_env(request.user)
     renders = {}
     for kind, docker in (("process", False), ("docker", True)):
         try:

@@ -13,6 +13,7 @@ from controlplane.deployments.choices import (
     ContainerStatus,
     EngineRole,
 )
+from controlplane.deployments.masking import hide_env, hide_spec_env, may_see_env
 from controlplane.deployments.models import (
     AgentCommand,
     ContainerInstance,
@@ -20,7 +21,6 @@ from controlplane.deployments.models import (
     DeploymentEvent,
     DeploymentProfile,
 )
-from controlplane.deployments.render import HIDDEN
 
 
 class ProfileSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
@@ -40,11 +40,9 @@ class ProfileSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
         """The values of ``gpu_env``/``cpu_env`` (where a Hugging Face token sits) only for
         people who may change profiles; others see the names with ``<hidden>`` values."""
         data = super().to_representation(instance)
-        request = self.context.get("request")
-        user = getattr(request, "user", None)
-        if user is None or not user.has_perm("deployments.change_deploymentprofile"):
+        if not may_see_env(getattr(self.context.get("request"), "user", None)):
             for field in ("gpu_env", "cpu_env"):
-                data[field] = {key: HIDDEN for key in data.get(field) or {}}
+                data[field] = hide_env(data.get(field) or {})
         return data
 
     def to_internal_value(self, data: Any) -> Any:
@@ -300,3 +298,11 @@ class AgentCommandSerializer(serializers.ModelSerializer):  # type: ignore[type-
             "completed_at",
         ]
         read_only_fields = fields
+
+    def to_representation(self, instance: AgentCommand) -> dict[str, Any]:
+        """The spec's env values (the profile's, where a token sits) only for people who may
+        change profiles. Agents get theirs from ``agent/commands``, which is not this."""
+        data = super().to_representation(instance)
+        if not may_see_env(getattr(self.context.get("request"), "user", None)):
+            data["spec"] = hide_spec_env(data.get("spec"))
+        return data

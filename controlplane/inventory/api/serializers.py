@@ -6,7 +6,14 @@ from rest_framework import serializers
 
 from controlplane.inventory.choices import OPERATOR_NODE_MOVES, AcceleratorKind, NodeStatus
 from controlplane.inventory.cpulist import CpuListError, parse_cpu_list
-from controlplane.inventory.models import Accelerator, CpuTopology, Heartbeat, Node, NumaNode
+from controlplane.inventory.models import (
+    Accelerator,
+    CpuTopology,
+    Heartbeat,
+    Node,
+    NumaNode,
+    validate_node_address,
+)
 
 # The largest byte count a database column holds (a signed 64-bit integer).
 MAX_BYTES = 2**63 - 1
@@ -178,7 +185,15 @@ class InventorySerializer(serializers.Serializer):  # type: ignore[type-arg]
         max_length=64, allow_blank=True, required=False, default=""
     )
     hostname = serializers.CharField(max_length=255, allow_blank=True, required=False, default="")
-    address = serializers.CharField(max_length=255, allow_blank=True, required=False, default="")
+    address = serializers.CharField(
+        max_length=255,
+        allow_blank=True,
+        required=False,
+        default="",
+        validators=[validate_node_address],
+        help_text="host name or IP address (IPv6 without brackets) routers reach the engines "
+        "on; blank keeps the stored one",
+    )
     cpu = ReportedCpuSerializer()
     numa_nodes = ReportedNumaSerializer(many=True, required=False, default=list)
     accelerators = ReportedAcceleratorSerializer(  # type: ignore[call-arg]
