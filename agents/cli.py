@@ -37,21 +37,71 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where engine records, command results and logs live "
         "(default var/agent/<name or hostname>)",
     )
-    parser.add_argument(
+    policy = parser.add_argument_group(
+        "engine policy",
+        "by default engines are only vLLM's OpenAI server and the simulator, run by this "
+        "agent's Python or an --engine-python, from the vLLM and syshax images, with engine "
+        "settings only (docs/agent.md); every widening below is logged as a warning at start",
+    )
+    policy.add_argument(
+        "--engine-python",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="another interpreter that may run vLLM's or the simulator's entry points "
+        "(repeatable), e.g. /opt/vllm/bin/python",
+    )
+    policy.add_argument(
         "--allow-image",
         action="append",
         default=[],
         metavar="PATTERN",
-        help="run only engine images matching this shell pattern (repeatable; docker runtime), "
-        "e.g. 'registry.local/vllm/*'; default: any image a profile names",
+        help="also run engine images matching this shell pattern (repeatable; docker "
+        "runtime), e.g. 'registry.local/vllm/*'",
     )
-    parser.add_argument(
+    policy.add_argument(
         "--allow-command",
         action="append",
         default=[],
-        metavar="PATTERN",
-        help="run only engine commands whose program matches this shell pattern (repeatable; "
-        "process runtime), e.g. '/opt/vllm/bin/python'; default: any",
+        metavar="PATH",
+        help="also run this program, with any arguments (repeatable): an absolute path, "
+        "each segment may be a shell pattern, e.g. '/opt/vllm-*/bin/vllm-launcher'",
+    )
+    policy.add_argument(
+        "--allow-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="let specs set this environment variable, or NAME* for a family (repeatable)",
+    )
+    policy.add_argument(
+        "--allow-engine-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="let specs pass this refused engine flag, e.g. trust-remote-code (repeatable)",
+    )
+    policy.add_argument(
+        "--allow-workdir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="let specs run engines in this directory or below (repeatable; default only "
+        "the state dir)",
+    )
+    policy.add_argument(
+        "--allow-any-engine",
+        action="store_true",
+        default=None,
+        help="run whatever a spec asks for (mounts are still only --mount's): for test rigs",
+    )
+    policy.add_argument(
+        "--pass-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="hand engines this variable of the agent's own environment, e.g. "
+        "LD_LIBRARY_PATH (repeatable; never SYSHAX_*)",
     )
     parser.add_argument(
         "--simulate-accelerator",
@@ -67,8 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SRC[:DST][:ro|rw]",
-        help="bind mount for every engine container (docker runtime; "
-        "repeatable), e.g. a model cache",
+        help="bind mount for every engine container (docker runtime; repeatable), e.g. a "
+        "model cache; read-only unless :rw, and a spec cannot make it writable",
     )
     parser.add_argument("--address", help="address reported in the inventory")
     parser.add_argument(
@@ -109,13 +159,24 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         name=str(name) if name else None,
         runtime=str(pick("runtime", "process")),
         heartbeat_interval=float(str(interval)) if interval else None,
+        engine_pythons=[str(p) for p in _as_list(pick("engine_python", []))],
         allow_images=[str(p) for p in _as_list(pick("allow_image", []))],
         allow_commands=[str(p) for p in _as_list(pick("allow_command", []))],
+        allow_env=[str(p) for p in _as_list(pick("allow_env", []))],
+        allow_engine_args=[_flag(str(p)) for p in _as_list(pick("allow_engine_arg", []))],
+        allow_workdirs=[str(p) for p in _as_list(pick("allow_workdir", []))],
+        allow_any_engine=pick("allow_any_engine", False) is True,
+        pass_env=[str(p) for p in _as_list(pick("pass_env", []))],
         simulate=presets,
         docker_url=str(pick("docker_url")) if pick("docker_url") else None,
         address=str(pick("address")) if pick("address") else None,
         mounts=[str(m) for m in mounts],
     )
+
+
+def _flag(name: str) -> str:
+    """``trust-remote-code`` -> ``--trust-remote-code`` (a flag's dashes are optional)."""
+    return name if name.startswith("-") else f"--{name}"
 
 
 def _as_list(value: object) -> list[object]:

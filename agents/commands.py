@@ -19,32 +19,119 @@ from typing import Any
 
 import httpx
 
+from agents.engine_policy import EnginePolicy
 from agents.runtimes import EngineRuntimeError, EngineState, Runtime
 from syshax.common.engine_spec import (
     ROLES,
     EngineSpec,
     SpecError,
-    SpecPolicy,
     engine_labels,
     engine_name,
 )
 from syshax.common.files import write_json_atomic
+from syshax.common.model_card import ModelCardError, read_model_card
 
 ACTIONS = ("start", "stop", "restart", "inspect", "logs")
 LOG_TAIL_LINES = 20
+# How much of a failed engine's log the agent searches for the cause and keeps on disk.
+LOG_KEEP_LINES = 5000
+# Failed engines' logs kept in <state-dir>/engine-logs; the oldest go first.
+LOGS_KEPT = 50
+# A cause is one line of at most this many characters (vLLM's unsupported-architecture error
+# lists every architecture it has).
+CAUSE_CHARS = 400
 # A line of an engine's log that states why it stopped (argparse, a Python exception).
-CAUSE_LINE = re.compile(r"(?:^|[\s:])(?:\w*Error|error|Exception):\s")
+CAUSE_LINE = re.compile(r"(?:^|[\s:.])(?:\w*Error|error|Exception):\s")
+# pydantic's summary line; the cause is the message on the lines under it.
+VALIDATION_SUMMARY = re.compile(r"ValidationError: \d+ validation errors? for \w+")
+VALIDATION_DETAIL = re.compile(
+    r"^\s+(?:Value error, |Assertion failed, )?(?P<msg>.*?)(?: \[type=.*)?$"
+)
+# Lines that say only that something failed earlier: the cause is above them.
+GENERIC_CAUSES = (
+    "Engine core initialization failed",
+    "See root cause above",
+    "EngineDeadError",
+    "Engine process failed to start",
+)
 
 
-def cause_first(tail: str) -> str:
-    """The log tail with the last line that names an error put first, so a deployment
-    event starts with the cause (``unrecognized arguments: …``, ``No module named …``)
-    rather than with usage text or traceback frames."""
-    lines = tail.splitlines()
-    for line in reversed(lines):
-        if CAUSE_LINE.search(line):
-            return f"{line.strip()} | {tail}" if line is not lines[0] else tail
-    return tail
+def _one_line(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= CAUSE_CHARS else text[: CAUSE_CHARS - 1] + "…"
+
+
+def engine_cause(log: str) -> str | None:
+    """The line of an engine's log that says why it stopped, or None.
+
+    The last error line that is not a generic "failed, see above"; for a pydantic validation
+    error (how vLLM 0.32 refuses a configuration: a max_model_len over the model's, an
+    unsupported architecture, a directory without config.json) the message under its summary
+    line, which is what a person needs, rather than the summary itself."""
+    lines = log.splitlines()
+    for index in range(len(lines) - 1, -1, -1):
+        line = lines[index]
+        if VALIDATION_SUMMARY.search(line):
+            for detail in lines[index + 1 : index + 4]:
+                found = VALIDATION_DETAIL.match(detail)
+                if found and found["msg"].strip() and not detail.lstrip().startswith("For further"):
+                    return _one_line(found["msg"])
+            return _one_line(line)
+        if CAUSE_LINE.search(line) and not any(g in line for g in GENERIC_CAUSES):
+            return _one_line(line)
+    return None
+
+
+def _flag(args: tuple[str, ...], name: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` in an engine's arguments (the last)."""
+    found = None
+    for index, arg in enumerate(args):
+        if arg == name and index + 1 < len(args):
+            found = args[index + 1]
+        elif arg.startswith(name + "="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def check_model(spec: EngineSpec, *, local: bool) -> None:
+    """The model directory an engine is to load, checked before it starts: one line naming the
+    cause (no such directory, no config.json, no architectures, a ``--max-model-len`` over the
+    model's own) instead of an engine that dies with a traceback two minutes later.
+
+    A hub id is left to the engine, as is a path this agent cannot see: a container's own
+    (``local`` False) that is not also on the host."""
+    model = _flag(spec.args, "--model")
+    if model is None or not model.startswith("/"):
+        return
+    if not local and not Path(model).exists():
+        return
+    try:
+        card = read_model_card(model)
+        length = _flag(spec.args, "--max-model-len")
+        card.check_max_model_len(
+            int(length) if length and length.isdigit() else None, field="--max-model-len"
+        )
+    except ModelCardError as exc:
+        message = str(exc)
+        if message.startswith("model: "):
+            message = "--model: " + message.removeprefix("model: ")
+        raise CommandFailed(f"spec.args {message}") from None
+
+
+def failure_story(log: str, tail: str, node: str, kept: Path | None) -> str:
+    """Why an engine stopped, for a deployment event: the cause in one line first (vLLM's own
+    refusal, ``unrecognized arguments: …``, ``No module named …``), then where its whole log is
+    kept on the node, then its last lines."""
+    # Without an error line, the last thing the engine said.
+    cause = engine_cause(log) or next(
+        (_one_line(line) for line in reversed(tail.splitlines()) if line.strip()), None
+    )
+    parts = [
+        cause,
+        f"full log: {node}:{kept}" if kept else None,
+        None if cause is not None and tail.strip() == cause else tail,
+    ]
+    return " | ".join(part for part in parts if part)
 
 
 @dataclass
@@ -93,13 +180,15 @@ class CommandExecutor:
         node: str,
         state_dir: str | Path,
         poll_interval: float = 0.1,
-        policy: SpecPolicy | None = None,
+        policy: EnginePolicy | None = None,
     ) -> None:
         self.runtime = runtime
         self.node = node
-        self.policy = policy or SpecPolicy()
+        # The default is the agent's default policy: the engine kinds the project issues.
+        self.policy = policy or EnginePolicy()
         self.dispatch_dir = Path(state_dir) / "dispatches"
         self.dispatch_dir.mkdir(parents=True, exist_ok=True)
+        self.engine_logs_dir = Path(state_dir) / "engine-logs"
         self.poll_interval = poll_interval
         # One command at a time: two starts racing on one deployment would both see "absent".
         self._lock = threading.Lock()
@@ -163,8 +252,8 @@ class CommandExecutor:
         if action in ("start", "restart"):
             if generation is None or role is None:
                 raise CommandFailed(f"{action} needs a generation and a role")
-            engine_spec = EngineSpec.from_dict(spec)
-            self.policy.check(engine_spec)
+            engine_spec = self.policy.check(EngineSpec.from_dict(spec), self.runtime.name)
+            check_model(engine_spec, local=self.runtime.name == "process")
             if action == "restart":
                 self._stop(deployment_id, generation, role)
             result = self._start(dispatch_id, deployment_id, generation, role, engine_spec)
@@ -304,6 +393,21 @@ class CommandExecutor:
             },
         )
 
+    def _keep_log(self, engine_id: str, log: str) -> Path | None:
+        """A failed engine's log, kept on the node after the engine is removed (a container's
+        log goes with it); the path, or None when it cannot be written."""
+        try:
+            self.engine_logs_dir.mkdir(parents=True, exist_ok=True)
+            path = self.engine_logs_dir / f"{safe_filename(engine_id)}-{int(time.time())}.log"
+            path.write_text(log, errors="replace")
+            for old in sorted(self.engine_logs_dir.glob("*.log"), key=lambda p: p.stat().st_mtime)[
+                :-LOGS_KEPT
+            ]:
+                old.unlink(missing_ok=True)
+        except OSError:
+            return None
+        return path
+
     def _wait_healthy(self, engine: EngineState, spec: EngineSpec, role: str) -> dict[str, Any]:
         deadline = time.monotonic() + spec.health_timeout_seconds
         endpoint = engine.endpoint or spec.endpoint
@@ -313,7 +417,9 @@ class CommandExecutor:
             state = self.runtime.inspect(engine.engine_id)
             if state is None or state.status == "exited" or state.restarts > 0:
                 code = state.extra.get("last_exit_code") if state else None
-                tail = self.runtime.logs(engine.engine_id, LOG_TAIL_LINES).strip()
+                log = self.runtime.logs(engine.engine_id, LOG_KEEP_LINES)
+                tail = "\n".join(log.strip().splitlines()[-LOG_TAIL_LINES:])
+                kept = self._keep_log(engine.engine_id, log)
                 self.runtime.stop(engine.engine_id)
                 what = (
                     f"exited with code {code}"
@@ -323,7 +429,7 @@ class CommandExecutor:
                     else "exited"
                 )
                 raise CommandFailed(
-                    f"{role.upper()} engine {what}: {cause_first(tail)}",
+                    f"{role.upper()} engine {what}: {failure_story(log, tail, self.node, kept)}",
                     [engine.container_state("unhealthy") | {"status": "missing"}],
                 )
             results = [probe(endpoint, p) for p in paths]
@@ -331,11 +437,14 @@ class CommandExecutor:
                 return state.container_state("healthy")
             last = "; ".join(msg for ok, msg in results if not ok)
             if time.monotonic() >= deadline:
-                tail = self.runtime.logs(engine.engine_id, LOG_TAIL_LINES).strip()
+                log = self.runtime.logs(engine.engine_id, LOG_KEEP_LINES)
+                tail = "\n".join(log.strip().splitlines()[-LOG_TAIL_LINES:])
+                kept = self._keep_log(engine.engine_id, log)
                 self.runtime.stop(engine.engine_id)
+                where = f"full log: {self.node}:{kept} | " if kept else ""
                 raise CommandFailed(
                     f"{role.upper()} engine not healthy after {spec.health_timeout_seconds:g} s "
-                    f"({last}): {tail}",
+                    f"({last}): {where}{tail}",
                     [state.container_state("unhealthy") | {"status": "missing"}],
                 )
             time.sleep(self.poll_interval)

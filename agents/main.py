@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import signal
 import socket
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Mapping
@@ -31,8 +34,9 @@ from agents.discovery import (
     collect_inventory,
     primary_address,
 )
+from agents.engine_policy import EnginePolicy
 from agents.runtimes import Runtime
-from syshax.common.engine_spec import Mount, SpecPolicy
+from syshax.common.engine_spec import Mount
 from syshax.common.files import write_json_atomic
 from syshax.common.inventory import inventory_hash
 from syshax.common.reports import InventoryReport
@@ -52,8 +56,15 @@ class AgentConfig:
     name: str | None = None
     runtime: str = "process"
     heartbeat_interval: float | None = None
+    # The engine policy (docs/agent.md): interpreters that may run engines, and the widenings.
+    engine_pythons: list[str] = field(default_factory=list)  # --engine-python
     allow_images: list[str] = field(default_factory=list)  # --allow-image patterns
-    allow_commands: list[str] = field(default_factory=list)  # --allow-command patterns
+    allow_commands: list[str] = field(default_factory=list)  # --allow-command path patterns
+    allow_env: list[str] = field(default_factory=list)  # --allow-env NAME or PREFIX*
+    allow_engine_args: list[str] = field(default_factory=list)  # --allow-engine-arg FLAG
+    allow_workdirs: list[str] = field(default_factory=list)  # --allow-workdir DIR
+    allow_any_engine: bool = False
+    pass_env: list[str] = field(default_factory=list)  # --pass-env: agent variables engines get
     simulate: list[str] = field(default_factory=list)
     docker_url: str | None = None
     address: str | None = None
@@ -71,7 +82,7 @@ def make_runtime(config: AgentConfig) -> Runtime:
         # lazy: only the chosen runtime's client library loads
         from agents.runtimes.process import ProcessRuntime
 
-        return ProcessRuntime(config.state_dir)
+        return ProcessRuntime(config.state_dir, pass_env=config.pass_env)
     raise ValueError(f"--runtime must be docker or process, got {config.runtime!r}")
 
 
@@ -95,6 +106,10 @@ class Agent:
         self.outbox.mkdir(exist_ok=True)
         self.client = ControlPlaneClient(config.control_plane, config.token)
         self.runtime = runtime or make_runtime(config)
+        self.policy = self.spec_policy()
+        for line in self.policy.widenings():
+            log.warning("engine policy widened by %s", line)
+        log.info("engines may run on the interpreters %s", ", ".join(self.policy.interpreters))
         self.stop_event = threading.Event()
         self.node_id = 0
         self.node_name = ""
@@ -153,7 +168,7 @@ class Agent:
             self.runtime,
             node=self.node_name,
             state_dir=self.config.state_dir,
-            policy=self.spec_policy(),
+            policy=self.policy,
         )
         self.inventory = self.discover()
         self.retry(self.sync_inventory, "inventory")
@@ -161,15 +176,34 @@ class Agent:
         self.online = True
         log.info("agent connected as node %s (#%d)", self.node_name, self.node_id)
 
-    def spec_policy(self) -> SpecPolicy:
+    def spec_policy(self) -> EnginePolicy:
+        """The engine policy of this agent's flags; a bad flag stops the agent at start."""
+        config = self.config
         try:
-            sources = tuple(m.source for m in parse_mounts(self.config.mounts))
+            mounts = tuple(parse_mounts(config.mounts))
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
-        return SpecPolicy(
-            mount_sources=sources,
-            allow_images=tuple(self.config.allow_images),
-            allow_commands=tuple(self.config.allow_commands),
+        for flag, values in (
+            ("--allow-command", config.allow_commands),
+            ("--allow-workdir", config.allow_workdirs),
+        ):
+            for value in values:
+                if not os.path.isabs(value):
+                    raise SystemExit(f"{flag} {value!r}: give an absolute path")
+        secret = [n for n in config.pass_env if n.startswith("SYSHAX_")]
+        if secret:
+            raise SystemExit(f"--pass-env {secret[0]}: the agent's SYSHAX_* settings stay with it")
+        own = (os.path.abspath(sys.executable),) if sys.executable else ()
+        pythons = tuple(_interpreter(p) for p in config.engine_pythons)
+        return EnginePolicy(
+            mounts=mounts,
+            interpreters=tuple(dict.fromkeys(own + pythons)),
+            allow_images=tuple(config.allow_images),
+            allow_commands=tuple(os.path.normpath(c) for c in config.allow_commands),
+            allow_env=tuple(config.allow_env),
+            allow_engine_args=tuple(config.allow_engine_args),
+            workdir_roots=(os.path.abspath(config.state_dir), *config.allow_workdirs),
+            allow_any_engine=config.allow_any_engine,
         )
 
     def discover(self) -> InventoryReport:
@@ -389,6 +423,16 @@ class Agent:
 
     def stop(self) -> None:
         self.stop_event.set()
+
+
+def _interpreter(name: str) -> str:
+    """An ``--engine-python`` as the absolute path a spec's program is compared with."""
+    if "/" not in name:
+        found = shutil.which(name)
+        if found is None:
+            raise SystemExit(f"--engine-python {name!r} is not on PATH")
+        name = found
+    return os.path.abspath(name)
 
 
 def _address_towards(url: str) -> str | None:

@@ -30,11 +30,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agents.commands import CommandExecutor  # noqa: E402
+from agents.engine_policy import EnginePolicy  # noqa: E402
 from agents.runtimes import Runtime  # noqa: E402
 from agents.runtimes.process import ProcessRuntime  # noqa: E402
+from syshax.common.engine_spec import Mount  # noqa: E402
 from syshax.common.supervisor import free_port  # noqa: E402
 
 IMAGE = "localhost/syshax-hostroot:1"
+# What the tiny image needs of the host, read-only: its Python and this project.
+HOST_PATHS = sorted({Path("/usr"), Path(sys.base_prefix).resolve(), ROOT})
+# An agent's policy with those --mounts and --allow-image for the image (docs/agent.md).
+POLICY = EnginePolicy(
+    mounts=tuple(Mount(str(p), str(p)) for p in HOST_PATHS), allow_images=(IMAGE,)
+)
 
 
 def sim_spec(device: str, container: bool, **extra: Any) -> dict[str, Any]:
@@ -56,9 +64,8 @@ def sim_spec(device: str, container: bool, **extra: Any) -> dict[str, Any]:
         **extra,
     }
     if container:
-        paths = sorted({Path("/usr"), Path(sys.base_prefix).resolve(), ROOT})
         spec["image"] = IMAGE
-        spec["mounts"] = [{"source": str(p), "target": str(p)} for p in paths]
+        spec["mounts"] = [{"source": str(p), "target": str(p)} for p in HOST_PATHS]
     return spec
 
 
@@ -123,7 +130,9 @@ def main() -> None:
         results: dict[str, list[dict[str, float]]] = {name: [] for name in runtimes}
         for i in range(args.runs):
             for name, runtime in runtimes.items():  # alternate so drift hits both alike
-                executor = CommandExecutor(runtime, node="bench", state_dir=tmp / f"s-{name}")
+                executor = CommandExecutor(
+                    runtime, node="bench", state_dir=tmp / f"s-{name}", policy=POLICY
+                )
                 results[name].append(one_deploy(executor, name == "docker", 900 + i))
         print(
             f"agent deploy timing, {args.runs} runs each, medians in seconds "

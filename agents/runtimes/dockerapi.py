@@ -17,6 +17,7 @@ from agents.runtimes import EngineRuntimeError, EngineState
 from syshax.common.containers import container_kwargs
 from syshax.common.engine_spec import EngineSpec, kv_connector_dir
 from syshax.common.engine_spec import Mount as SpecMount
+from syshax.common.hosts import HostError, http_url
 
 _STATUS = {
     "created": "created",
@@ -29,6 +30,17 @@ _STATUS = {
     "stopped": "exited",
     "configured": "created",
 }
+
+
+def _endpoint(host: str, port: str | None) -> str | None:
+    """Where a container's engine listens, from the labels it was started with; none when
+    they name no port or no host (syshax/common/hosts.py)."""
+    if not port or not port.isdigit() or port == "0":
+        return None
+    try:
+        return http_url(host, int(port))
+    except HostError:
+        return None
 
 
 class DockerRuntime:
@@ -57,6 +69,9 @@ class DockerRuntime:
         labels = dict((attrs.get("Config") or {}).get("Labels") or {})
         port = labels.get("syshax.port")
         host = labels.get("syshax.host", "127.0.0.1")
+        # A container running again after a restart reports exit code 0 (Podman restarts at
+        # once, so a crash-looping engine is mostly seen so): its last code is then unknown.
+        died = status == "exited" or raw == "restarting"
         return EngineState(
             engine_id=str(container.id),
             name=str(container.name),
@@ -64,8 +79,8 @@ class DockerRuntime:
             status=status,
             exit_code=int(state.get("ExitCode", 0)) if status == "exited" else None,
             restarts=int(attrs.get("RestartCount") or 0),
-            endpoint=f"http://{host}:{port}" if port and port != "0" else None,
-            extra={"docker_status": raw, "last_exit_code": state.get("ExitCode")},
+            endpoint=_endpoint(host, port),
+            extra={"docker_status": raw, "last_exit_code": state.get("ExitCode") if died else None},
         )
 
     def start(
@@ -76,9 +91,12 @@ class DockerRuntime:
         full_labels = {**labels, "syshax.port": str(spec.port), "syshax.host": spec.host}
         targets = {m.target for m in spec.mounts}
         extra = tuple(m for m in self.default_mounts if m.target not in targets)
+        # A spec may name one of the agent's mounts, but never make a read-only one writable.
+        read_only = {m.target for m in self.default_mounts if m.read_only}
+        own = tuple(replace(m, read_only=True) if m.target in read_only else m for m in spec.mounts)
         kwargs = container_kwargs(
             name,
-            replace(spec, mounts=spec.mounts + extra),
+            replace(spec, mounts=own + extra),
             full_labels,
             role,
             ipc_peer.engine_id if ipc_peer else None,
@@ -87,9 +105,15 @@ class DockerRuntime:
         try:
             container = self.client.containers.run(**kwargs)
         except docker.errors.APIError as exc:
-            raise EngineRuntimeError(
-                f"container engine refused {name}: {exc.explanation}"
-            ) from None
+            reason = str(exc.explanation or exc)
+            if ipc_peer is not None and "ipc" in reason.lower():
+                # The engine's words name the GPU container by its id only (e.g. "no such
+                # container" when it went away after the agent looked).
+                reason = (
+                    f"the CPU engine cannot join the IPC namespace of GPU engine "
+                    f"{ipc_peer.name}: {reason}"
+                )
+            raise EngineRuntimeError(f"container engine refused {name}: {reason}") from None
         except docker.errors.ImageNotFound as exc:  # pragma: no cover - subclass of APIError
             raise EngineRuntimeError(f"image {spec.image!r} not found: {exc}") from None
         container.reload()

@@ -3,7 +3,9 @@
 Each engine runs under :mod:`agents.runtimes.launcher` in its own session, so it outlives the
 agent. Its labels live in ``<state-dir>/engines/<engine_id>.json``; a restarted agent lists that
 directory and re-adopts what is still alive (the PID and its start time must both match, so a
-recycled PID is never mistaken for our engine).
+recycled PID is never mistaken for our engine). An engine's environment is a few of the
+agent's variables plus its spec's (agents/engine_policy/environment.py), never the agent's
+token.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from agents.engine_policy.environment import engine_base_env
 from agents.runtimes import EngineRuntimeError, EngineState
 from syshax.common.affinity import AffinityError, parse_cpu_list
 from syshax.common.engine_spec import EngineSpec, kv_connector_dir, prepend_python_path
@@ -31,13 +34,16 @@ from syshax.common.files import write_json_atomic
 class ProcessRuntime:
     name = "process"
 
-    def __init__(self, state_dir: str | Path, python: str = sys.executable) -> None:
+    def __init__(
+        self, state_dir: str | Path, python: str = sys.executable, pass_env: Sequence[str] = ()
+    ) -> None:
         self.state_dir = Path(state_dir)
         self.engines_dir = self.state_dir / "engines"
         self.logs_dir = self.state_dir / "logs"
         self.engines_dir.mkdir(parents=True, exist_ok=True)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.python = python
+        self.pass_env = tuple(pass_env)  # the agent's --pass-env names
         self._children: dict[int, subprocess.Popen[bytes]] = {}
 
     # ------------------------------------------------------------ records
@@ -91,7 +97,8 @@ class ProcessRuntime:
         engine_id = f"proc-{uuid.uuid4().hex[:12]}"
         exit_file = self.engines_dir / f"{engine_id}.exit"
         log_path = self.logs_dir / f"{name}.log"
-        env = {**os.environ, **spec.env}
+        # Never the agent's whole environment: its token and settings stay with it.
+        env = {**engine_base_env(os.environ, self.pass_env), **spec.env}
         if spec.kv_connector:
             env = prepend_python_path(env, str(kv_connector_dir()))
         argv = [

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from syshax.common.hosts import ADDRESS_RULE, http_url, is_host
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ class EngineSpec:
 
     @property
     def endpoint(self) -> str | None:
-        return f"http://{self.host}:{self.port}" if self.port else None
+        return http_url(self.host, self.port) if self.port else None
 
     def ipc_for(self, role: str) -> str:
         if self.ipc:
@@ -141,6 +143,9 @@ class EngineSpec:
         kv_connector = data.get("kv_connector", False)
         if not isinstance(kv_connector, bool):
             raise SpecError("kv_connector", f"must be true or false, got {kv_connector!r}")
+        host = data.get("host") or "127.0.0.1"
+        if not isinstance(host, str) or not is_host(host):
+            raise SpecError("host", f"{ADDRESS_RULE}, got {host!r}")
         for key in ("memory_limit_bytes", "shm_size_bytes"):
             value = data.get(key)
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -158,7 +163,7 @@ class EngineSpec:
             image=str(data.get("image") or ""),
             env=dict(env),
             port=port,
-            host=str(data.get("host") or "127.0.0.1"),
+            host=host,
             cpuset=data.get("cpuset") or None,
             memory_limit_bytes=data.get("memory_limit_bytes"),
             shm_size_bytes=data.get("shm_size_bytes"),
@@ -175,49 +180,6 @@ class EngineSpec:
             kv_connector=kv_connector,
             ignored_keys=ignored,
         )
-
-
-@dataclass(frozen=True)
-class SpecPolicy:
-    """What this agent agrees to run, whatever a command asks for (docs/agent.md).
-
-    A spec may mount only host paths the agent was started with (``--mount``); with
-    ``--allow-image`` / ``--allow-command`` patterns the image (docker runtime) or the
-    program (process runtime) must match one of them.
-    """
-
-    mount_sources: tuple[str, ...] = ()
-    allow_images: tuple[str, ...] = ()
-    allow_commands: tuple[str, ...] = ()
-
-    def check(self, spec: EngineSpec) -> None:
-        for mount in spec.mounts:
-            if mount.source not in self.mount_sources:
-                allowed = ", ".join(self.mount_sources) or "none"
-                raise SpecError(
-                    "mounts",
-                    f"host path {mount.source!r} is not one of this agent's --mount paths "
-                    f"({allowed})",
-                )
-        if self.allow_images and spec.image and not _matches(spec.image, self.allow_images):
-            raise SpecError(
-                "image",
-                f"{spec.image!r} matches none of this agent's --allow-image patterns "
-                f"({', '.join(self.allow_images)})",
-            )
-        program = spec.argv[0] if spec.argv else ""
-        if self.allow_commands and not spec.image and not _matches(program, self.allow_commands):
-            raise SpecError(
-                "command",
-                f"{program!r} matches none of this agent's --allow-command patterns "
-                f"({', '.join(self.allow_commands)})",
-            )
-
-
-def _matches(value: str, patterns: Sequence[str]) -> bool:
-    from fnmatch import fnmatchcase
-
-    return any(fnmatchcase(value, pattern) for pattern in patterns)
 
 
 def _accelerator(value: object, index: int) -> Accelerator:

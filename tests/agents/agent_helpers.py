@@ -30,6 +30,15 @@ def http_engine_spec(root: Path, **extra: Any) -> dict[str, Any]:
     return spec
 
 
+def sim_spec(**extra: Any) -> dict[str, Any]:
+    """A simulator engine as the control plane issues it (the agent's interpreter running
+    ``-m syshax.cli sim``): the agent's default policy runs it."""
+    port = free_port()
+    args = ["--device", "a100-80gb", "--model", "qwen2.5-7b-instruct", "--port", str(port)]
+    command = [sys.executable, "-m", "syshax.cli", "sim"]
+    return {"command": command, "args": args, "port": port, "health_timeout_seconds": 20, **extra}
+
+
 PROJECT = Path(__file__).resolve().parents[2]
 IMAGE = "localhost/syshax-hostroot:1"  # built by scripts/podman_setup.sh
 

@@ -10,6 +10,7 @@ import pytest
 from agent_helpers import PROJECT
 
 from agents.commands import CommandExecutor
+from agents.engine_policy import EnginePolicy
 from agents.runtimes.dockerapi import DockerRuntime
 from agents.runtimes.process import ProcessRuntime
 from tests.support.podman import podman_service as run_podman_service
@@ -33,9 +34,16 @@ def process_runtime(tmp_path: Path) -> Iterator[ProcessRuntime]:
         runtime.stop(engine.engine_id, timeout=3)
 
 
+# The runtime tests' engines are stand-ins (python -m http.server, python -c ...), which only a
+# widened policy runs; test_agent_spec_policy.py pins what the default policy refuses.
+ANY_ENGINE = EnginePolicy(allow_any_engine=True)
+
+
 @pytest.fixture
 def executor(process_runtime: ProcessRuntime, tmp_path: Path) -> CommandExecutor:
-    return CommandExecutor(process_runtime, node="node-a", state_dir=tmp_path / "state")
+    return CommandExecutor(
+        process_runtime, node="node-a", state_dir=tmp_path / "state", policy=ANY_ENGINE
+    )
 
 
 @pytest.fixture(scope="session")

@@ -14,14 +14,18 @@ import pytest
 from agent_helpers import IMAGE, free_port, host_mounts, http_engine_spec
 
 from agents.commands import CommandExecutor
+from agents.engine_policy import EnginePolicy
 from agents.runtimes.dockerapi import DockerRuntime
 from syshax.common.containers import container_kwargs
-from syshax.common.engine_spec import EngineSpec, SpecError, SpecPolicy, kv_connector_dir
+from syshax.common.engine_spec import EngineSpec, Mount, SpecError, kv_connector_dir
 
 
-def mounted(*extra: Path) -> SpecPolicy:
-    """The policy of an agent started with ``--mount`` for each of :func:`host_mounts`."""
-    return SpecPolicy(mount_sources=tuple(str(m["source"]) for m in host_mounts(*extra)))
+def mounted(*extra: Path, any_engine: bool = False) -> EnginePolicy:
+    """The policy of an agent started with ``--mount`` for each of :func:`host_mounts` and
+    ``--allow-image`` for the test image; ``any_engine`` adds ``--allow-any-engine``, which
+    the stand-in engines (``python -m http.server``, ``python -c``) need."""
+    mounts = tuple(Mount(str(m["source"]), str(m["target"])) for m in host_mounts(*extra))
+    return EnginePolicy(mounts=mounts, allow_images=(IMAGE,), allow_any_engine=any_engine)
 
 
 def container_spec(root: Path, **extra: Any) -> dict[str, Any]:
@@ -145,7 +149,10 @@ def test_gpu_then_cpu_share_one_ipc_namespace_on_podman(
     docker_runtime: DockerRuntime, web_root: Path, tmp_path: Path
 ) -> None:
     executor = CommandExecutor(
-        docker_runtime, node="node-a", state_dir=tmp_path / "state", policy=mounted(web_root)
+        docker_runtime,
+        node="node-a",
+        state_dir=tmp_path / "state",
+        policy=mounted(web_root, any_engine=True),
     )
     refused = run(executor, "start", "cpu", container_spec(web_root))
     assert "IPC peer GPU engine syshax-11-g1-gpu is not running" in refused["detail"]
@@ -215,7 +222,10 @@ def test_a_failing_container_reports_its_exit_code_and_logs_and_is_removed(
     docker_runtime: DockerRuntime, tmp_path: Path
 ) -> None:
     executor = CommandExecutor(
-        docker_runtime, node="node-a", state_dir=tmp_path / "state", policy=mounted()
+        docker_runtime,
+        node="node-a",
+        state_dir=tmp_path / "state",
+        policy=mounted(any_engine=True),
     )
     spec = {
         "command": [sys.executable, "-c", "print('CUDA out of memory'); raise SystemExit(2)"],

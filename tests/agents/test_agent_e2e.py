@@ -285,6 +285,8 @@ def test_the_same_deploy_and_stop_on_podmans_docker_api_starts_gpu_healthy_befor
         "--docker-url",
         podman_service["DOCKER_HOST"],
         *(arg for m in mounts for arg in ("--mount", m)),
+        "--allow-image",
+        IMAGE,
     )
     try:
         wait_until(lambda: Node.objects.get(pk=node.pk).status == "online", 60, "node online")

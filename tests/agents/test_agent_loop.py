@@ -89,7 +89,7 @@ def plane(node_name: str) -> Iterator[StandInControlPlane]:
 
 
 class AgentProcess:
-    def __init__(self, plane: StandInControlPlane, state_dir: Path, log: Path) -> None:
+    def __init__(self, plane: StandInControlPlane, state_dir: Path, log: Path, *extra: str) -> None:
         self.argv = [
             sys.executable,
             "-m",
@@ -107,6 +107,7 @@ class AgentProcess:
             "0.2",
             "--simulate-accelerator",
             "a100-80gb",
+            *extra,
         ]
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
@@ -131,7 +132,8 @@ class AgentProcess:
 def test_agent_beats_takes_commands_survives_an_outage_and_readopts_after_a_kill(
     plane: StandInControlPlane, node_name: str, tmp_path: Path, web_root: Path
 ) -> None:
-    agent = AgentProcess(plane, tmp_path / "state", tmp_path / "agent.log")
+    # Its engine is a stand-in (python -m http.server), which only a widened policy runs.
+    agent = AgentProcess(plane, tmp_path / "state", tmp_path / "agent.log", "--allow-any-engine")
     agent.start()
     try:
         (inventory,) = wait_for(lambda: plane.seen("PUT", "nodes/5/inventory"), what="inventory")

@@ -81,7 +81,9 @@ def test_a_restarted_agent_readopts_its_engine_and_starts_nothing(
     engine_id = first["containers"][0]["engine_id"]
     # A new agent: new runtime and executor objects, same state dir, engine not its child.
     runtime2 = ProcessRuntime(tmp_path / "state")
-    executor2 = CommandExecutor(runtime2, node="node-a", state_dir=tmp_path / "state")
+    executor2 = CommandExecutor(
+        runtime2, node="node-a", state_dir=tmp_path / "state", policy=executor.policy
+    )
     (state,) = executor2.all_container_states()
     assert state["engine_id"] == engine_id and state["health"] == "healthy"
     second = run(executor2, "start", spec=spec)
@@ -106,10 +108,12 @@ def test_an_engine_that_exits_fails_the_start_with_its_code_and_last_log_lines(
     }
     result = run(executor, "start", role="cpu", spec=spec | {"ipc": "private"})
     assert result["status"] == "failed", result
-    # The cause first, then the log's last lines.
-    assert str(result["detail"]).startswith(
-        "CPU engine exited with code 3: error: no such model | loading model"
-    )
+    # The cause first, then where the whole log is kept, then the log's last lines.
+    detail = str(result["detail"])
+    assert detail.startswith("CPU engine exited with code 3: error: no such model | full log: ")
+    _, where, tail = detail.split(" | ", 2)
+    kept = Path(where.removeprefix("full log: ").split(":", 1)[1])
+    assert "loading model" in kept.read_text() and tail.startswith("loading model")
     assert process_runtime.list({}) == []  # nothing orphaned
 
 
@@ -252,17 +256,91 @@ def test_bad_specs_and_actions_fail_clearly(executor: CommandExecutor) -> None:
 
 
 def test_a_failed_start_names_its_cause_first() -> None:
-    from agents.commands import cause_first
+    from agents.commands import engine_cause
 
     usage = "usage: api_server.py [-h]\n  [--model MODEL]"
     tail = usage + "\napi_server.py: error: unrecognized arguments: --preemption-mode swap"
-    assert cause_first(tail) == (
-        "api_server.py: error: unrecognized arguments: --preemption-mode swap | " + tail
+    assert engine_cause(tail) == (
+        "api_server.py: error: unrecognized arguments: --preemption-mode swap"
     )
     trace = 'Traceback (most recent call last):\n  File "x.py", line 1\n'
     trace += "ModuleNotFoundError: No module named 'syshax_kv_connector'\nINFO shutting down"
-    assert cause_first(trace).startswith(
-        "ModuleNotFoundError: No module named 'syshax_kv_connector' | Traceback"
+    assert engine_cause(trace) == "ModuleNotFoundError: No module named 'syshax_kv_connector'"
+    assert engine_cause("engine listening\nall fine") is None
+    assert engine_cause("error: first line only") == "error: first line only"
+
+
+# The ends of real vLLM 0.32 logs (tests/realengine/test_engine_start_errors.py provokes them):
+# pydantic's summary names only the class; the message under it is the cause.
+MAX_MODEL_LEN_LOG = """\
+    s.__pydantic_validator__.validate_python(ArgsKwargs(args, kwargs), self_instance=s)
+pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
+  Value error, User-specified max_model_len (2048) is greater than the derived max_model_len \
+(max_position_embeddings=1024.0 or model_max_length=None in model's config.json). To allow \
+overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. [type=value_error, \
+input_value=ArgsKwargs((), {'model': ...}), input_type=ArgsKwargs]
+    For further information visit https://errors.pydantic.dev/2.14/v/value_error
+"""
+NO_CONFIG_LOG = """\
+pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
+  Value error, Invalid repository ID or local directory specified: '/models/none'.
+Please verify the following requirements:
+1. Provide a valid Hugging Face repository ID.
+ [type=value_error, input_value=ArgsKwargs((), {'model': ...}), input_type=ArgsKwargs]
+    For further information visit https://errors.pydantic.dev/2.14/v/value_error
+"""
+ENGINE_CORE_LOG = """\
+ValueError: this engine core refuses
+(EngineCore pid=1) ERROR EngineCore failed to start.
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_the_cause_of_a_refused_configuration_is_vllms_own_sentence() -> None:
+    from agents.commands import CAUSE_CHARS, engine_cause
+
+    cause = engine_cause(MAX_MODEL_LEN_LOG)
+    assert cause is not None
+    assert cause.startswith("User-specified max_model_len (2048) is greater than the derived")
+    assert "[type=" not in cause and "\n" not in cause
+    assert engine_cause(NO_CONFIG_LOG) == (
+        "Invalid repository ID or local directory specified: '/models/none'."
     )
-    assert cause_first("engine listening\nall fine") == "engine listening\nall fine"
-    assert cause_first("error: first line only") == "error: first line only"
+    # A generic "see above" is passed over for the line that says what failed.
+    assert engine_cause(ENGINE_CORE_LOG) == "ValueError: this engine core refuses"
+    # An unsupported architecture's message lists every architecture: one line, cut short.
+    long = "pydantic_core.ValidationError: 1 validation error for ModelConfig\n  Value error, "
+    long += "Model architectures ['FooForCausalLM'] are not supported for now. Supported: "
+    long += ", ".join(f"'Arch{i}'" for i in range(500)) + " [type=value_error]\n"
+    cause = engine_cause(long)
+    assert cause is not None and len(cause) == CAUSE_CHARS and cause.endswith("…")
+    assert cause.startswith("Model architectures ['FooForCausalLM'] are not supported")
+
+
+def test_a_model_the_engine_cannot_serve_fails_before_it_starts(
+    executor: CommandExecutor, process_runtime: ProcessRuntime, tmp_path: Path
+) -> None:
+    marker = tmp_path / "started"
+    model = tmp_path / "small-llama"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 1024})
+    )
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+
+    def start(*args: str) -> str:
+        spec = {"command": command, "args": list(args), "port": 1, "health_timeout_seconds": 5}
+        result = run(executor, "start", spec=spec)
+        assert result["status"] == "failed", result
+        return str(result["detail"])
+
+    assert start("--model", str(tmp_path / "nowhere")) == (
+        f"spec.args --model: {tmp_path / 'nowhere'} does not exist"
+    )
+    assert start("--model", str(tmp_path)) == f"spec.args --model: {tmp_path} has no config.json"
+    assert start(f"--model={model}", "--max-model-len", "2048") == (
+        f"spec.args --max-model-len: 2048 is more than the model allows: 1024 "
+        f"(max_position_embeddings in {model}/config.json)"
+    )
+    assert not marker.exists()  # no engine was started for any of them
+    assert process_runtime.list({}) == []

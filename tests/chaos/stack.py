@@ -272,6 +272,8 @@ class ChaosStack:
                 str(self.workdir / "agent"),
                 "--address",
                 "127.0.0.1",
+                # The engines start through ENGINE_SHIM, a script the default policy refuses.
+                "--allow-any-engine",
             ),
             SYSHAX_AGENT_TOKEN=agent_token,
         )
@@ -291,6 +293,9 @@ class ChaosStack:
                 str(router_port),
                 "--state-dir",
                 str(self.workdir / "router"),
+                # The probes and the load force modes; this stack has no client keys.
+                "--mode-header",
+                "all",
             ),
             SYSHAX_ROUTER_TOKEN=router_token,
         )

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from agents.commands import CommandExecutor
+from agents.engine_policy import EnginePolicy
 from agents.runtimes.process import ProcessRuntime
 from syshax.common.engine_spec import KV_CONNECTOR_MODULE, kv_transfer_config
 from syshax.common.supervisor import free_port
@@ -50,7 +51,11 @@ def process_runtime(tmp_path: Path) -> Iterator[ProcessRuntime]:
 
 @pytest.fixture
 def executor(process_runtime: ProcessRuntime, tmp_path: Path) -> CommandExecutor:
-    return CommandExecutor(process_runtime, node="node-a", state_dir=tmp_path / "state")
+    # The agent's default policy, with the vLLM venv's interpreter named (--engine-python).
+    policy = EnginePolicy(interpreters=(str(ensure_vllm()),))
+    return CommandExecutor(
+        process_runtime, node="node-a", state_dir=tmp_path / "state", policy=policy
+    )
 
 
 def vllm_spec(*extra_args: str, **extra: Any) -> dict[str, Any]:
@@ -162,3 +167,47 @@ def test_the_same_engine_marked_kv_connector_starts_healthy_and_stops(
     assert process_runtime.list({}) == []
     _, alive = psutil.wait_procs(engine_processes, timeout=30)
     assert alive == [], f"engine processes left behind: {alive}"
+
+
+def with_model(spec: dict[str, Any], model: Path, length: str) -> dict[str, Any]:
+    args = list(spec["args"])
+    args[args.index("--model") + 1] = str(model)
+    args[args.index("--max-model-len") + 1] = length
+    return {**spec, "args": args}
+
+
+def test_a_context_longer_than_the_models_fails_before_any_engine_starts(
+    executor: CommandExecutor, process_runtime: ProcessRuntime
+) -> None:
+    wide = ensure_tiny_model(wide=True)  # 1,024 positions
+    result, seconds = start(executor, with_model(vllm_spec(), wide, "2048"))
+    assert result["status"] == "failed", result
+    assert result["detail"] == (
+        f"spec.args --max-model-len: 2048 is more than the model allows: 1024 "
+        f"(max_position_embeddings in {wide}/config.json)"
+    )
+    assert seconds < 5  # the agent's own check: no engine was started
+    assert process_runtime.list({}) == []
+
+
+def test_an_architecture_vllm_does_not_have_is_vllms_own_sentence_first(
+    executor: CommandExecutor, process_runtime: ProcessRuntime, tmp_path: Path
+) -> None:
+    model = tmp_path / "foo-model"
+    model.mkdir()
+    for part in ensure_tiny_model().iterdir():
+        (model / part.name).symlink_to(part)
+    config = json.loads((ensure_tiny_model() / "config.json").read_text())
+    (model / "config.json").unlink()
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["FooForCausalLM"]}))
+    result, seconds = start(executor, with_model(vllm_spec(), model, "512"))
+    detail = str(result["detail"])
+    assert result["status"] == "failed", result
+    cause, where, _ = detail.removeprefix("GPU engine exited with code 1: ").split(" | ", 2)
+    # pydantic's summary ("1 validation error for ModelConfig") and its carets are passed over.
+    assert cause.startswith("Model architectures ['FooForCausalLM'] are not supported"), detail
+    assert len(cause) <= 400 and "\n" not in cause
+    log = Path(where.removeprefix("full log: node-a:"))
+    assert "FooForCausalLM" in log.read_text()  # the whole log, kept after the engine is gone
+    assert seconds < FAILS_WITHIN
+    assert process_runtime.list({}) == []
