@@ -7,7 +7,7 @@ template, and a 2-layer Llama whose weights come from a fixed seed (so every run
 same model). Run it with an interpreter that has torch, transformers and tokenizers (the
 vLLM virtualenv does):
 
-    python scripts/make_tiny_model.py OUT_DIR
+    python scripts/make_tiny_model.py OUT_DIR [--kv-heavy | --wide]
 """
 
 from __future__ import annotations
@@ -114,9 +114,29 @@ def corpus() -> list[str]:
 # heads x 128 x 2 x bf16), so 1 GiB of VLLM_CPU_KVCACHE_SPACE holds 16k tokens and a modest
 # load runs the engine out of KV (scripts/pressure_compare.py).
 KV_HEAVY = {"num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 32}
+# --wide: the second geometry of the real-engine tier (tests/realengine/test_pd_geometry.py):
+# 8 KV heads of 128 (no grouping), 3 layers and 1,024 positions, so no layout assumption of
+# the connector or the router hides behind the first model's 2 heads of 64 and 4,096 positions.
+WIDE = {
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 1024,
+}
 
 
-def build(out: Path, *, seed: int = 0, kv_heavy: bool = False) -> None:
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 (x86 AVX512-BF16 or AMX, Arm's BF16)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = set(text.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def build(out: Path, *, seed: int = 0, kv_heavy: bool = False, wide: bool = False) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -146,22 +166,26 @@ def build(out: Path, *, seed: int = 0, kv_heavy: bool = False) -> None:
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,  # head_dim 64, grouped-query attention as in real models
+        "max_position_embeddings": 4096,
     }
+    dtype = torch.bfloat16
     if kv_heavy:
-        shape = {**KV_HEAVY, "head_dim": 128}
+        shape = {**shape, **KV_HEAVY, "head_dim": 128}
+    if wide:
+        shape = WIDE
+        dtype = torch.bfloat16 if cpu_has_bf16() else torch.float32
     config = LlamaConfig(
         vocab_size=len(fast),
         hidden_size=256,
         intermediate_size=512,
-        max_position_embeddings=4096,
         **shape,
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=1,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        torch_dtype=str(dtype).removeprefix("torch."),
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(dtype)
     model.save_pretrained(out, safe_serialization=True)
     (out / "syshax-tiny-model.json").write_text(json.dumps({"seed": seed, "vocab": len(fast)}))
 
@@ -170,9 +194,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-heavy", action="store_true", help="64 KiB of KV per token")
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--kv-heavy", action="store_true", help="64 KiB of KV per token")
+    shape.add_argument(
+        "--wide",
+        action="store_true",
+        help="8 KV heads of 128, 1,024 positions (bf16 if the CPU has it)",
+    )
     args = parser.parse_args()
-    build(args.out, seed=args.seed, kv_heavy=args.kv_heavy)
+    build(args.out, seed=args.seed, kv_heavy=args.kv_heavy, wide=args.wide)
     print(args.out)
 
 

