@@ -1,8 +1,9 @@
 """``syshax up``: the whole system on this machine, on the embedded defaults.
 
-In order: migrations and an admin user; the web app, a Celery worker and beat; one node
-agent with the process runtime, this host's real CPU topology and a simulated A100 80GB; the
-default hetero deployment of simulated engines (GPU first, then CPU); a router on 7010.
+In order: migrations and an admin user; the web app, the machine gateway in front of it
+(the agent's and the router's endpoint), a Celery worker and beat; one node agent with the
+process runtime, this host's real CPU topology and a simulated A100 80GB; the default hetero
+deployment of simulated engines (GPU first, then CPU); a router on 7010.
 Ctrl-C stops the deployment through the workflow, then every process, and leaves none
 behind. Running it again reuses the state under var/.
 """
@@ -25,6 +26,7 @@ from types import FrameType
 
 import httpx
 
+from syshax.common.model_card import ModelCardError, read_model_card
 from syshax.common.supervisor import Supervisor, python_argv, wait_until
 
 # How often ``syshax up`` polls while it waits for a child or the deployment.
@@ -34,6 +36,12 @@ POLL_S = 0.3
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="dashboard/API port")
+    parser.add_argument(
+        "--gateway-port",
+        type=int,
+        default=8010,
+        help="the machine gateway's port, which the agent and the router use",
+    )
     parser.add_argument("--router-port", type=int, default=7010)
     parser.add_argument("--gpu-port", type=int, default=7001, help="simulated GPU engine port")
     parser.add_argument("--cpu-port", type=int, default=7002, help="simulated CPU engine port")
@@ -63,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engines.add_argument("--model", help="--engine vllm: the model directory (or hub id)")
     engines.add_argument(
+        "--max-model-len",
+        type=int,
+        help="--engine vllm: the context length the engines serve (default: the model's own, "
+        "from its config.json, as vLLM derives it)",
+    )
+    engines.add_argument(
         "--engine-python",
         default=sys.executable,
         help="--engine vllm: an interpreter that has vLLM (default: this one); it needs "
@@ -76,16 +90,23 @@ class Stack:
         self.var_dir = var_dir
         self.sup = Supervisor(var_dir / "logs")
         self.base = f"http://{args.host}:{args.port}"
+        # The machines' endpoint (syshax gateway), in front of web (docs/scale.md).
+        self.gateway = f"http://{args.host}:{args.gateway_port}"
         self.router = f"http://{args.host}:{args.router_port}"
         self.deployment_id: int | None = None
         self.agent_state = var_dir / "agent"
         self.model_name = served_model_name(args)
+        # The agent runs an engine's interpreter only if it is told of it, and compares paths.
+        python = args.engine_python
+        self.engine_python = os.path.abspath(python) if os.sep in python else python
         # The router's API key (var/up/tokens.json); new: made by this run, so shown once.
         self.router_api_key = ""
         self.router_api_key_new = False
+        # The key that may force a policy mode (X-Syshax-Mode): the benchmark's and smoke_pd's.
+        self.router_benchmark_key = ""
 
-    def router_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.router_api_key}"}
+    def router_headers(self, key: str = "") -> dict[str, str]:
+        return {"Authorization": f"Bearer {key or self.router_api_key}"}
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -116,8 +137,14 @@ class Stack:
             python_argv("web", "--bind", f"{self.args.host}:{self.args.port}", "--no-migrate"),
             env,
         )
+        gateway = f"{self.args.host}:{self.args.gateway_port}"
+        self.sup.start(
+            "gateway", python_argv("gateway", "--bind", gateway, "--upstream", self.base), env
+        )
         # The benchmark worker sends the router's key with the runs it executes.
         key = {"ROUTER_API_KEY": self.router_api_key} if self.router_api_key else {}
+        if self.router_benchmark_key:
+            key["ROUTER_BENCHMARK_KEY"] = self.router_benchmark_key
         self.sup.start("worker", python_argv("worker", "--concurrency", "2"), env)
         self.sup.start(
             "benchmarks",
@@ -126,6 +153,7 @@ class Stack:
         )
         self.sup.start("beat", python_argv("beat"), env)
         self.wait_http(f"{self.base}/api/v1/health", "the web app")
+        self.wait_http(f"{self.gateway}/api/v1/health", "the machine gateway")
 
     def start_engines_and_router(self) -> None:
         from syshax.commands import up_stack
@@ -138,7 +166,7 @@ class Stack:
             python_argv(
                 "agent",
                 "--control-plane",
-                self.base,
+                self.gateway,
                 "--name",
                 node,
                 "--runtime",
@@ -149,6 +177,7 @@ class Stack:
                 str(self.agent_state),
                 "--address",
                 "127.0.0.1",
+                *(["--engine-python", self.engine_python] if self.args.engine == "vllm" else []),
             ),
             # Tokens travel in the environment: a command line is readable by every local user.
             {**env, "SYSHAX_AGENT_TOKEN": tokens["agent"]},
@@ -168,7 +197,8 @@ class Stack:
                 self.args.cpu_port,
                 model=self.args.model,
                 served=self.model_name,
-                python=self.args.engine_python,
+                python=self.engine_python,
+                max_model_len=self.args.max_model_len,
             )
             self.say(f"engines    real vLLM ({self.args.engine_python}), model {self.args.model}")
             if not Path("/dev/nvidia0").exists():
@@ -200,7 +230,7 @@ class Stack:
             python_argv(
                 "router",
                 "--control-plane",
-                self.base,
+                self.gateway,
                 "--name",
                 "local-router",
                 "--host",
@@ -214,6 +244,7 @@ class Stack:
                 **env,
                 "SYSHAX_ROUTER_TOKEN": tokens["router"],
                 "SYSHAX_ROUTER_API_KEY": self.router_api_key,
+                "SYSHAX_ROUTER_BENCHMARK_KEY": self.router_benchmark_key,
             },
         )
         self.wait_for_model()
@@ -271,7 +302,7 @@ class Stack:
             response = httpx.post(
                 f"{self.router}/v1/completions",
                 timeout=300,
-                headers={**self.router_headers(), "X-Syshax-Mode": mode},
+                headers={**self.router_headers(self.router_benchmark_key), "X-Syshax-Mode": mode},
                 json={
                     "model": self.model_name,
                     "prompt": "Explain prefill and decode.",
@@ -324,6 +355,7 @@ class Stack:
             **self.child_env(),
             "SYSHAX_TOKEN": admin_api_token(self.var_dir),
             "SYSHAX_ROUTER_API_KEY": self.router_api_key,
+            "SYSHAX_ROUTER_BENCHMARK_KEY": self.router_benchmark_key,
         }
         return subprocess.run(argv, env=env).returncode
 
@@ -332,6 +364,7 @@ class Stack:
         self.say(f"dashboard  {self.base}/")
         self.say(f"admin      {self.base}/admin/")
         self.say(f"API        {self.base}/api/v1/  (OpenAPI UI: {self.base}/api/v1/docs/)")
+        self.say(f"machines   {self.gateway}/api/v1/  (the gateway the agent and router use)")
         if password:
             self.say(f"admin user admin / {password}   (shown once; change it in the admin)")
         if self.deployment_id is not None:
@@ -408,13 +441,25 @@ def run(args: argparse.Namespace) -> int:
         if not args.model:
             print("syshax up: --engine vllm needs --model PATH (a model directory)", flush=True)
             return 2
+        if Path(args.model).expanduser().is_absolute() or os.sep in args.model:
+            # A local directory: its own limits, checked before anything starts.
+            try:
+                card = read_model_card(Path(args.model).expanduser())
+                card.check_max_model_len(args.max_model_len, field="--max-model-len")
+            except ModelCardError as exc:
+                print(f"syshax up: {exc}", flush=True)
+                return 2
         # Two real engines start one after the other, about two minutes each on two cores.
         args.startup_timeout = max(args.startup_timeout, 900.0)
     setup()
     from django.conf import settings
     from django.core.management import call_command
 
-    from syshax.commands.up_stack import ensure_admin, ensure_router_api_key
+    from syshax.commands.up_stack import (
+        ensure_admin,
+        ensure_router_api_key,
+        ensure_router_benchmark_key,
+    )
 
     var_dir = Path(settings.VAR_DIR)
     call_command("migrate", interactive=False, verbosity=0)
@@ -422,6 +467,7 @@ def run(args: argparse.Namespace) -> int:
     stack = Stack(args, var_dir)
     if not args.no_engines:
         stack.router_api_key, stack.router_api_key_new = ensure_router_api_key(var_dir)
+        stack.router_benchmark_key = ensure_router_benchmark_key(var_dir)
     interrupted = False
 
     def interrupt(signum: int, frame: FrameType | None) -> None:

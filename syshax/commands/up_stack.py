@@ -85,12 +85,22 @@ def admin_api_token(var_dir: Path) -> str:
 def ensure_router_api_key(var_dir: Path) -> tuple[str, bool]:
     """The local router's API key, made on the first run and kept in var/up/tokens.json:
     (key, whether it is new)."""
+    return _ensure_router_key(var_dir, "router_api_key")
+
+
+def ensure_router_benchmark_key(var_dir: Path) -> str:
+    """The local router's benchmark key, which may force a policy mode per request (the
+    benchmark's modes, the PD smoke test), kept beside the API key; no client gets it."""
+    return _ensure_router_key(var_dir, "router_benchmark_key")[0]
+
+
+def _ensure_router_key(var_dir: Path, name: str) -> tuple[str, bool]:
     tokens = _read_tokens(var_dir)
-    if tokens.get("router_api_key", "").startswith(ROUTER_API_KEY_PREFIX):
-        return tokens["router_api_key"], False
-    tokens["router_api_key"] = ROUTER_API_KEY_PREFIX + secrets.token_urlsafe(32)
+    if tokens.get(name, "").startswith(ROUTER_API_KEY_PREFIX):
+        return tokens[name], False
+    tokens[name] = ROUTER_API_KEY_PREFIX + secrets.token_urlsafe(32)
     _write_tokens(var_dir, tokens)
-    return tokens["router_api_key"], True
+    return tokens[name], True
 
 
 def ensure_tokens(var_dir: Path, node_name: str) -> dict[str, str]:
@@ -166,7 +176,14 @@ def _place_default(profile: DeploymentProfile, node_name: str) -> int:
 
 
 def ensure_vllm_deployment(
-    node_name: str, gpu_port: int, cpu_port: int, *, model: str, served: str, python: str
+    node_name: str,
+    gpu_port: int,
+    cpu_port: int,
+    *,
+    model: str,
+    served: str,
+    python: str,
+    max_model_len: int | None = None,
 ) -> int:
     """The hetero profile on two real vLLM engines of ``model`` run by ``python``, with the
     KV connector (docs/kv-connector.md), placed on the local node as the default deployment."""
@@ -193,7 +210,8 @@ def ensure_vllm_deployment(
             "cpu_kv_cache_space_gb": 2,
             "gpu_port": gpu_port,
             "cpu_port": cpu_port,
-            "max_model_len": 2048,
+            # None: the model's own length, as vLLM derives it from its config.json.
+            "max_model_len": max_model_len,
             "max_num_seqs": 64,
             # Pinned host memory on this machine: what a small model's transfers need.
             "kv_arena_mib": 256,

@@ -29,6 +29,7 @@ def test_the_services_of_a_cluster_are_all_there() -> None:
         "postgres",
         "redis",
         "web",
+        "gateway",
         "worker",
         "benchmarks",
         "beat",
@@ -51,12 +52,12 @@ def test_redis_persists_with_append_only_and_postgres_has_a_volume() -> None:
 
 
 def test_the_app_services_get_the_settings_they_need() -> None:
-    for name in ("web", "worker", "benchmarks", "beat", "router", "agent"):
+    for name in ("web", "gateway", "worker", "benchmarks", "beat", "router", "agent"):
         env = SERVICES[name]["environment"]
         assert env["DJANGO_SETTINGS_MODULE"] == "controlplane.settings.production"
         assert SERVICES[name]["env_file"] == "${APP_ENV_FILE:-.env}"
         assert SERVICES[name]["depends_on"]
-    for name in ("web", "worker", "benchmarks", "beat"):  # on the compose network, by name
+    for name in ("web", "gateway", "worker", "benchmarks", "beat"):  # on the compose network
         env = SERVICES[name]["environment"]
         assert (
             env["DATABASE_URL"].startswith("postgres://")
@@ -77,14 +78,19 @@ def flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 
 
-def test_router_and_agent_on_the_host_network_reach_web_by_its_published_port() -> None:
+def test_router_and_agent_on_the_host_network_reach_the_gateway_by_its_published_port() -> None:
     # Service names do not resolve on the host network, and the engines listen on the host.
-    web = "http://${CONTROL_PLANE_HOST:-127.0.0.1}:${WEB_PORT:-8000}"
+    gateway = "http://${CONTROL_PLANE_HOST:-127.0.0.1}:${GATEWAY_PORT:-8010}"
     for name in ("router", "agent"):
         service = SERVICES[name]
         assert service["network_mode"] == "host", name
         assert "ports" not in service, name
-        assert flag(service["command"], "--control-plane") == web, name
+        assert flag(service["command"], "--control-plane") == gateway, name
+        assert "gateway" in service["depends_on"], name
+    # The gateway is the machines' endpoint in front of web, on the compose network.
+    assert flag(SERVICES["gateway"]["command"], "--upstream") == "http://web:8000"
+    assert SERVICES["gateway"]["ports"] == ["${GATEWAY_PORT:-8010}:8000"]
+    assert SERVICES["gateway"]["depends_on"]["web"] == {"condition": "service_healthy"}
     # The agent fetches its commands from web and holds no broker credential: Redis stays on
     # the compose network, unpublished.
     assert "--broker" not in SERVICES["agent"]["command"]
@@ -139,6 +145,7 @@ def test_the_env_example_names_only_variables_the_settings_or_compose_read() -> 
     compose_only = {
         "POSTGRES_PASSWORD",
         "WEB_PORT",
+        "GATEWAY_PORT",
         "ROUTER_PORT",
         "CONTROL_PLANE_HOST",
         "NODE_ADDRESS",
@@ -162,7 +169,7 @@ def test_the_env_example_names_only_variables_the_settings_or_compose_read() -> 
 def test_the_dockerfile_installs_the_project_and_its_console_script() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "pip install" in dockerfile and "collectstatic" in dockerfile
-    for name in ("web", "worker", "beat", "router", "agent"):
+    for name in ("web", "gateway", "worker", "beat", "router", "agent"):
         assert SERVICES[name]["command"][0] == "syshax"
 
 
@@ -225,3 +232,10 @@ def test_machine_tokens_travel_in_the_environment_not_on_a_command_line() -> Non
         service = SERVICES[name]
         assert "--token" not in service["command"], name
         assert variable in service["environment"], name
+
+
+def test_only_the_benchmark_key_may_force_a_mode_and_compose_requires_it() -> None:
+    router = SERVICES["router"]
+    assert "--benchmark-key" not in router["command"] and "--mode-header" not in router["command"]
+    key = router["environment"]["SYSHAX_ROUTER_BENCHMARK_KEY"]
+    assert key == "${ROUTER_BENCHMARK_KEY:?set ROUTER_BENCHMARK_KEY in .env}"

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SETUP = ROOT / "scripts" / "compose_setup.sh"
 IMAGE = "syshax-controlplane:latest"
 MODEL = "deepseek-r1-distill-qwen-32b"
-CONTROL_PLANE = ("postgres", "redis", "web", "worker", "benchmarks", "beat")
+CONTROL_PLANE = ("postgres", "redis", "web", "gateway", "worker", "benchmarks", "beat")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 
@@ -313,7 +313,7 @@ def test_compose_brings_the_stack_up_serves_completions_and_recovers() -> None:
 
         project = f"syshaxtest{secrets.token_hex(4)}"
         node_name = f"compose-{secrets.token_hex(3)}"
-        web_port, router_port, gpu_port, cpu_port = (free_port() for _ in range(4))
+        web_port, gateway_port, router_port, gpu_port, cpu_port = (free_port() for _ in range(5))
         env_file = workdir / "compose.env"
         env: dict[str, str] = {
             "SECRET_KEY": secrets.token_urlsafe(60),
@@ -326,10 +326,12 @@ def test_compose_brings_the_stack_up_serves_completions_and_recovers() -> None:
             "REDIS_IMAGE": env_vars["REDIS_IMAGE"],
             "DOCKER_SOCKET": str(sock),
             "WEB_PORT": str(web_port),
+            "GATEWAY_PORT": str(gateway_port),
             "ROUTER_PORT": str(router_port),
             "WEB_WORKERS": "2",
             "WORKER_CONCURRENCY": "2",
             "ROUTER_API_KEY": "sxk_" + secrets.token_urlsafe(32),
+            "ROUTER_BENCHMARK_KEY": "sxk_" + secrets.token_urlsafe(32),
             "ROUTER_TOKEN": "",
             "ROUTER_NAME": f"router-{project}",
             "AGENT_TOKEN": "",
@@ -424,7 +426,7 @@ def test_compose_brings_the_stack_up_serves_completions_and_recovers() -> None:
         try:
             with stages.stage("build the project image"):
                 compose("build", "--force-rm", "web", timeout=1800)
-            with stages.stage("up postgres redis web worker benchmarks beat (healthy)"):
+            with stages.stage("up postgres redis web gateway worker benchmarks beat (healthy)"):
                 compose("up", "-d", *CONTROL_PLANE, timeout=600)
                 wait_for(all_healthy(CONTROL_PLANE), 300, "the control plane's health checks")
 
@@ -475,7 +477,7 @@ def test_compose_brings_the_stack_up_serves_completions_and_recovers() -> None:
                 compose("up", "-d", "--no-deps", "router", "agent", timeout=300)
                 wait_for(all_healthy(("router", "agent")), 180, "the router and the agent")
                 wait_for(lambda: node().get("status") == "online", 120, "the node online")
-                assert node()["address"] == "127.0.0.1", node()  # towards web, on this host
+                assert node()["address"] == "127.0.0.1", node()  # towards the gateway, here
 
             with stages.stage("deploy the simulated engines (running)"):
                 profile = api.post(

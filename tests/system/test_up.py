@@ -44,8 +44,8 @@ def listening(port: int) -> bool:
 
 def up_command(tmp_path: Path, *args: str) -> tuple[list[str], dict[str, str], list[str]]:
     """``syshax up --exit`` on free ports and the embedded defaults under ``tmp_path``:
-    (argv, environment, the four ports)."""
-    ports = [str(free_port()) for _ in range(4)]
+    (argv, environment, the five ports: web, router, both engines, the machine gateway)."""
+    ports = [str(free_port()) for _ in range(5)]
     env = {
         **os.environ,
         "SYSHAX_VAR_DIR": str(tmp_path / "var"),
@@ -56,7 +56,7 @@ def up_command(tmp_path: Path, *args: str) -> tuple[list[str], dict[str, str], l
         "DJANGO_SETTINGS_MODULE": "controlplane.settings.local",
     }
     argv = [sys.executable, "-m", "syshax.cli", "up", *args, "--exit"]
-    flags = ("--port", "--router-port", "--gpu-port", "--cpu-port")
+    flags = ("--port", "--router-port", "--gpu-port", "--cpu-port", "--gateway-port")
     for flag, port in zip(flags, ports, strict=True):
         argv += [flag, port]
     return argv, env, ports
@@ -87,10 +87,11 @@ def watching_command_lines() -> Iterator[list[str]]:
 
 
 def serve_until_interrupted(
-    argv: list[str], env: dict[str, str], router: str, key: str
+    argv: list[str], env: dict[str, str], router: str, key: str, gateway: str = ""
 ) -> tuple[int, str]:
     """Run ``syshax up`` (no --exit); once it serves, check the router's API key from outside:
-    refused without it or with a wrong one (OpenAI's 401), served with it. Then Ctrl-C."""
+    refused without it or with a wrong one (OpenAI's 401), served with it, and that the agent
+    and the router talk to ``gateway``. Then Ctrl-C."""
     process = subprocess.Popen(
         argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -110,6 +111,10 @@ def serve_until_interrupted(
         deadline = time.monotonic() + 400
         while not serving.wait(1):
             assert process.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
+        if gateway:  # the machines' endpoint is the gateway, not web
+            machines = processes_mentioning(f"--control-plane {gateway}")
+            assert len(machines) == 2 and any(" agent " in m for m in machines), machines
+            assert httpx.get(f"{gateway}/api/v1/health", timeout=10).status_code == 200
         request = {"model": SIM_MODEL, "prompt": "Hello", "max_tokens": 4}
         url = f"{router}/v1/completions"
         for headers in ({}, {"Authorization": "Bearer sxk_wrong"}):
@@ -153,13 +158,15 @@ def test_up_serves_a_completion_from_the_hetero_deployment_and_stops_cleanly(tmp
     assert f"router key {key}" in output  # shown at the first start
     assert "stopped." in output
     assert processes_mentioning(str(var_dir)) == []
-    for port in ports:  # web, router and both engines are gone
+    for port in ports:  # web, router, both engines and the gateway are gone
         assert not listening(int(port)), f"port {port} still served after shutdown"
     # A second run reuses the state (no new admin password or router key, same node) and
     # serves until Ctrl-C.
     serve = [arg for arg in argv if arg != "--exit"]
     with watching_command_lines() as exposed:
-        status, again = serve_until_interrupted(serve, env, f"http://127.0.0.1:{ports[1]}", key)
+        status, again = serve_until_interrupted(
+            serve, env, f"http://127.0.0.1:{ports[1]}", key, f"http://127.0.0.1:{ports[4]}"
+        )
     assert exposed == []
     assert status == 0, again[-4000:]
     assert "admin user admin / " not in again and key not in again
