@@ -201,6 +201,9 @@ class Stack:
                 max_model_len=self.args.max_model_len,
             )
             self.say(f"engines    real vLLM ({self.args.engine_python}), model {self.args.model}")
+            if context := getattr(self.args, "context", None):
+                source = "" if self.args.max_model_len else " (the model's own)"
+                self.say(f"           context {context:,} tokens{source}")
             if not Path("/dev/nvidia0").exists():
                 self.say(
                     "           no NVIDIA GPU here: both engines run on the CPU (vLLM's CPU "
@@ -446,6 +449,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 card = read_model_card(Path(args.model).expanduser())
                 card.check_max_model_len(args.max_model_len, field="--max-model-len")
+                args.context = args.max_model_len or card.max_model_len
             except ModelCardError as exc:
                 print(f"syshax up: {exc}", flush=True)
                 return 2

@@ -1,5 +1,8 @@
 """`syshax up --engine vllm`: the whole stack on two real vLLM engines (on the CPU here), the
-agent's process runtime launching both from the profile, PD through the KV connector."""
+agent's process runtime launching both from the profile, PD through the KV connector.
+
+The model is the tier's second shape (1,024 positions): `syshax up` once forced a context of
+2,048 that vLLM refuses for it; now the engines serve the model's own length."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from tests.system.test_up import ROOT, listening, processes_mentioning, up_comma
 @pytest.mark.timeout(1500)
 def test_up_on_real_vllm_engines_serves_pd_equal_to_gpu_only(tmp_path) -> None:
     python = ensure_vllm()
-    model = ensure_tiny_model()
+    model = ensure_tiny_model(wide=True)
     var_dir = tmp_path / "var"
     argv, env, ports = up_command(
         tmp_path, "--engine", "vllm", "--model", str(model), "--engine-python", str(python)
@@ -26,6 +29,7 @@ def test_up_on_real_vllm_engines_serves_pd_equal_to_gpu_only(tmp_path) -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert "both engines run on the CPU" in output
+    assert "context 1,024 tokens (the model's own)" in output
     assert output.index("start-gpu: GPU engine") < output.index("start-cpu: CPU engine")
     assert "equals the GPU-only answer token for token: yes" in output, output[-3000:]
     assert "hit=1.0" in output
