@@ -6,6 +6,7 @@ What each container gets (devices, IPC namespace, cpuset, mounts) is decided by
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -105,6 +106,10 @@ class DockerRuntime:
         try:
             container = self.client.containers.run(**kwargs)
         except docker.errors.APIError as exc:
+            # A container created but not started (an image whose entrypoint cannot run) is
+            # removed now, not left for the next start of this role.
+            with contextlib.suppress(docker.errors.APIError):
+                self.client.containers.get(name).remove(force=True)
             reason = str(exc.explanation or exc)
             if ipc_peer is not None and "ipc" in reason.lower():
                 # The engine's words name the GPU container by its id only (e.g. "no such

@@ -241,6 +241,32 @@ def test_a_failing_container_reports_its_exit_code_and_logs_and_is_removed(
     assert docker_runtime.list({"syshax.deployment": "13"}) == []
 
 
+def test_a_container_that_cannot_start_is_not_left_behind(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    executor = CommandExecutor(
+        docker_runtime,
+        node="node-a",
+        state_dir=tmp_path / "state",
+        policy=mounted(any_engine=True),
+    )
+    # Created, then refused at start: the program does not exist in the image.
+    spec = {
+        "command": ["/nonexistent/engine"],
+        "image": IMAGE,
+        "port": 1,
+        "mounts": host_mounts(),
+        "restart_policy": "no",
+        "health_timeout_seconds": 30,
+    }
+    result = run(executor, "start", "gpu", spec, deployment_id=14)
+    assert result["status"] == "failed"
+    assert result["detail"].startswith("container engine refused syshax-14-g1-gpu: "), result
+    assert docker_runtime.list({"syshax.deployment": "14"}) == []
+    names = [c.name for c in docker_runtime.client.containers.list(all=True)]
+    assert "syshax-14-g1-gpu" not in names
+
+
 def sim_spec(device: str, **extra: Any) -> dict[str, Any]:
     port = free_port()
     return {
