@@ -106,16 +106,13 @@ def check_model(spec: EngineSpec, *, local: bool) -> None:
     if not local and not Path(model).exists():
         return
     try:
-        card = read_model_card(model)
+        card = read_model_card(model, field="--model")
         length = _flag(spec.args, "--max-model-len")
         card.check_max_model_len(
             int(length) if length and length.isdigit() else None, field="--max-model-len"
         )
     except ModelCardError as exc:
-        message = str(exc)
-        if message.startswith("model: "):
-            message = "--model: " + message.removeprefix("model: ")
-        raise CommandFailed(f"spec.args {message}") from None
+        raise CommandFailed(f"spec.args {exc}") from None
 
 
 def failure_story(log: str, tail: str, node: str, kept: Path | None) -> str:
@@ -393,6 +390,13 @@ class CommandExecutor:
             },
         )
 
+    def _failed_log(self, engine_id: str) -> tuple[str, str, Path | None]:
+        """A failed engine's log, its last lines, and where it is kept (before the engine is
+        removed)."""
+        log = self.runtime.logs(engine_id, LOG_KEEP_LINES)
+        tail = "\n".join(log.strip().splitlines()[-LOG_TAIL_LINES:])
+        return log, tail, self._keep_log(engine_id, log)
+
     def _keep_log(self, engine_id: str, log: str) -> Path | None:
         """A failed engine's log, kept on the node after the engine is removed (a container's
         log goes with it); the path, or None when it cannot be written."""
@@ -417,9 +421,7 @@ class CommandExecutor:
             state = self.runtime.inspect(engine.engine_id)
             if state is None or state.status == "exited" or state.restarts > 0:
                 code = state.extra.get("last_exit_code") if state else None
-                log = self.runtime.logs(engine.engine_id, LOG_KEEP_LINES)
-                tail = "\n".join(log.strip().splitlines()[-LOG_TAIL_LINES:])
-                kept = self._keep_log(engine.engine_id, log)
+                log, tail, kept = self._failed_log(engine.engine_id)
                 self.runtime.stop(engine.engine_id)
                 what = (
                     f"exited with code {code}"
@@ -437,9 +439,7 @@ class CommandExecutor:
                 return state.container_state("healthy")
             last = "; ".join(msg for ok, msg in results if not ok)
             if time.monotonic() >= deadline:
-                log = self.runtime.logs(engine.engine_id, LOG_KEEP_LINES)
-                tail = "\n".join(log.strip().splitlines()[-LOG_TAIL_LINES:])
-                kept = self._keep_log(engine.engine_id, log)
+                _, tail, kept = self._failed_log(engine.engine_id)
                 self.runtime.stop(engine.engine_id)
                 where = f"full log: {self.node}:{kept} | " if kept else ""
                 raise CommandFailed(

@@ -192,13 +192,9 @@ class DeploymentProfile(TimeStampedModel):
         if not path.exists():
             return {}
         try:
-            card = read_model_card(path)
+            read_model_card(path).check_max_model_len(self.max_model_len)
         except ModelCardError as exc:
-            return {"model": str(exc).removeprefix("model: ")}
-        try:
-            card.check_max_model_len(self.max_model_len)
-        except ModelCardError as exc:
-            return {"max_model_len": str(exc).removeprefix("max_model_len: ")}
+            return {exc.field: exc.reason}
         return {}
 
     def clean(self) -> None:

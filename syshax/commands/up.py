@@ -444,10 +444,12 @@ def run(args: argparse.Namespace) -> int:
         if not args.model:
             print("syshax up: --engine vllm needs --model PATH (a model directory)", flush=True)
             return 2
-        if Path(args.model).expanduser().is_absolute() or os.sep in args.model:
+        local = Path(args.model).expanduser()
+        # A local directory (a hub id such as org/name is left to vLLM, as the profile does).
+        if local.is_absolute() or local.exists():
             # A local directory: its own limits, checked before anything starts.
             try:
-                card = read_model_card(Path(args.model).expanduser())
+                card = read_model_card(local)
                 card.check_max_model_len(args.max_model_len, field="--max-model-len")
                 args.context = args.max_model_len or card.max_model_len
             except ModelCardError as exc:

@@ -43,7 +43,13 @@ MAX_CONFIG_BYTES = 4 * 1024 * 1024
 
 
 class ModelCardError(ValueError):
-    """A model directory that cannot be served, in one line naming the cause."""
+    """A model directory that cannot be served, in one line: ``field: reason``, where the
+    field is the name the caller gave the setting (``model``, ``--model``, ``max_model_len``)."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -66,23 +72,24 @@ class ModelCard:
         if wanted is None or self.max_model_len is None or wanted <= self.max_model_len:
             return
         raise ModelCardError(
-            f"{field}: {wanted} is more than the model allows: {self.max_model_len} "
-            f"({self.length_key} in {self.path}/config.json)"
+            field,
+            f"{wanted} is more than the model allows: {self.max_model_len} "
+            f"({self.length_key} in {self.path}/config.json)",
         )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path, field: str) -> dict[str, Any]:
     try:
         size = path.stat().st_size
         if size > MAX_CONFIG_BYTES:
-            raise ModelCardError(f"{path}: {size} bytes, more than a model config can be")
+            raise ModelCardError(field, f"{path}: {size} bytes, more than a model config can be")
         data = json.loads(path.read_text(encoding="utf-8"))
     except ModelCardError:
         raise
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ModelCardError(f"{path}: not readable JSON ({exc})") from None
+        raise ModelCardError(field, f"{path}: not readable JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise ModelCardError(f"{path}: not a JSON object")
+        raise ModelCardError(field, f"{path}: not a JSON object")
     return data
 
 
@@ -137,27 +144,27 @@ def derive_max_model_len(
     return int(length), key
 
 
-def read_model_card(path: str | Path) -> ModelCard:
+def read_model_card(path: str | Path, field: str = "model") -> ModelCard:
     """The card of the model in directory ``path``; :class:`ModelCardError` names what is
-    missing or wrong."""
+    missing or wrong, under ``field`` (the name the caller gives the model setting)."""
     root = Path(path)
     if not root.exists():
-        raise ModelCardError(f"model: {root} does not exist")
+        raise ModelCardError(field, f"{root} does not exist")
     if not root.is_dir():
-        raise ModelCardError(f"model: {root} is not a directory")
+        raise ModelCardError(field, f"{root} is not a directory")
     config_path = root / "config.json"
     if not config_path.is_file():
-        raise ModelCardError(f"model: {root} has no config.json")
-    config = _read_json(config_path)
+        raise ModelCardError(field, f"{root} has no config.json")
+    config = _read_json(config_path, field)
     architectures = config.get("architectures")
     if (
         not isinstance(architectures, list)
         or not architectures
         or not all(isinstance(a, str) and a for a in architectures)
     ):
-        raise ModelCardError(f"model: {config_path} names no architectures")
+        raise ModelCardError(field, f"{config_path} names no architectures")
     tokenizer_path = root / "tokenizer_config.json"
-    tokenizer = _read_json(tokenizer_path) if tokenizer_path.is_file() else {}
+    tokenizer = _read_json(tokenizer_path, field) if tokenizer_path.is_file() else {}
     length, key = derive_max_model_len(config, tokenizer)
     dtype = config.get("torch_dtype") or config.get("dtype")
     chat = bool(tokenizer.get("chat_template")) or (root / "chat_template.jinja").is_file()

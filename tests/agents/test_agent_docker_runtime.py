@@ -218,15 +218,20 @@ def test_gpu_then_cpu_share_one_ipc_namespace_on_podman(
     assert docker_runtime.list({"syshax.deployment": "11"}) == []
 
 
-def test_a_failing_container_reports_its_exit_code_and_logs_and_is_removed(
-    docker_runtime: DockerRuntime, tmp_path: Path
-) -> None:
-    executor = CommandExecutor(
+def any_engine_executor(docker_runtime: DockerRuntime, tmp_path: Path) -> CommandExecutor:
+    """An agent that runs any engine: these tests start shell one-liners in the image."""
+    return CommandExecutor(
         docker_runtime,
         node="node-a",
         state_dir=tmp_path / "state",
         policy=mounted(any_engine=True),
     )
+
+
+def test_a_failing_container_reports_its_exit_code_and_logs_and_is_removed(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    executor = any_engine_executor(docker_runtime, tmp_path)
     spec = {
         "command": [sys.executable, "-c", "print('CUDA out of memory'); raise SystemExit(2)"],
         "image": IMAGE,
@@ -244,12 +249,7 @@ def test_a_failing_container_reports_its_exit_code_and_logs_and_is_removed(
 def test_a_container_that_cannot_start_is_not_left_behind(
     docker_runtime: DockerRuntime, tmp_path: Path
 ) -> None:
-    executor = CommandExecutor(
-        docker_runtime,
-        node="node-a",
-        state_dir=tmp_path / "state",
-        policy=mounted(any_engine=True),
-    )
+    executor = any_engine_executor(docker_runtime, tmp_path)
     # Created, then refused at start: the program does not exist in the image.
     spec = {
         "command": ["/nonexistent/engine"],

@@ -630,6 +630,9 @@ def test_syshax_gateway_names_a_bad_option() -> None:
         ("--bind", "nowhere", "HOST:PORT"),
         ("--snapshot-interval", "9", "5"),
         ("--switch-interval", "1", "0.1"),
+        ("--idle-timeout", "0.1", "3600"),
+        ("--max-connections", "3", "1000000"),
+        ("--max-connections", "many", "1000000"),
     ):
         bad = subprocess.run(
             [sys.executable, "-m", "syshax.cli", "gateway", option, value],

@@ -7,6 +7,7 @@ them in the spec of each start command (``commands/`` and the admin's command pa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,8 +19,8 @@ from controlplane.access.models import MachineCredential, PersonalToken
 from controlplane.core.models import AuditEntry
 from controlplane.deployments import services, workflow
 from controlplane.deployments.models import AgentCommand, Deployment
-from tests.controlplane.test_gateway import gateway  # noqa: F401  (the fixture)
 from tests.support.factories import build_node
+from tests.support.gateway import Running, serving_gateway
 
 SECRET = "hf_never_for_viewers_0123"
 APPS = ["inventory", "deployments", "policy", "benchmarks", "routers", "core", "access"]
@@ -148,11 +149,17 @@ def test_a_view_only_admin_sees_the_profile_env_names_not_values(make_profile) -
     assert 'name="gpu_env"' in form and 'name="cpu_env"' in form
 
 
+@pytest.fixture
+def gateway(live_server: Any) -> Iterator[Running]:
+    with serving_gateway(live_server.url, credential_ttl=0.0) as running:
+        yield running
+
+
 @pytest.mark.django_db(transaction=True)
 def test_through_the_machine_gateway_the_agent_gets_the_values_and_a_person_does_not(
-    request,
+    gateway: Running,
 ) -> None:
-    running = request.getfixturevalue("gateway")
+    running = gateway
     node = build_node("node-gw")
     token = MachineCredential.issue("agent", "agent-gw", node=node)[1]
     agent = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=30)
