@@ -1,7 +1,7 @@
 # The project image: control plane (web, worker, beat), router and agent share it.
 #
 # BASE is python:3.11-slim by default. Any Debian bookworm image with python3 and python3-venv
-# works too, e.g. the debootstrapped base scripts/compose_setup.sh builds where no registry is
+# works too, e.g. the debootstrapped base scripts/dev/compose_setup.sh builds where no registry is
 # reachable (docs/deployment.md). The project lives in a virtualenv at /opt/syshax, on PATH.
 ARG BASE=python:3.11-slim
 FROM ${BASE}

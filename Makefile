@@ -19,7 +19,7 @@ up: $(STAMP)
 	$(VENV)/bin/syshax up $(ARGS)
 
 test: $(STAMP)
-	$(PY) scripts/run_tests.py $(ARGS)
+	$(PY) scripts/dev/run_tests.py $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,5 +1,5 @@
 """The per-node agent: discovery, heartbeats and engine lifecycle (no Django)."""
 
-from syshax.common import __version__
+from common import __version__
 
 __all__ = ["__version__"]

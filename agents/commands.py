@@ -21,15 +21,15 @@ import httpx
 
 from agents.engine_policy import EnginePolicy
 from agents.runtimes import EngineRuntimeError, EngineState, Runtime
-from syshax.common.engine_spec import (
+from common.engine_spec import (
     ROLES,
     EngineSpec,
     SpecError,
     engine_labels,
     engine_name,
 )
-from syshax.common.files import write_json_atomic
-from syshax.common.model_card import ModelCardError, read_model_card
+from common.files import write_json_atomic
+from common.model_card import ModelCardError, read_model_card
 
 ACTIONS = ("start", "stop", "restart", "inspect", "logs")
 LOG_TAIL_LINES = 20

@@ -25,9 +25,9 @@ import httpx
 import psutil
 
 from agents import __version__
-from syshax.common.affinity import Topology, format_cpu_list, parse_cpu_list
-from syshax.common.inventory import inventory_hash
-from syshax.common.reports import (
+from common.affinity import Topology, format_cpu_list, parse_cpu_list
+from common.inventory import inventory_hash
+from common.reports import (
     CardReading,
     CardReport,
     CpuReport,
@@ -70,7 +70,7 @@ class AcceleratorPreset:
 
 
 # Presets for --simulate-accelerator. The first four are the simulator's device presets
-# (syshax/common/presets.py), so `syshax sim --device <preset>` models the same card; t4-16gb and
+# (common/presets.py), so `syshax sim --device <preset>` models the same card; t4-16gb and
 # l40s-48gb exist for inventory and placement demos only (t4 is under the 20 GB per-card floor).
 SIMULATED_PRESETS: dict[str, AcceleratorPreset] = {
     "a100-80gb": AcceleratorPreset("NVIDIA", "A100-SXM4-80GB", "gpu", 80 * GIB),

@@ -36,10 +36,10 @@ from agents.discovery import (
 )
 from agents.engine_policy import EnginePolicy
 from agents.runtimes import Runtime
-from syshax.common.engine_spec import Mount
-from syshax.common.files import write_json_atomic
-from syshax.common.inventory import inventory_hash
-from syshax.common.reports import InventoryReport
+from common.engine_spec import Mount
+from common.files import write_json_atomic
+from common.inventory import inventory_hash
+from common.reports import InventoryReport
 
 log = logging.getLogger("syshax.agent")
 T = TypeVar("T")

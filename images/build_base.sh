@@ -9,10 +9,10 @@
 # IMAGE   the tag to import as, e.g. localhost/syshax-debian:bookworm
 # WORKDIR a scratch folder for the root filesystem (removed again afterwards)
 # MIRROR  default http://deb.debian.org/debian
-# LABEL   an image label to set, e.g. the hash of this script (scripts/compose_setup.sh)
+# LABEL   an image label to set, e.g. the hash of this script (scripts/dev/compose_setup.sh)
 #
 # Runs as root with CONTAINERS_CONF / CONTAINERS_STORAGE_CONF already exported (see
-# scripts/compose_setup.sh). Needs debootstrap.
+# scripts/dev/compose_setup.sh). Needs debootstrap.
 set -euo pipefail
 
 IMAGE="$1"

@@ -14,15 +14,15 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from common.files import write_ready_file
+from common.policy_schema import KNOBS, PolicyError, validate_knobs
+from common.routing import PD_PROTOCOLS, DeploymentSpec
 from router.access import MODE_HEADER_OFF, MODE_HEADER_POLICIES
 from router.backends import Timeouts, scrape_forever
 from router.managed import ControlPlaneClient
 from router.server import Router, ServerConfig, build_app
 from router.state import PolicyRecord
 from router.workers import supervise
-from syshax.common.files import write_ready_file
-from syshax.common.policy_schema import KNOBS, PolicyError, validate_knobs
-from syshax.common.routing import PD_PROTOCOLS, DeploymentSpec
 
 log = logging.getLogger("syshax.router")
 

@@ -20,10 +20,10 @@ from typing import Any, Protocol, cast
 
 from aiohttp import web
 
+from common.policy_schema import PolicyKnobs
 from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.sse import DONE, ChunkBuilder, full_response
-from syshax.common.policy_schema import PolicyKnobs
 
 # Which path served the request (gpu-only, pd, cpu-only): for operators and tests.
 ROUTE_HEADER = "X-Syshax-Route"

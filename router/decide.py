@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+from common.policy_schema import PolicyKnobs
 from router.engine_metrics import DeviceLoad
-from syshax.common.policy_schema import PolicyKnobs
 
 
 class Route(StrEnum):

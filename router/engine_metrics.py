@@ -245,7 +245,7 @@ class LoadTracker:
     """What the router keeps of one engine from scrape to scrape: the last sample, the
     throughput and mean ITL between the last two, the decode steps' time (the median gap),
     and the ITL's slope against batch size. The live router's backends and the virtual-time
-    model (syshax.hetero) keep it alike."""
+    model (hetero) keep it alike."""
 
     def __init__(self, role: str) -> None:
         self.role = role

@@ -17,12 +17,12 @@ from typing import Any
 
 import aiohttp
 
+from common import __version__
+from common.files import write_json_atomic
+from common.policy_schema import PolicyError
+from common.routing import parse_deployments
 from router.server import Router
 from router.state import PolicyRecord, parse_policy
-from syshax.common import __version__
-from syshax.common.files import write_json_atomic
-from syshax.common.policy_schema import PolicyError
-from syshax.common.routing import parse_deployments
 
 log = logging.getLogger("syshax.router")
 

@@ -14,11 +14,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from common.sse import event_data, split_events
 from router.backends import Backend
 from router.decide import Decision, Route, decide_next_chunk
 from router.sse import chunk_parts
 from router.transport import UpstreamFailed, request
-from syshax.common.sse import event_data, split_events
 
 if TYPE_CHECKING:
     from router.flow import Exchange

@@ -28,10 +28,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from common.sse import event_data, split_events
 from router.backends import Backend
 from router.decide import Decision, Route, cpu_allowed, decide_next_chunk, token_limit
 from router.transport import UpstreamFailed, call_json, request
-from syshax.common.sse import event_data, split_events
 
 if TYPE_CHECKING:
     from router.flow import Exchange

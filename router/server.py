@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from common.policy_schema import MODES, PolicyKnobs
 from router.access import (
     MODE_HEADER,
     MODE_HEADER_BENCHMARK_KEYS,
@@ -41,7 +42,6 @@ from router.metrics import RouterMetrics
 from router.state import Deployment, RouterState
 from router.transport import BackendRemoved, UpstreamFailed, request
 from router.validate import check_request, parse_body, strip_router_fields
-from syshax.common.policy_schema import MODES, PolicyKnobs
 
 log = logging.getLogger("syshax.router")
 

@@ -1,5 +1,5 @@
 """Server-sent events: building the client's spliced stream (reading upstream events is
-syshax.common.sse).
+common.sse).
 
 When the router stitches one client stream out of several upstream requests (GPU prefill,
 CPU decode chunks, a GPU resume) it emits its own chunks with one id, one role chunk, one

@@ -14,12 +14,12 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.policy_schema import PolicyError, PolicyKnobs, validate_knobs
+from common.routing import DeploymentSpec
 from router.backends import Backend, Timeouts
 from router.decide import Loads
 from router.engine_metrics import UNAVAILABLE
 from router.pd import PROTOCOLS, PdProtocol
-from syshax.common.policy_schema import PolicyError, PolicyKnobs, validate_knobs
-from syshax.common.routing import DeploymentSpec
 
 log = logging.getLogger("syshax.router")
 

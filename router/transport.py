@@ -4,7 +4,7 @@ A general client (aiohttp's) costs a few hundred microseconds of CPU per request
 objects, header multidicts, a stream reader); relaying an engine's stream needs none of it.
 Here a request is one write on a pooled keep-alive connection, and the response head is
 searched for the few fields that matter. Each connection is an ``asyncio.Protocol``: body
-bytes are de-chunked as they arrive (``syshax.common.http1``), and once a passthrough stream
+bytes are de-chunked as they arrive (``common.http1``), and once a passthrough stream
 runs, a ``direct`` callback hands each read's payload straight to the client's socket from
 inside ``data_received`` - no task wake-up, no extra event-loop turn per token. Anything the
 callback declines (the first bytes, before the client's headers went out; the end of the
@@ -27,8 +27,8 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
+from common.http1 import FramingError, ResponseParser
 from router.deadlines import DEADLINES, Deadline
-from syshax.common.http1 import FramingError, ResponseParser
 
 if TYPE_CHECKING:
     from router.backends import Backend

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from syshax.common.files import write_ready_file
-from syshax.common.supervisor import python_argv
+from common.files import write_ready_file
+from common.supervisor import python_argv
 
 log = logging.getLogger("syshax.router")
 

@@ -1,6 +1,6 @@
-"""The ``syshax`` distribution: the shared layer (``syshax.common``), the engine simulator, the
-load generator, the KV connector and, on top, the command line (docs/architecture.md)."""
+"""The ``syshax`` command line: ``syshax up``, ``web``, ``agent``, ``router``, ``sim`` and the rest
+(``syshax/cli.py``), each verb loading its process's own package (docs/architecture.md)."""
 
-from syshax.common import __version__
+from common import __version__
 
 __all__ = ["__version__"]

@@ -30,10 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "worker": ("syshax.commands.worker", "run a Celery worker of the control plane"),
     "beat": ("syshax.commands.beat", "run Celery beat with the database scheduler"),
-    "sim": ("syshax.sim.cli", "run a simulated vLLM-compatible engine"),
+    "sim": ("sim.cli", "run a simulated vLLM-compatible engine"),
     "agent": ("agents.cli", "run the node agent"),
     "router": ("router.cli", "run the OpenAI-compatible PD router"),
-    "benchmark": ("syshax.loadgen.cli", "run a benchmark scenario"),
+    "benchmark": ("loadgen.cli", "run a benchmark scenario"),
     "up": ("syshax.commands.up", "run the whole system locally on the embedded defaults"),
 }
 
@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0
     if args[0] in {"-V", "--version"}:
-        from syshax.common import __version__
+        from common import __version__
 
         print(__version__)
         return 0

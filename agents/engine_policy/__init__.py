@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from agents.engine_policy.arguments import args_refusal
 from agents.engine_policy.environment import env_lifted, env_refusal, python_path_refusal
 from agents.engine_policy.programs import check_image, container_engine, host_engine
-from syshax.common.engine_spec import (
+from common.engine_spec import (
     KV_CONNECTOR_CONTAINER_DIR,
     EngineSpec,
     Mount,

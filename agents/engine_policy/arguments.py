@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from syshax.common.engine_spec import KV_CONNECTOR_MODULE
+from common.engine_spec import KV_CONNECTOR_MODULE
 
 DENIED_OPTIONS = {
     "--trust-remote-code": "runs Python code that ships with the model",

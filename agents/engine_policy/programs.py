@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 
-from syshax.common.engine_spec import SpecError
+from common.engine_spec import SpecError
 
 PYTHON = re.compile(r"python(3(\.\d+)?)?")
 # module run with ``python -m`` -> the subcommand it must be given (None: none)

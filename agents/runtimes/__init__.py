@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from syshax.common.engine_spec import EngineSpec
+from common.engine_spec import EngineSpec
 
 
 class EngineRuntimeError(Exception):

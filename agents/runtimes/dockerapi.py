@@ -1,7 +1,7 @@
 """The Docker-Engine-API runtime (Docker, or Podman's Docker-compatible service).
 
 What each container gets (devices, IPC namespace, cpuset, mounts) is decided by
-``syshax.common.containers``, which the control plane's profile preview shares.
+``common.containers``, which the control plane's profile preview shares.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import docker.errors
 from docker.models.containers import Container
 
 from agents.runtimes import EngineRuntimeError, EngineState
-from syshax.common.containers import container_kwargs
-from syshax.common.engine_spec import EngineSpec, kv_connector_dir
-from syshax.common.engine_spec import Mount as SpecMount
-from syshax.common.hosts import HostError, http_url
+from common.containers import container_kwargs
+from common.engine_spec import EngineSpec, kv_connector_dir
+from common.engine_spec import Mount as SpecMount
+from common.hosts import HostError, http_url
 
 _STATUS = {
     "created": "created",
@@ -35,7 +35,7 @@ _STATUS = {
 
 def _endpoint(host: str, port: str | None) -> str | None:
     """Where a container's engine listens, from the labels it was started with; none when
-    they name no port or no host (syshax/common/hosts.py)."""
+    they name no port or no host (common/hosts.py)."""
     if not port or not port.isdigit() or port == "0":
         return None
     try:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from syshax.common.files import write_json_atomic
+from common.files import write_json_atomic
 
 MAX_RESTARTS = 5  # the loop stops here so a crashing engine does not spin forever
 

@@ -26,9 +26,9 @@ import psutil
 
 from agents.engine_policy.environment import engine_base_env
 from agents.runtimes import EngineRuntimeError, EngineState
-from syshax.common.affinity import AffinityError, parse_cpu_list
-from syshax.common.engine_spec import EngineSpec, kv_connector_dir, prepend_python_path
-from syshax.common.files import write_json_atomic
+from common.affinity import AffinityError, parse_cpu_list
+from common.engine_spec import EngineSpec, kv_connector_dir, prepend_python_path
+from common.files import write_json_atomic
 
 
 class ProcessRuntime:

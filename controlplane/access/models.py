@@ -3,7 +3,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.conf import settings
 from django.db import models, transaction
@@ -11,9 +11,6 @@ from django.utils import timezone
 
 from controlplane.access.choices import CredentialKind
 from controlplane.core import audit
-
-if TYPE_CHECKING:
-    from controlplane.inventory.models import Node
 
 TOKEN_PREFIX = {CredentialKind.AGENT: "sxa_", CredentialKind.ROUTER: "sxr_"}
 PERSONAL_TOKEN_PREFIX = "sxp_"
@@ -119,9 +116,12 @@ class MachineCredential(models.Model):
 
     @classmethod
     def issue(
-        cls, kind: str, name: str, *, node: Node | None = None, created_by: object = None
+        cls, kind: str, name: str, *, node: models.Model | None = None, created_by: object = None
     ) -> tuple[MachineCredential, str]:
-        """Create a credential and return it with its plaintext token (shown only now)."""
+        """Create a credential and return it with its plaintext token (shown only now).
+
+        ``node`` is an ``inventory.Node`` (typed as a model: the access app sits below the
+        inventory in the layers and names it only in its foreign key)."""
         token = TOKEN_PREFIX[CredentialKind(kind)] + secrets.token_urlsafe(32)
         user, _ = audit.split_actor(created_by)
         with transaction.atomic():
@@ -133,7 +133,7 @@ class MachineCredential(models.Model):
                 key_hint=token[:KEY_HINT_LENGTH],
                 created_by=user,
             )
-            detail = {"kind": kind, "name": name, "node": node.name if node else None}
+            detail = {"kind": kind, "name": name, "node": str(node) if node else None}
             audit.record("credential.issued", credential, acting_user=created_by, detail=detail)
         return credential, token
 

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from syshax.loadgen.goodput import GoodputSearch
+from loadgen.goodput import GoodputSearch
 
 # (name, how to read it from a row's summary, higher is better)
 FIGURES: tuple[tuple[str, tuple[str, ...], bool], ...] = (

@@ -1,4 +1,4 @@
-"""Run a BenchmarkRun's load with the load generator (syshax.loadgen) and collect its rows.
+"""Run a BenchmarkRun's load with the load generator (loadgen) and collect its rows.
 
 Runs inside a Celery worker. The load is asyncio; the database is touched only from a
 thread (``sync_to_async``), once a second, to publish progress and read a cancel request.
@@ -12,15 +12,15 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from syshax.loadgen.client import StreamClient, discover_model, make_session
-from syshax.loadgen.goodput import GoodputSearch
-from syshax.loadgen.report import Row
-from syshax.loadgen.runner import LoadSpec, run_load
-from syshax.loadgen.stats import summarize
-from syshax.loadgen.sweeping import SweepPlan, sweep_target
-from syshax.loadgen.targets import Target, plan_targets
-from syshax.loadgen.wire import ConnectionPool
-from syshax.loadgen.workload import WARMUP_INDEX, build_requests
+from loadgen.client import StreamClient, discover_model, make_session
+from loadgen.goodput import GoodputSearch
+from loadgen.report import Row
+from loadgen.runner import LoadSpec, run_load
+from loadgen.stats import summarize
+from loadgen.sweeping import SweepPlan, sweep_target
+from loadgen.targets import Target, plan_targets
+from loadgen.wire import ConnectionPool
+from loadgen.workload import WARMUP_INDEX, build_requests
 
 
 class Cancelled(Exception):

@@ -22,11 +22,11 @@ from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample
 from controlplane.benchmarks.services import _endpoint, flag_regression
 from controlplane.inventory.models import Heartbeat
 from controlplane.routers.models import RouterInstance
-from syshax.loadgen.controlplane import summarize_heartbeats
-from syshax.loadgen.goodput import DEFAULT_BISECTIONS, GoodputSearch
-from syshax.loadgen.report import to_json
-from syshax.loadgen.stats import SLO
-from syshax.loadgen.sweeping import SweepPlan
+from loadgen.controlplane import summarize_heartbeats
+from loadgen.goodput import DEFAULT_BISECTIONS, GoodputSearch
+from loadgen.report import to_json
+from loadgen.stats import SLO
+from loadgen.sweeping import SweepPlan
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from typing import Any
 
 from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask
 
+from common.errors import FieldError
 from controlplane.benchmarks.choices import BenchmarkMode
 from controlplane.benchmarks.models import MAX_CONCURRENCY, Scenario
 from controlplane.deployments.models import Deployment
-from syshax.common.errors import FieldError
 
 TASK_NAME = "benchmarks.scheduled_run"
 DEFAULT_THRESHOLD_PERCENT = 10.0

@@ -21,7 +21,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from syshax.common.errors import FieldError
+from common.errors import FieldError
 
 HEALTH_SCHEMA = inline_serializer(
     "Health", {"status": serializers.CharField(), "database": serializers.CharField()}

@@ -36,7 +36,7 @@ from kombu.transport import filesystem as kombu_fs
 from kombu.utils.encoding import bytes_to_str, str_to_bytes
 from kombu.utils.json import dumps, loads
 
-from syshax.common.files import write_bytes_atomic
+from common.files import write_bytes_atomic
 
 SCHEME = "syshaxfs"
 CLAIM_SUFFIX = ".claimed"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from syshax.common.errors import FieldError
+from common.errors import FieldError
 
 
 class TransitionError(FieldError):

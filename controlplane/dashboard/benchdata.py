@@ -1,6 +1,6 @@
 """A benchmark run's figures, shaped for the charts. Pure functions over plain values.
 
-A run's ``summary`` holds the load generator's JSON (``syshax.loadgen.report.to_json``: a
+A run's ``summary`` holds the load generator's JSON (``loadgen.report.to_json``: a
 ``rows`` list with one ``summary`` per mode and concurrency). Runs stored without it — older
 runs, runs that failed midway — fall back to figures computed from their per-request samples,
 and runs with neither show "no data" rather than an empty chart.
@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from syshax.loadgen.stats import percentile
+from loadgen.stats import percentile
 
 PERCENTILES = ("median", "p90", "p99")
 MODE_ORDER = {"cpu": 0, "gpu": 1, "hetero": 2}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from django.utils.html import escape, format_html
 from django.utils.safestring import SafeString, mark_safe
 
-from syshax.loadgen.chart import nice_ceiling  # one axis rule for the CLI's charts and these
+from loadgen.chart import nice_ceiling  # one axis rule for the CLI's charts and these
 
 WIDTH, HEIGHT = 560, 260
 LEFT, RIGHT, TOP, BOTTOM = 56, 24, 30, 44

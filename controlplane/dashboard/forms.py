@@ -13,13 +13,13 @@ from django import forms
 from django.core.exceptions import ValidationError
 from rest_framework import serializers
 
+from common.policy_schema import KNOBS, Knob
 from controlplane.benchmarks.api.serializers import ConcurrencyField, RatesField
 from controlplane.benchmarks.choices import BenchmarkMode
 from controlplane.benchmarks.models import Scenario
 from controlplane.deployments.models import Deployment, DeploymentProfile
 from controlplane.inventory.models import Node, node_name_validator
 from controlplane.policy.models import SchedulingPolicy
-from syshax.common.policy_schema import KNOBS, Knob
 
 
 class DeploymentCreateForm(forms.Form):
@@ -93,7 +93,7 @@ def knob_field(knob: Knob) -> forms.Field:
 
 
 class PolicyForm(forms.Form):
-    """Every knob of syshax.common.policy_schema plus the reason the change is recorded with."""
+    """Every knob of common.policy_schema plus the reason the change is recorded with."""
 
     reason = forms.CharField(
         widget=forms.Textarea(attrs={"rows": 2}),

@@ -7,6 +7,7 @@ from django.contrib import admin, messages
 from django.urls import reverse
 from django.utils.html import format_html
 
+from common.errors import FieldError
 from controlplane.deployments import services
 from controlplane.deployments.masking import hide_env, hide_spec_env, may_see_env
 from controlplane.deployments.models import (
@@ -18,7 +19,6 @@ from controlplane.deployments.models import (
 )
 from controlplane.deployments.placement import PlacementError
 from controlplane.deployments.render import render_profile
-from syshax.common.errors import FieldError
 
 
 def _json(value: Any) -> str:

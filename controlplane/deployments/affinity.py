@@ -1,22 +1,22 @@
-"""Plan the CPU engine's cores on a node with the agents' pure planner (syshax.common.affinity),
+"""Plan the CPU engine's cores on a node with the agents' pure planner (common.affinity),
 leaving out cores that other active deployments on the node already hold."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from controlplane.deployments.choices import AffinityMode, DeploymentState
-from controlplane.deployments.models import Deployment, DeploymentProfile
-from controlplane.deployments.placement import PlacementError
-from controlplane.inventory.cpulist import format_cpu_list, parse_cpu_list
-from controlplane.inventory.models import Node
-from syshax.common.affinity import (
+from common.affinity import (
     AffinityError,
     AffinityRequest,
     Topology,
     plan_affinity,
     topology_from_inventory,
 )
+from controlplane.deployments.choices import AffinityMode, DeploymentState
+from controlplane.deployments.models import Deployment, DeploymentProfile
+from controlplane.deployments.placement import PlacementError
+from controlplane.inventory.cpulist import format_cpu_list, parse_cpu_list
+from controlplane.inventory.models import Node
 
 ACTIVE = (DeploymentState.DEPLOYING, DeploymentState.RUNNING, DeploymentState.UNKNOWN)
 

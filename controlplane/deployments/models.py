@@ -10,6 +10,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
 
+from common.model_card import ModelCardError, read_model_card
 from controlplane.core.models import TimeStampedModel
 from controlplane.deployments.choices import (
     DEPLOYMENT_LIFECYCLE,
@@ -32,7 +33,6 @@ from controlplane.inventory.choices import AcceleratorKind
 from controlplane.inventory.cpulist import CpuListError, parse_cpu_list
 from controlplane.inventory.models import Node, node_name_validator
 from controlplane.policy.models import SchedulingPolicy
-from syshax.common.model_card import ModelCardError, read_model_card
 
 # Of the GPU container's /dev/shm, what the KV arena leaves to vLLM's own shared memory.
 KV_ARENA_SHM_RESERVE_MIB = 512

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from common.errors import FieldError
 from controlplane.deployments.choices import AffinityMode
 from controlplane.deployments.models import DeploymentProfile
 from controlplane.inventory.cpulist import CpuListError, format_cpu_list, parse_cpu_list
 from controlplane.inventory.models import Node
-from syshax.common.errors import FieldError
 
 # sysHAX's deployment guide: at least 20 GB of device memory per card.
 MIN_ACCELERATOR_MEMORY_GB = 20.0

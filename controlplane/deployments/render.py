@@ -15,15 +15,15 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, replace
 
+from common.containers import container_kwargs, docker_run_argv
+from common.engine_spec import EngineSpec, kv_connector_dir, prepend_python_path
+from common.errors import FieldError
 from controlplane.deployments.masking import HIDDEN, hide_env
 from controlplane.deployments.models import DeploymentProfile
 from controlplane.deployments.placement import PlacementError
 from controlplane.deployments.services import placement_plan
 from controlplane.deployments.specs import profile_engine_spec
 from controlplane.inventory.models import Node
-from syshax.common.containers import container_kwargs, docker_run_argv
-from syshax.common.engine_spec import EngineSpec, kv_connector_dir, prepend_python_path
-from syshax.common.errors import FieldError
 
 
 class RenderError(FieldError):

@@ -1,4 +1,4 @@
-"""Build the engine spec an agent receives, in the shared shape (syshax.common.engine_spec) the
+"""Build the engine spec an agent receives, in the shared shape (common.engine_spec) the
 agent validates, so both sides agree on it (docs/agent.md).
 
 What goes on the command line depends on the engine kind (docs/operator-guide.md):
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.affinity import thread_env
+from common.engine_spec import Accelerator, EngineSpec, engine_name, kv_transfer_config
+from common.presets import DEVICES
 from controlplane.deployments.choices import EngineKind
 from controlplane.deployments.models import Deployment, DeploymentProfile
 from controlplane.inventory.models import LOOPBACK, Node
 from controlplane.inventory.models import Accelerator as AcceleratorRow
-from syshax.common.affinity import thread_env
-from syshax.common.engine_spec import Accelerator, EngineSpec, engine_name, kv_transfer_config
-from syshax.common.presets import DEVICES
 
 GIB = 1024**3
 SIMULATOR_COMMAND = ["syshax", "sim"]

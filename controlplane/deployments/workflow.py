@@ -18,6 +18,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from common.hosts import http_url
 from controlplane.core import audit, dispatch
 from controlplane.deployments import delivery
 from controlplane.deployments.choices import (
@@ -33,7 +34,6 @@ from controlplane.deployments.choices import (
 from controlplane.deployments.models import AgentCommand, Deployment
 from controlplane.deployments.services import add_event, set_state
 from controlplane.deployments.specs import engine_spec
-from syshax.common.hosts import http_url
 
 log = logging.getLogger(__name__)
 

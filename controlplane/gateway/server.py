@@ -35,6 +35,9 @@ from typing import Any
 import aiohttp
 from django.conf import settings
 
+from common.collections_timed import CollectionTimes, freeze_heap
+from common.inventory import inventory_hash
+from common.reports import AGENT_ONLY, CardReport
 from controlplane.access.throttling import MachineRateThrottle
 from controlplane.core.api import etag_listed
 from controlplane.gateway import payloads
@@ -56,10 +59,7 @@ from controlplane.gateway.upstream import (
     upstream_base,
     upstream_url,
 )
-from syshax.common.collections_timed import CollectionTimes, freeze_heap
-from syshax.common.inventory import inventory_hash
-from syshax.common.reports import AGENT_ONLY, CardReport
-from syshax.loadgen.stats import percentile
+from loadgen.stats import percentile
 
 log = logging.getLogger("controlplane.gateway")
 

@@ -6,9 +6,9 @@ list is allowed (a node that has not reported yet) and errors are plain ``ValueE
 
 from __future__ import annotations
 
-from syshax.common.affinity import AffinityError
-from syshax.common.affinity import format_cpu_list as format_cpu_list
-from syshax.common.affinity import parse_cpu_list as _parse
+from common.affinity import AffinityError
+from common.affinity import format_cpu_list as format_cpu_list
+from common.affinity import parse_cpu_list as _parse
 
 
 class CpuListError(ValueError):

@@ -8,10 +8,10 @@ from django.core.validators import MaxValueValidator, MinValueValidator, RegexVa
 from django.db import models
 from django.utils import timezone
 
+from common.hosts import HostError, check_host, is_host
 from controlplane.core.models import TimeStampedModel
 from controlplane.inventory.choices import AcceleratorKind, NodeStatus
 from controlplane.inventory.cpulist import parse_cpu_list
-from syshax.common.hosts import HostError, check_host, is_host
 
 node_name_validator = RegexValidator(
     r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
@@ -24,7 +24,7 @@ LOOPBACK = "127.0.0.1"
 
 def validate_node_address(value: str) -> None:
     """A node's address is a host name or an IP literal: routers and benchmarks send traffic
-    to ``http://<address>:<port>`` (syshax/common/hosts.py)."""
+    to ``http://<address>:<port>`` (common/hosts.py)."""
     try:
         check_host(value)
     except HostError as exc:

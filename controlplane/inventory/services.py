@@ -11,12 +11,12 @@ from typing import Any
 from django.db import connection, transaction
 from django.utils import timezone
 
+from common.inventory import inventory_hash
 from controlplane.core import audit
 from controlplane.core.models import Clock
 from controlplane.inventory import signals
 from controlplane.inventory.choices import NODE_LIFECYCLE, NodeStatus
 from controlplane.inventory.models import Accelerator, CpuTopology, Heartbeat, Node, NumaNode
-from syshax.common.inventory import inventory_hash
 
 
 def apply_inventory(node: Node, payload: dict[str, Any], *, acting_user: Any) -> bool:
@@ -155,7 +155,7 @@ def _record_steady_transaction(
 ) -> dict[int, tuple[str, str]]:
     """The batch as three statements in a transaction: the nodes' ``UPDATE``, the heartbeat
     rows' ``INSERT`` and the cards' ``UPDATE``. (It was PostgreSQL's too, before the one
-    statement: ``scripts/heartbeat_write_timing.py`` times the two there.)"""
+    statement: ``scripts/bench/heartbeat_write_timing.py`` times the two there.)"""
     quote = connection.ops.quote_name
     node_ids = sorted({node_id for node_id, _ in reports})
     steady = sorted(_STEADY)
@@ -310,7 +310,7 @@ def _rows(types: Sequence[str], rows: Sequence[Sequence[Any]]) -> tuple[str, lis
     the same for any number of rows, and the whole table is one string the driver quotes at
     C speed. An array parameter a column cost five times the CPU for the heartbeat rows
     (psycopg quotes each element of a list in Python: 14.4 against 2.7 ms for 100 heartbeats,
-    ``scripts/heartbeat_batch_timing.py``, docs/scale.md), and that CPU is the machine
+    ``scripts/bench/heartbeat_batch_timing.py``, docs/scale.md), and that CPU is the machine
     gateway's, under its one lock. Elsewhere it is a ``VALUES`` list, with a ``JSONB``
     column's values as JSON text."""
     if connection.vendor == "postgresql":

@@ -7,9 +7,9 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
+from common.policy_schema import KNOBS, PolicyError, validate_knobs
 from controlplane.core.models import TimeStampedModel
 from controlplane.policy.choices import DeciderAlgorithm, PolicyMode
-from syshax.common.policy_schema import KNOBS, PolicyError, validate_knobs
 
 KNOB_NAMES = tuple(knob.name for knob in KNOBS)
 
@@ -27,7 +27,7 @@ def _range(name: str) -> list[Any]:
 class SchedulingPolicy(TimeStampedModel):
     """The live PD knobs routers apply. Every change is a PolicyRevision (see services.py).
 
-    The knob fields mirror ``syshax.common.policy_schema.PolicyKnobs``; a test pins that they agree.
+    The knob fields mirror ``common.policy_schema.PolicyKnobs``; a test pins that they agree.
     """
 
     name = models.SlugField(max_length=64, unique=True, default="default")

@@ -6,9 +6,9 @@ from typing import Any
 
 from django.db import transaction
 
+from common.policy_schema import PolicyError, validate_knobs
 from controlplane.core import audit
 from controlplane.policy.models import KNOB_NAMES, PolicyRevision, SchedulingPolicy
-from syshax.common.policy_schema import PolicyError, validate_knobs
 
 
 class NothingChanged(PolicyError):

@@ -11,14 +11,14 @@ from django.db import connection, transaction
 from django.db.models import Max, OuterRef, Subquery
 from django.utils import timezone
 
+from common.errors import FieldError
+from common.hosts import is_http_url
+from common.routing import DeploymentSpec
 from controlplane.access.models import MachineCredential
 from controlplane.deployments.choices import DeploymentState
 from controlplane.deployments.models import Deployment
 from controlplane.inventory.models import Heartbeat
 from controlplane.routers.models import RouterInstance, RouterStatsSample
-from syshax.common.errors import FieldError
-from syshax.common.hosts import is_http_url
-from syshax.common.routing import DeploymentSpec
 
 
 class RouterNameTaken(FieldError):
@@ -211,7 +211,7 @@ def routable_deployments() -> list[dict[str, Any]]:
         ).as_api()
         for d in rows
         # An endpoint built from an address stored before addresses were checked is never
-        # handed to a router (syshax/common/hosts.py).
+        # handed to a router (common/hosts.py).
         if all(not url or is_http_url(url) for url in (d.gpu_endpoint, d.cpu_endpoint))
     ]
 

@@ -19,6 +19,7 @@ import os
 import sys
 from typing import Any
 
+from common.policy_schema import KNOBS, PolicyError, coerce_value
 from syshax.commands.localconfig import (
     LOCAL_KEYS,
     LOCAL_KEYS_BY_NAME,
@@ -28,7 +29,6 @@ from syshax.commands.localconfig import (
     resolve,
     set_in_file,
 )
-from syshax.common.policy_schema import KNOBS, PolicyError, coerce_value
 
 # The documents' CLI names, mapped to the knobs they set.
 ALIASES = {"auto_pd_offload": "enable_auto_pd_offload"}

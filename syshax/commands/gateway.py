@@ -10,7 +10,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from syshax.webworker import limits_from_env
+from controlplane.webworker import limits_from_env
 
 
 def _host_port(value: str) -> tuple[str, int]:

@@ -18,8 +18,8 @@ import secrets
 import sys
 from pathlib import Path
 
+from common.files import write_text_atomic
 from syshax.commands.localconfig import LOCAL_KEYS, LocalConfigError, resolve
-from syshax.common.files import write_text_atomic
 
 TEMPLATE = """\
 # syshax local configuration, written by `syshax init`. The control plane, `syshax config` and

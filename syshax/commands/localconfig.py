@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from common.files import write_text_atomic
 from controlplane.deployments.choices import PdProtocol
 from controlplane.settings.env import find_env_file, parse_env_file
-from syshax.common.files import write_text_atomic
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 POLICY_FILE_NAME = "policy.json"

@@ -39,10 +39,10 @@ def run(args: argparse.Namespace) -> int:
     from syshax.commands._django import setup
 
     setup()
+    from common.errors import FieldError
     from controlplane.deployments.models import DeploymentProfile
     from controlplane.deployments.render import render_profile
     from controlplane.inventory.models import Node
-    from syshax.common.errors import FieldError
 
     if args.verb == "list":
         profiles = list(DeploymentProfile.objects.order_by("name"))

@@ -26,8 +26,8 @@ from types import FrameType
 
 import httpx
 
-from syshax.common.model_card import ModelCardError, read_model_card
-from syshax.common.supervisor import Supervisor, python_argv, wait_until
+from common.model_card import ModelCardError, read_model_card
+from common.supervisor import Supervisor, python_argv, wait_until
 
 # How often ``syshax up`` polls while it waits for a child or the deployment.
 POLL_S = 0.3

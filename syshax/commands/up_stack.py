@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from syshax.common.files import write_text_atomic
+from common.files import write_text_atomic
 
 if TYPE_CHECKING:
     from controlplane.deployments.models import DeploymentProfile

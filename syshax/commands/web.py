@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from controlplane.settings.env import env_str, find_env_file, load_env_file
-from syshax.webworker import (
+from controlplane.webworker import (
     BODY_LIMIT_ENV,
     DEFAULT_READ_TIMEOUT,
     READ_TIMEOUT_ENV,
@@ -18,7 +18,7 @@ from syshax.webworker import (
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 # Reads each request whole in its event loop before a thread serves it (docs/security.md).
-WORKER_CLASS = "syshax.webworker.BufferedRequestWorker"
+WORKER_CLASS = "controlplane.webworker.BufferedRequestWorker"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

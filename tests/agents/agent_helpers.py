@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from syshax.common.supervisor import free_port
+from common.supervisor import free_port
 
 
 def http_engine_spec(root: Path, **extra: Any) -> dict[str, Any]:
@@ -40,7 +40,7 @@ def sim_spec(**extra: Any) -> dict[str, Any]:
 
 
 PROJECT = Path(__file__).resolve().parents[2]
-IMAGE = "localhost/syshax-hostroot:1"  # built by scripts/podman_setup.sh
+IMAGE = "localhost/syshax-hostroot:1"  # built by scripts/dev/podman_setup.sh
 
 
 def host_mounts(*extra: Path) -> list[dict[str, object]]:

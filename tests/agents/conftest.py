@@ -50,11 +50,11 @@ def executor(process_runtime: ProcessRuntime, tmp_path: Path) -> CommandExecutor
 def podman_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A real Docker-API engine: Podman's compat service on a private socket, for this session.
 
-    scripts/podman_setup.sh installs Podman from Debian packages the first time (idempotent,
+    scripts/dev/podman_setup.sh installs Podman from Debian packages the first time (idempotent,
     fast afterwards) and builds the tiny image; this fixture starts and stops its own service.
     """
     setup = subprocess.run(
-        [str(PROJECT / "scripts/podman_setup.sh")], capture_output=True, text=True, timeout=900
+        [str(PROJECT / "scripts/dev/podman_setup.sh")], capture_output=True, text=True, timeout=900
     )
     assert setup.returncode == 0, f"podman setup failed:\n{setup.stdout}\n{setup.stderr}"
     env_vars = dict(line.split("=", 1) for line in setup.stdout.splitlines() if "=" in line)

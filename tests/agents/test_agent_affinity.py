@@ -7,7 +7,7 @@ import os
 import pytest
 
 from agents.discovery import read_topology
-from syshax.common.affinity import (
+from common.affinity import (
     AffinityError,
     AffinityRequest,
     Topology,

@@ -10,7 +10,7 @@ import pytest
 
 from agents.cli import add_arguments, build_config
 from agents.main import parse_mounts
-from syshax.common.engine_spec import Mount
+from common.engine_spec import Mount
 
 
 def parse(*argv: str) -> argparse.Namespace:

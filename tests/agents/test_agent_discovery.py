@@ -19,8 +19,8 @@ from agents.discovery import (
     parse_simulated,
     read_topology,
 )
-from syshax.common.affinity import AffinityRequest, plan_affinity
-from syshax.common.inventory import inventory_hash
+from common.affinity import AffinityRequest, plan_affinity
+from common.inventory import inventory_hash
 
 KUNPENG_CPUINFO = "".join(
     f"processor\t: {i}\nBogoMIPS\t: 200.00\n"

@@ -16,8 +16,8 @@ from agent_helpers import IMAGE, free_port, host_mounts, http_engine_spec
 from agents.commands import CommandExecutor
 from agents.engine_policy import EnginePolicy
 from agents.runtimes.dockerapi import DockerRuntime
-from syshax.common.containers import container_kwargs
-from syshax.common.engine_spec import EngineSpec, Mount, SpecError, kv_connector_dir
+from common.containers import container_kwargs
+from common.engine_spec import EngineSpec, Mount, SpecError, kv_connector_dir
 
 
 def mounted(*extra: Path, any_engine: bool = False) -> EnginePolicy:
@@ -352,7 +352,7 @@ def test_rendered_docker_run_lines_make_the_containers_the_agent_makes(
     import shutil
     import subprocess
 
-    from syshax.common.containers import docker_run_argv
+    from common.containers import docker_run_argv
 
     docker = shutil.which("docker")
     assert docker, "the docker CLI is needed to run the rendered lines"

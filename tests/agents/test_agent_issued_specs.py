@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from agents.engine_policy import EnginePolicy
+from common.engine_spec import EngineSpec, SpecError
 from controlplane.deployments import services
 from controlplane.deployments.models import Deployment, DeploymentProfile
 from controlplane.deployments.specs import engine_spec
 from syshax.commands import up_stack
-from syshax.common.engine_spec import EngineSpec, SpecError
 from tests.support.factories import build_node, build_profile
 
 pytestmark = pytest.mark.django_db

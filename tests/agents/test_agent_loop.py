@@ -29,7 +29,7 @@ from agents.client import (
     jittered,
 )
 from agents.commands import probe
-from syshax.common.supervisor import wait_until
+from common.supervisor import wait_until
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:

@@ -17,7 +17,7 @@ from agent_helpers import http_engine_spec
 
 from agents.commands import CommandExecutor
 from agents.runtimes.process import ProcessRuntime
-from syshax.common.engine_spec import kv_connector_dir
+from common.engine_spec import kv_connector_dir
 
 
 def run(

@@ -38,7 +38,7 @@ from agents.discovery import (
 )
 from agents.main import Agent, AgentConfig
 from agents.runtimes.process import ProcessRuntime
-from syshax.common.presets import MODELS
+from common.presets import MODELS
 
 MODEL = "deepseek-r1-distill-qwen-32b"
 WEIGHTS = int(MODELS[MODEL].weight_bytes)

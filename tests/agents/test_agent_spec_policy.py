@@ -23,7 +23,7 @@ from agents.commands import CommandExecutor
 from agents.engine_policy import EnginePolicy
 from agents.main import Agent
 from agents.runtimes.process import ProcessRuntime
-from syshax.common.engine_spec import EngineSpec, Mount, SpecError, kv_connector_dir
+from common.engine_spec import EngineSpec, Mount, SpecError, kv_connector_dir
 
 BIN = os.path.dirname(os.path.abspath(sys.executable))  # the agent's interpreter's directory
 SIM = [sys.executable, "-m", "syshax.cli", "sim"]
@@ -214,7 +214,7 @@ def test_arguments_that_load_code_are_refused(args: list[str], reason: str) -> N
 
 
 def test_the_syshax_connector_and_lifted_flags_pass() -> None:
-    from syshax.common.engine_spec import kv_transfer_config
+    from common.engine_spec import kv_transfer_config
 
     config = kv_transfer_config("syshax-1-g1-gpu", "syshax-1-g1-cpu", arena_mib=64)
     args = ["--kv-transfer-config", config, "--enable-prompt-tokens-details", "-O3", "-tp", "2"]

@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("broker_stress", ROOT / "scripts/broker_stress.py")
+spec = importlib.util.spec_from_file_location(
+    "broker_stress", ROOT / "scripts/bench/broker_stress.py"
+)
 assert spec and spec.loader
 stress = importlib.util.module_from_spec(spec)
 sys.modules["broker_stress"] = stress

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import psutil
 
-from syshax.common.supervisor import free_port, python_argv, wait_until
+from common.supervisor import free_port, python_argv, wait_until
 from tests.chaos.procs import Proc, ProcessExit, Supervisor
 from tests.support.services import PostgresServer, RedisServer
 

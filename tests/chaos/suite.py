@@ -1,5 +1,5 @@
 """Run chaos scenarios on one stack and report them: a markdown table and a JSON document.
-Used by scripts/chaos.py and tests/chaos/test_chaos.py."""
+Used by scripts/bench/chaos.py and tests/chaos/test_chaos.py."""
 
 from __future__ import annotations
 

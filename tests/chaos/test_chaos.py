@@ -1,4 +1,4 @@
-"""The chaos suite in quick mode (``scripts/chaos.py --quick``): the worker, the agent, Redis
+"""The chaos suite in quick mode (``scripts/bench/chaos.py --quick``): the worker, the agent, Redis
 and PostgreSQL killed in mid-deploy, Redis frozen, the control plane down under client load,
 and each engine killed mid-stream, on a system of its own (throwaway Redis and PostgreSQL,
 tests/support/services.py). Each scenario must lose no command, run nothing twice, leave no

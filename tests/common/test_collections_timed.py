@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from syshax.common.collections_timed import CollectionTimes
+from common.collections_timed import CollectionTimes
 
 
 def test_a_collection_is_timed_and_a_long_one_kept() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from syshax.common import files
+from common import files
 
 
 def test_two_writers_of_one_file_never_leave_half_a_file(tmp_path: Path) -> None:

@@ -1,13 +1,13 @@
 """A node's address is a host name or an IP literal, and every engine URL is built from one by
-one function, IPv6 in brackets (syshax/common/hosts.py)."""
+one function, IPv6 in brackets (common/hosts.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from agents.runtimes.dockerapi import _endpoint
-from syshax.common.engine_spec import EngineSpec, SpecError
-from syshax.common.hosts import HostError, check_host, http_url, is_host, is_http_url
+from common.engine_spec import EngineSpec, SpecError
+from common.hosts import HostError, check_host, http_url, is_host, is_http_url
 
 GOOD = ["10.0.0.5", "gpu-01", "gpu-01.lab.example", "localhost", "2001:db8::5", "::1", "1-2"]
 BAD = [

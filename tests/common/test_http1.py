@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from syshax.common.http1 import FramingError, ResponseParser
+from common.http1 import FramingError, ResponseParser
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 BODY = b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"

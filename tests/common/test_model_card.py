@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from syshax.common.model_card import ModelCardError, derive_max_model_len, read_model_card
+from common.model_card import ModelCardError, derive_max_model_len, read_model_card
 
 
 def model_dir(

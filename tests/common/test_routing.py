@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from syshax.common.routing import PD_PROTOCOLS, DeploymentSpec, parse_deployments
+from common.routing import PD_PROTOCOLS, DeploymentSpec, parse_deployments
 
 ENTRY = {
     "id": 7,

@@ -1,4 +1,5 @@
-"""scripts/stall_probe.py: the machine-stall probe the fleet benchmark runs beside its load."""
+"""scripts/bench/stall_probe.py: the machine-stall probe the fleet benchmark runs beside its
+load."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "stall_probe.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "stall_probe.py"
 
 
 def _module() -> ModuleType:

@@ -12,9 +12,9 @@ from django.utils import timezone
 from controlplane.access.models import MachineCredential, PersonalToken
 from controlplane.inventory.models import Heartbeat
 from controlplane.routers.models import RouterInstance
+from loadgen.controlplane import summarize_heartbeats
+from loadgen.simproc import running_sim
 from syshax.cli import main as syshax_main
-from syshax.loadgen.controlplane import summarize_heartbeats
-from syshax.loadgen.simproc import running_sim
 
 
 def test_heartbeats_summarize_to_mean_and_peak() -> None:

@@ -9,7 +9,7 @@ from django_celery_beat.models import PeriodicTask
 from controlplane.benchmarks import analysis, runner, schedules, services
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
 from controlplane.inventory.models import Heartbeat
-from syshax.loadgen.simproc import running_sim
+from loadgen.simproc import running_sim
 
 
 def summary(*rows: tuple[str, int, float, float, float, float]) -> dict:
@@ -406,7 +406,7 @@ def test_a_run_sends_the_router_api_key_to_a_registered_router_only(
 
     from controlplane.access.models import MachineCredential
     from controlplane.routers.models import RouterInstance
-    from syshax.loadgen.simproc import running_router
+    from loadgen.simproc import running_router
 
     settings.ROUTER_API_KEY = "sxk_user"
     settings.ROUTER_BENCHMARK_KEY = "sxk_bench"  # sent in its place: it may force the mode

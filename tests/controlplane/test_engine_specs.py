@@ -12,6 +12,10 @@ from django.contrib import admin
 from django.forms.models import model_to_dict
 from django.test import RequestFactory
 
+from common.engine_spec import EngineSpec
+from common.policy_schema import PolicyKnobs
+from common.presets import DEVICES, DevicePreset, device_preset
+from common.routing import DeploymentSpec
 from controlplane.deployments.models import Deployment, DeploymentProfile
 from controlplane.deployments.services import placement_plan
 from controlplane.deployments.specs import engine_spec
@@ -20,12 +24,8 @@ from router.backends import Backend, Timeouts
 from router.decide import Loads, Route, decide
 from router.engine_metrics import DeviceLoad
 from router.state import Deployment as RoutedDeployment
-from syshax.common.engine_spec import EngineSpec
-from syshax.common.policy_schema import PolicyKnobs
-from syshax.common.presets import DEVICES, DevicePreset, device_preset
-from syshax.common.routing import DeploymentSpec
-from syshax.sim.cli import add_arguments as sim_arguments
-from syshax.sim.perfmodel import bind_cpu
+from sim.cli import add_arguments as sim_arguments
+from sim.perfmodel import bind_cpu
 
 PLAN = {
     "cpuset": "2-7",

@@ -21,6 +21,7 @@ import pytest
 from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 
+from common.supervisor import free_port
 from controlplane.access.models import MachineCredential
 from controlplane.core.models import AuditEntry
 from controlplane.deployments.models import AgentCommand
@@ -34,7 +35,6 @@ from controlplane.routers.api.serializers import StatsSerializer
 from controlplane.routers.models import RouterInstance
 from controlplane.routers.services import record_stats_batch, register_router
 from syshax.commands.gateway import add_arguments
-from syshax.common.supervisor import free_port
 from tests.controlplane.test_inventory import KUNPENG
 from tests.support.factories import build_node
 from tests.support.gateway import Running, serving_gateway

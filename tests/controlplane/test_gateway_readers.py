@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from rest_framework.exceptions import ParseError, UnsupportedMediaType
 from rest_framework.request import Request
 
+from common.inventory import inventory_hash
 from controlplane.core.parsers import StrictJSONParser
 from controlplane.gateway import payloads
 from controlplane.gateway.server import _as_stored
@@ -28,7 +29,6 @@ from controlplane.inventory.api.serializers import (
 )
 from controlplane.routers.api.serializers import StatsSerializer
 from controlplane.routers.choices import DECISIONS
-from syshax.common.inventory import inventory_hash
 from tests.controlplane.test_inventory import KUNPENG as _KUNPENG
 
 Reader = Callable[[Any], dict[str, Any] | None]

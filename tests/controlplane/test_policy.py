@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
+from common.policy_schema import KNOBS, PolicyError, PolicyKnobs
 from controlplane.policy import services
 from controlplane.policy.models import KNOB_NAMES, SchedulingPolicy
-from syshax.common.policy_schema import KNOBS, PolicyError, PolicyKnobs
 
 
 def test_model_fields_and_the_shared_schema_agree(db) -> None:

@@ -1,4 +1,4 @@
-"""A profile is checked against its model's own limits (syshax/common/model_card.py) when the
+"""A profile is checked against its model's own limits (common/model_card.py) when the
 model directory is one the control plane can read: a context longer than the model's, or a
 directory that is no model, is refused by the API with one line naming the field, before any
 engine starts. An empty max_model_len leaves the length to the engine."""

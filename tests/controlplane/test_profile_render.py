@@ -8,11 +8,11 @@ import pytest
 from django.contrib.auth.models import Permission, User
 from django.test import Client
 
+from common.containers import container_kwargs
+from common.engine_spec import EngineSpec
 from controlplane.deployments.render import RenderError, render_profile
 from controlplane.deployments.specs import engine_spec
 from syshax.cli import main as syshax_main
-from syshax.common.containers import container_kwargs
-from syshax.common.engine_spec import EngineSpec
 from tests.support.factories import build_deployment
 
 GIB = 1024**3

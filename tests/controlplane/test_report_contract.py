@@ -1,20 +1,12 @@
 """The agent's reports and the control plane's validator name the same fields, and what the
-agent builds passes it (syshax/common/reports.py)."""
+agent builds passes it (common/reports.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from agents.discovery import collect_heartbeat, collect_inventory
-from controlplane.inventory.api.serializers import (
-    AcceleratorReadingSerializer,
-    HeartbeatInSerializer,
-    InventorySerializer,
-    ReportedAcceleratorSerializer,
-    ReportedCpuSerializer,
-    ReportedNumaSerializer,
-)
-from syshax.common.reports import (
+from common.reports import (
     AGENT_ONLY,
     CardReading,
     CardReport,
@@ -22,6 +14,14 @@ from syshax.common.reports import (
     HeartbeatReport,
     InventoryReport,
     NumaReport,
+)
+from controlplane.inventory.api.serializers import (
+    AcceleratorReadingSerializer,
+    HeartbeatInSerializer,
+    InventorySerializer,
+    ReportedAcceleratorSerializer,
+    ReportedCpuSerializer,
+    ReportedNumaSerializer,
 )
 
 PAIRS = [

@@ -1,4 +1,4 @@
-"""``syshax web`` on the real gunicorn: slow clients hold no thread (syshax/webworker.py).
+"""``syshax web`` on the real gunicorn: slow clients hold no thread (controlplane/webworker.py).
 
 The server runs as the stack runs it (2 workers x 4 threads) against the test database, with
 a 2 s read timeout. 40 slow bodies and 40 slow heads hold on while health is asked again and
@@ -21,7 +21,7 @@ import pytest
 
 from controlplane.access.models import MachineCredential
 from controlplane.inventory.models import Heartbeat, Node
-from syshax.webworker import (
+from controlplane.webworker import (
     MAX_HEAD_BYTES,
     Extent,
     error_answer,
@@ -31,7 +31,9 @@ from syshax.webworker import (
 from tests.support.controlplane import child_env, free_port, running, syshax, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("slow_clients", ROOT / "scripts/slow_clients.py")
+spec = importlib.util.spec_from_file_location(
+    "slow_clients", ROOT / "scripts/bench/slow_clients.py"
+)
 assert spec and spec.loader
 slow = importlib.util.module_from_spec(spec)
 sys.modules["slow_clients"] = slow

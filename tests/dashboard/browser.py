@@ -45,7 +45,7 @@ def ensure_browser() -> None:
     if have_playwright and os.access(CHROMIUM, os.X_OK):
         return
     setup = subprocess.run(
-        ["bash", str(REPO / "scripts" / "browser_setup.sh")],
+        ["bash", str(REPO / "scripts" / "dev" / "browser_setup.sh")],
         capture_output=True,
         text=True,
         timeout=900,
@@ -53,7 +53,7 @@ def ensure_browser() -> None:
     )
     if setup.returncode != 0 or not os.access(CHROMIUM, os.X_OK):
         raise RuntimeError(
-            "scripts/browser_setup.sh could not install chromium and playwright:\n"
+            "scripts/dev/browser_setup.sh could not install chromium and playwright:\n"
             + setup.stdout[-2000:]
             + setup.stderr[-2000:]
         )

@@ -12,9 +12,9 @@ from django.utils import timezone
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
 from controlplane.deployments.models import Deployment, DeploymentProfile
 from controlplane.inventory.models import Node
-from syshax.loadgen.records import RequestRecord
-from syshax.loadgen.report import Row, to_json
-from syshax.loadgen.stats import summarize
+from loadgen.records import RequestRecord
+from loadgen.report import Row, to_json
+from loadgen.stats import summarize
 from tests.support.factories import build_deployment, build_node, build_profile
 
 PASSWORD = "dashboard-test-pass-1"

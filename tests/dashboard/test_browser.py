@@ -28,7 +28,7 @@ from controlplane.policy.models import SchedulingPolicy
 from controlplane.policy.services import ensure_default_policy
 from controlplane.routers.models import RouterInstance
 from controlplane.routers.services import record_stats
-from syshax.loadgen.simproc import running_sim
+from loadgen.simproc import running_sim
 from tests.dashboard.browser import (
     CHROMIUM,
     CHROMIUM_ARGS,

@@ -261,7 +261,7 @@ def test_timeline_json_returns_events_after_an_id(operator_client, make_deployme
 
 
 def test_policy_page_shows_every_knob_with_its_meaning(operator_client) -> None:
-    from syshax.common.policy_schema import KNOBS
+    from common.policy_schema import KNOBS
 
     html = operator_client.get(reverse("dashboard:policy", args=["default"])).content.decode()
     for knob in KNOBS:

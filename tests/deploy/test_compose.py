@@ -174,7 +174,7 @@ def test_the_dockerfile_installs_the_project_and_its_console_script() -> None:
 
 
 def compose_client() -> list[str] | None:
-    """`docker compose` (the plugin) or `docker-compose` (scripts/compose_setup.sh installs
+    """`docker compose` (the plugin) or `docker-compose` (scripts/dev/compose_setup.sh installs
     Debian's), whichever this machine has."""
     docker = shutil.which("docker")
     if (

@@ -1,6 +1,6 @@
 """docker-compose.yml for real: the whole stack on a Docker-API engine (Podman's service).
 
-scripts/compose_setup.sh installs Podman and docker-compose from Debian packages and builds
+scripts/dev/compose_setup.sh installs Podman and docker-compose from Debian packages and builds
 the images no registry can give us here (a debootstrapped Debian base, stand-ins for postgres
 and redis). This test starts its own `podman system service` on a private socket, builds the
 project image, brings the stack up in the order docs/deployment.md gives, issues the tokens
@@ -38,7 +38,7 @@ import yaml
 from tests.support.podman import podman_service
 
 ROOT = Path(__file__).resolve().parents[2]
-SETUP = ROOT / "scripts" / "compose_setup.sh"
+SETUP = ROOT / "scripts" / "dev" / "compose_setup.sh"
 IMAGE = "syshax-controlplane:latest"
 MODEL = "deepseek-r1-distill-qwen-32b"
 CONTROL_PLANE = ("postgres", "redis", "web", "gateway", "worker", "benchmarks", "beat")

@@ -2,7 +2,7 @@
 a CPU-role container started with ``--ipc container:<gpu>``, the KV cache crossing between them
 through the GPU container's /dev/shm (docs/deployment.md, "Two engine containers, tested").
 
-Both engines run the image of images/vllm-cpu (scripts/vllm_image.sh builds it once and caches
+Both engines run the image of images/vllm-cpu (scripts/dev/vllm_image.sh builds it once and caches
 it by the hash of its inputs) on Podman's Docker-compatible service, each bound to one core with
 1 GiB of KV space, the tiny model and the agent's KV connector mounted read-only:
 
@@ -45,16 +45,16 @@ from agents.commands import CommandExecutor
 from agents.engine_policy import EnginePolicy
 from agents.runtimes import EngineState
 from agents.runtimes.dockerapi import DockerRuntime
-from controlplane.deployments.models import DeploymentProfile
-from controlplane.deployments.specs import profile_engine_spec
-from syshax.common.engine_spec import (
+from common.engine_spec import (
     KV_CONNECTOR_CONTAINER_DIR,
     EngineSpec,
     Mount,
     engine_name,
     kv_connector_dir,
 )
-from syshax.common.supervisor import WaitTimeout, free_port, wait_until
+from common.supervisor import WaitTimeout, free_port, wait_until
+from controlplane.deployments.models import DeploymentProfile
+from controlplane.deployments.specs import profile_engine_spec
 from tests.realengine.conftest import FORCED_PD, segments, wait_engines_idle
 from tests.realengine.test_pd import _body, ask
 from tests.realengine.vllm_env import ensure_tiny_model
@@ -245,7 +245,7 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    with stage("image (scripts/vllm_image.sh)"):
+    with stage("image (scripts/dev/vllm_image.sh)"):
         env = ensure_vllm_image()
     model = ensure_tiny_model()
     workdir = Path(tempfile.mkdtemp(prefix="sxv-"))  # short: a unix socket lives in it

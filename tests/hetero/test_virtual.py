@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from syshax.hetero.sweep import PAIRS, deployment, measure, sweep
-from syshax.loadgen.scenarios import Scenario
+from hetero.sweep import PAIRS, deployment, measure, sweep
+from loadgen.scenarios import Scenario
 
 PAIR = PAIRS["a10-xeon"]
 DECODE_HEAVY = Scenario("decode-heavy-small", 128, 1024, 1, 1)
@@ -66,6 +66,6 @@ def test_sweep_bisects_and_records_each_rate() -> None:
 
 def test_cpu_only_needs_a_cpu_engine() -> None:
     with pytest.raises(ValueError, match="at least one engine"):
-        from syshax.hetero.virtual import VirtualDeployment
+        from hetero.virtual import VirtualDeployment
 
         VirtualDeployment(None, None, replace(deployment(PAIR, "gpu").knobs))

@@ -1,5 +1,5 @@
 """The KV connector's own tests, with its two sides driven as vLLM drives them
-(syshax/kvbench/harness.py). They need torch, so they run in the real-engine tier's vLLM
+(kvbench/harness.py). They need torch, so they run in the real-engine tier's vLLM
 virtualenv: ``tests/realengine/test_connector_units.py`` runs them there and fails if any
 fails. Collected by an interpreter without torch they are left out, and run there.
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from syshax.kvbench.harness import CPU, TINY, Engine
+from kvbench.harness import CPU, TINY, Engine
 
 
 def make_pair(

@@ -1,4 +1,4 @@
-"""SyshaxShmConnector, both sides driven as vLLM drives them (syshax/kvbench/harness.py), on
+"""SyshaxShmConnector, both sides driven as vLLM drives them (kvbench/harness.py), on
 the CPU with real vLLM's base classes: the handoff, the arena and its fallback, the
 asynchronous contract, and every lie or failure the issue names, each ending in a counted
 fallback, a recompute or a failed load with its cause, never an exception into the engine."""
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from syshax.kvbench import harness
-from syshax.kvbench.harness import FLASH, Engine
+from kvbench import harness
+from kvbench.harness import FLASH, Engine
 from tests.kvconnector.pairs import close, make_pair
 
 shm = harness.load_connector().shm

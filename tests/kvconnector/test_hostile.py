@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from syshax.kvbench import harness
-from syshax.kvbench.harness import Engine
+from kvbench import harness
+from kvbench.harness import Engine
 from tests.kvconnector.pairs import close, make_pair
 from tests.kvconnector.test_connector import TINY_GEOMETRY, prefill_and_send, segment_files
 

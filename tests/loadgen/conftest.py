@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from syshax.loadgen.simproc import running_sim
+from loadgen.simproc import running_sim
 
 
 @pytest.fixture(scope="session")

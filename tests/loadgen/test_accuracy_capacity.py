@@ -1,14 +1,14 @@
 """The generator's timings against the engine's own record (GET /sim/requests).
 
-Modest sizes keep these fast; scripts/loadgen_accuracy.py and scripts/loadgen_capacity.py
-run the full-size checks. These assert agreement, not speed.
+Modest sizes keep these fast; scripts/bench/loadgen_accuracy.py and
+scripts/bench/loadgen_capacity.py run the full-size checks. These assert agreement, not speed.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from syshax.loadgen.accuracy import (
+from loadgen.accuracy import (
     Agreement,
     EngineTiming,
     MatchError,
@@ -17,9 +17,9 @@ from syshax.loadgen.accuracy import (
     parse_engine_requests,
     tolerance_ms,
 )
-from syshax.loadgen.checks import accuracy_report, capacity_report, engine_reports_emission, measure
-from syshax.loadgen.records import RequestRecord
-from syshax.loadgen.runner import run_async
+from loadgen.checks import accuracy_report, capacity_report, engine_reports_emission, measure
+from loadgen.records import RequestRecord
+from loadgen.runner import run_async
 
 
 def test_tolerance_is_one_ms_or_five_percent() -> None:
@@ -75,7 +75,7 @@ def test_ttft_and_tpot_agree_with_the_engine(realtime_sim: str) -> None:
     # TPOT averages over many tokens: every request must agree. A TTFT is a single interval,
     # and on this shared machine one request can be held up by the engine's own scheduling,
     # so one stray of twelve is tolerated; a wrong definition would move them all.
-    # scripts/loadgen_accuracy.py keeps the strict every-request verdict.
+    # scripts/bench/loadgen_accuracy.py keeps the strict every-request verdict.
     assert all(agreement.tpot_ok for agreement in report.agreements), detail
     assert sum(agreement.ttft_ok for agreement in report.agreements) >= 11, detail
     errors = sorted(abs(agreement.ttft_error_ms) for agreement in report.agreements)

@@ -9,10 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from syshax.loadgen.client import StreamClient, discover_model, make_session
-from syshax.loadgen.runner import LoadSpec, run_async, run_load
-from syshax.loadgen.wire import ConnectionPool
-from syshax.loadgen.workload import arrival_offsets, build_requests
+from loadgen.client import StreamClient, discover_model, make_session
+from loadgen.runner import LoadSpec, run_async, run_load
+from loadgen.wire import ConnectionPool
+from loadgen.workload import arrival_offsets, build_requests
 
 
 def benchmark(*args: str) -> subprocess.CompletedProcess[str]:

@@ -6,8 +6,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from syshax.loadgen.chart import sweep_svg
-from syshax.loadgen.goodput import (
+from loadgen.chart import sweep_svg
+from loadgen.goodput import (
     GoodputSearch,
     RatePoint,
     check_attainment,
@@ -130,8 +130,8 @@ def test_ratio_and_chart_of_two_modes() -> None:
 
 
 def test_router_knobs_for_fast_simulators_scale_only_the_routers_own_clocks() -> None:
-    from syshax.common.policy_schema import PolicyKnobs
-    from syshax.loadgen.simproc import SPEED_SCALED_KNOBS, knob_flags_for_speed
+    from common.policy_schema import PolicyKnobs
+    from loadgen.simproc import SPEED_SCALED_KNOBS, knob_flags_for_speed
 
     flags = knob_flags_for_speed(PolicyKnobs(cpu_decode_slo_ms=90.0), 4.0)
     pairs = dict(zip(flags[::2], flags[1::2], strict=True))

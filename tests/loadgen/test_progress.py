@@ -6,8 +6,8 @@ import io
 import subprocess
 import sys
 
-from syshax.loadgen.progress import ProgressBar
-from syshax.loadgen.records import RequestRecord
+from loadgen.progress import ProgressBar
+from loadgen.records import RequestRecord
 
 
 def test_live_bar_redraws_and_counts_failures() -> None:
@@ -35,7 +35,7 @@ def test_quiet_bar_prints_one_line() -> None:
 def test_realtime_priority_is_taken_or_explained() -> None:
     # In a child process, so the test run itself keeps its ordinary priority.
     code = (
-        "import os; from syshax.loadgen.runner import use_realtime_priority as u; "
+        "import os; from loadgen.runner import use_realtime_priority as u; "
         "p = u(); print(repr(p), os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK "
         "== os.SCHED_FIFO)"
     )

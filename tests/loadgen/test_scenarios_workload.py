@@ -8,13 +8,13 @@ import statistics
 
 import pytest
 
-from syshax.loadgen.scenarios import (
+from loadgen.scenarios import (
     SCENARIOS,
     doubling_ladder,
     parse_concurrency,
     resolve_scenario,
 )
-from syshax.loadgen.workload import arrival_offsets, build_requests, make_prompt
+from loadgen.workload import arrival_offsets, build_requests, make_prompt
 
 
 def test_mission_scenarios() -> None:

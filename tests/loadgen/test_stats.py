@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from syshax.loadgen.records import RequestRecord
-from syshax.loadgen.stats import SLO, distribution, error_counts, percentile, ratio, summarize
+from loadgen.records import RequestRecord
+from loadgen.stats import SLO, distribution, error_counts, percentile, ratio, summarize
 
 
 def record(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from syshax.loadgen.records import RequestRecord
-from syshax.loadgen.report import Row, format_errors, format_ratios, format_table, ratio_rows
-from syshax.loadgen.stats import summarize
-from syshax.loadgen.targets import FORCED_MODE_HEADER, TargetError, plan_targets
+from loadgen.records import RequestRecord
+from loadgen.report import Row, format_errors, format_ratios, format_table, ratio_rows
+from loadgen.stats import summarize
+from loadgen.targets import FORCED_MODE_HEADER, TargetError, plan_targets
 
 NONE = {"cpu": None, "gpu": None, "hetero": None}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from syshax.loadgen.simproc import running_router, running_sim
+from loadgen.simproc import running_router, running_sim
 
 SYSHAX = ("--syshax-compat",)
 BENCHMARK = ("--benchmark-key", "sxk_bench")
@@ -75,7 +75,7 @@ def test_the_benchmark_sends_a_routers_api_key_from_its_environment(tmp_path: Pa
 
 
 def test_the_json_results_leave_secret_flags_out() -> None:
-    from syshax.loadgen.cli import _without_secrets
+    from loadgen.cli import _without_secrets
 
     argv = ["--target", "http://r", "--api-key", "sxk_a", "--token=sxp_b", "--mode", "gpu"]
     assert _without_secrets(argv) == [

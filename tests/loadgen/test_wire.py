@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from syshax.loadgen.wire import ConnectionPool, post, request
+from loadgen.wire import ConnectionPool, post, request
 
 
 def _run(coro):  # type: ignore[no-untyped-def]
@@ -115,7 +115,7 @@ def test_a_connection_idle_too_long_is_not_reused(fast_sim: str) -> None:
 
 
 def test_a_response_whose_end_spans_reads_completes_with_every_stamp_kept() -> None:
-    from syshax.loadgen.wire import _Connection
+    from loadgen.wire import _Connection
 
     async def check() -> None:
         conn = _Connection()

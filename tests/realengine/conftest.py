@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
-from syshax.common.supervisor import WaitTimeout, free_port
+from common.supervisor import WaitTimeout, free_port
 from tests.realengine.sim_env import SimEngine
 from tests.realengine.vllm_env import (
     EngineProcess,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from syshax.common.supervisor import python_argv
+from common.supervisor import python_argv
 from tests.realengine.vllm_env import EngineProcess
 
 MODEL = "qwen2.5-7b-instruct"

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from syshax.common.supervisor import python_argv
+from common.supervisor import python_argv
 from tests.router.router_procs import ROOT, Proc, metric
 
 OUTPUT_TOKENS = 48

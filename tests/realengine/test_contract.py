@@ -21,7 +21,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from syshax.common.supervisor import ReadyChild, free_port, python_argv
+from common.supervisor import ReadyChild, free_port, python_argv
 from tests.realengine import vllm_env
 
 pytestmark = pytest.mark.timeout(1200)
@@ -146,7 +146,7 @@ def families(engine: Engine) -> dict[str, tuple[str, frozenset[str]]]:
 
 
 def names_read_by_the_router_and_the_load_generator() -> set[str]:
-    """Every vllm:* sample name in router/engine_metrics.py and syshax/loadgen, as a family."""
+    """Every vllm:* sample name in router/engine_metrics.py and loadgen, as a family."""
     sources = [ROOT / "router" / "engine_metrics.py", *(ROOT / "syshax" / "loadgen").glob("*.py")]
     names = set()
     for source in sources:

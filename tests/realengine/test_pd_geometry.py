@@ -4,7 +4,7 @@ The tier's model has 2 layers of 2 KV heads of 64 and 4,096 positions. This one
 (``make_tiny_model.py --wide``) has 3 layers of 8 KV heads of 128, no grouped-query attention,
 bfloat16 where this CPU computes in it, and 1,024 positions. Its engines are started without
 ``--max-model-len``: vLLM derives the length from the model's own config.json, and the model
-card reader (syshax/common/model_card.py) must agree with it.
+card reader (common/model_card.py) must agree with it.
 
 Through the router at temperature 0, a PD answer must equal the gpu-only answer token for
 token, and the decode engine's counters must show it loaded every prompt token.
@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from syshax.common.model_card import read_model_card
-from syshax.common.supervisor import free_port
+from common.model_card import read_model_card
+from common.supervisor import free_port
 from tests.realengine.conftest import CONNECTOR_EXTRA, CPU_ARENA, FORCED_PD, Pair
 from tests.realengine.test_pd import _body, ask
 from tests.realengine.vllm_env import VllmEngine, connector_config, ensure_tiny_model

@@ -6,7 +6,7 @@ engine processes.
   because they break ``import vllm`` beside that torch. Kept under ``SYSHAX_VLLM_HOME``
   (default ``~/.cache/syshax``) and reused while its stamp matches.
 - ``ensure_tiny_model()``: a 2-layer random-weight Llama with its own tokenizer
-  (scripts/make_tiny_model.py), as there is no model hub here.
+  (scripts/dev/make_tiny_model.py), as there is no model hub here.
 - ``VllmEngine``: one ``python -m vllm.entrypoints.openai.api_server`` process with its log
   in a file, bound to given CPUs, waited for on ``/health``. Its interface
   (``EngineProcess``) is what the tier's tests use, also for the simulator (sim_env.py).
@@ -85,7 +85,7 @@ def ensure_pytest() -> Path:
 
 def ensure_tiny_model(*, wide: bool = False) -> Path:
     """The tier's tiny model, or with ``wide`` its second geometry."""
-    script = ROOT / "scripts" / "make_tiny_model.py"
+    script = ROOT / "scripts" / "dev" / "make_tiny_model.py"
     model = WIDE_MODEL if wide else MODEL
     stamp = model / "syshax-tiny-model.json"
     with _lock("model"):

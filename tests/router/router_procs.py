@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from syshax.common.supervisor import ReadyChild, free_port, python_argv, wait_until
+from common.supervisor import ReadyChild, free_port, python_argv, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSHAX = python_argv()  # the argv prefix, for tests that build their own command lines

@@ -17,7 +17,7 @@ from typing import Any
 
 from router_procs import MODEL, Proc
 
-from syshax.common.policy_schema import PolicyKnobs
+from common.policy_schema import PolicyKnobs
 
 TOKEN = "sxr_standin"
 # A vLLM engine's gauges, idle: the router sees the engine up and unloaded.

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from common.policy_schema import PolicyKnobs
 from router.decide import (
     CPU_PROBE_BATCH,
     Loads,
@@ -18,7 +19,6 @@ from router.decide import (
     token_limit,
 )
 from router.engine_metrics import UNAVAILABLE, DeviceLoad, fit_itl_slope
-from syshax.common.policy_schema import PolicyKnobs
 
 IDLE_GPU = DeviceLoad(True, 0, 0, 5.0, 0.0, None)
 IDLE_CPU = DeviceLoad(True, 0, 0, 0.0, 0.0, None)

@@ -206,9 +206,9 @@ def test_state_cache_restores_only_valid_state(tmp_path: Path) -> None:
     """The on-disk copy is validated like a fresh pull before it is applied."""
     import asyncio
 
+    from common.policy_schema import PolicyKnobs
     from router.managed import ControlPlaneClient, StateCache
     from router.server import Router, ServerConfig
-    from syshax.common.policy_schema import PolicyKnobs
 
     good = {
         "name": "default",

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from common.policy_schema import PolicyError, PolicyKnobs
+from common.routing import DeploymentSpec
+from common.sse import event_data, split_events
 from router.backends import Backend, Timeouts, ejection_seconds
 from router.cli import BENCHMARK_KEY_ENV, StartupError, add_arguments, benchmark_keys
 from router.engine_metrics import LoadTracker, derive_load, median_itl_ms, parse_metrics_text
@@ -15,9 +18,6 @@ from router.errors import RouterError
 from router.sse import ChunkBuilder, chunk_parts
 from router.state import parse_policy
 from router.validate import check_request, parse_body
-from syshax.common.policy_schema import PolicyError, PolicyKnobs
-from syshax.common.routing import DeploymentSpec
-from syshax.common.sse import event_data, split_events
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -292,8 +292,8 @@ def test_requests_go_to_the_least_loaded_replica_of_their_model() -> None:
 def test_cli_help_lists_every_knob() -> None:
     import argparse
 
+    from common.policy_schema import KNOBS
     from router.cli import add_arguments, parse_size
-    from syshax.common.policy_schema import KNOBS
 
     parser = argparse.ArgumentParser(prog="syshax router")
     add_arguments(parser)
@@ -344,8 +344,8 @@ def test_sse_at_the_end_of_a_stream_the_rest_is_its_last_event() -> None:
 
 
 def test_every_wire_protocol_of_the_contract_has_its_pd_protocol() -> None:
+    from common.routing import PD_PROTOCOLS
     from router.pd import PROTOCOLS
-    from syshax.common.routing import PD_PROTOCOLS
 
     assert sorted(PROTOCOLS) == sorted(PD_PROTOCOLS)
     assert all(PROTOCOLS[name].name == name for name in PROTOCOLS)

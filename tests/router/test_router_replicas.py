@@ -18,9 +18,9 @@ from router_procs import MODEL, Proc, metric, wait_for
 from standins import FailingEngine, SilentHost, StandInControlPlane, deployment
 from test_router_paths import PROMPT, assert_one_continuous_stream, client, stream_chat
 
+from common.routing import DeploymentSpec
 from router.backends import Backend, Timeouts
 from router.state import RouterState
-from syshax.common.routing import DeploymentSpec
 
 # The router scrapes once a minute: it learns that a replica failed only from the requests
 # sent to it, as when a host dies between two scrapes.

@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from router_procs import Proc, metric, wait_for
 from test_router_paths import stream_chat
 
+from common.supervisor import free_port
 from router.backends import Backend, Timeouts
 from router.engine_metrics import WANTED_METRICS, parse_metrics_text
-from syshax.common.supervisor import free_port
 
 # A vLLM 0.32 engine's gauges and counters, as far as the router reads them.
 METRICS_PAGE = """\

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from syshax.common.supervisor import ReadyChild, python_argv
+from common.supervisor import ReadyChild, python_argv
 
 MODEL = "deepseek-r1-distill-qwen-32b"
 

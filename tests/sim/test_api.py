@@ -12,8 +12,8 @@ import pytest
 from sim_procs import MODEL, SimProcess
 from sim_sse import post_sse
 
-from syshax.common.presets import DEVICES, MODELS
-from syshax.sim.perfmodel import decode_step_time, effective_hardware, prefill_time
+from common.presets import DEVICES, MODELS
+from sim.perfmodel import decode_step_time, effective_hardware, prefill_time
 
 PROMPT = " ".join(f"w{i}" for i in range(40))
 

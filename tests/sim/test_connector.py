@@ -16,7 +16,7 @@ import pytest
 from sim_procs import MODEL, SimFactory, SimProcess, start_sim, stop_sim
 from sim_sse import post_sse
 
-from syshax.sim.connector import HEADER_SPACE
+from sim.connector import HEADER_SPACE
 
 PROMPT = " ".join(f"p{i}" for i in range(128))
 PARAM_KEYS = {

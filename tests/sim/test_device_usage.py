@@ -9,15 +9,15 @@ import httpx
 import pytest
 from sim_procs import MODEL, SimFactory, SimProcess
 
-from syshax.common.presets import DEVICES, GIB, MODELS
-from syshax.sim.perfmodel import (
+from common.presets import DEVICES, GIB, MODELS
+from sim.perfmodel import (
     decode_step_time,
     device_memory_total_bytes,
     device_memory_used_bytes,
     effective_hardware,
     prefill_time,
 )
-from syshax.sim.stats import BusyMeter
+from sim.stats import BusyMeter
 
 Q32 = MODELS[MODEL]
 A100 = DEVICES["a100-80gb"]

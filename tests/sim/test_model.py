@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from syshax.common.presets import DEVICES, GIB, MODELS
-from syshax.sim.engine import EngineConfig, build_scheduler, plan_capacity
-from syshax.sim.perfmodel import (
+from common.presets import DEVICES, GIB, MODELS
+from sim.engine import EngineConfig, build_scheduler, plan_capacity
+from sim.perfmodel import (
     bind_cpu,
     decode_step_time,
     effective_hardware,
@@ -17,9 +17,9 @@ from syshax.sim.perfmodel import (
     prefill_time,
     restrict_cpu,
 )
-from syshax.sim.scheduler import FinishReason, SeqStatus, Sequence
-from syshax.sim.tokens import TokenModel
-from syshax.sim.virtual import closed_loop
+from sim.scheduler import FinishReason, SeqStatus, Sequence
+from sim.tokens import TokenModel
+from sim.virtual import closed_loop
 
 Q32 = MODELS["deepseek-r1-distill-qwen-32b"]
 

@@ -9,8 +9,8 @@ import httpx
 from sim_procs import MODEL, SimProcess
 from sim_sse import post_sse
 
-from syshax.common.presets import MODELS
-from syshax.sim.tokens import VOCABULARY_SIZE, Tokenizer, TokenModel, decode
+from common.presets import MODELS
+from sim.tokens import VOCABULARY_SIZE, Tokenizer, TokenModel, decode
 
 PROMPT = "the prefill decode token cache engine router policy node card"
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]

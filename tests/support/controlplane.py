@@ -12,7 +12,7 @@ from pathlib import Path
 from django.conf import settings
 from django.db import connection
 
-from syshax.common.supervisor import free_port, python_argv, wait_until
+from common.supervisor import free_port, python_argv, wait_until
 
 
 def test_database_url() -> str:
@@ -58,7 +58,7 @@ def running(
             process.wait(5)
 
 
-# The syshax argv prefix, free_port and wait_until live in syshax.common.supervisor; these names
+# The syshax argv prefix, free_port and wait_until live in common.supervisor; these names
 # stay importable from here for the tests that use them.
 syshax = python_argv
 __all__ = ["child_env", "free_port", "running", "syshax", "test_database_url", "wait_until"]

@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from common.supervisor import free_port
 from controlplane.gateway.server import Gateway
-from syshax.common.supervisor import free_port
 
 
 @dataclass

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from syshax.common.supervisor import wait_until
+from common.supervisor import wait_until
 
 
 @contextmanager

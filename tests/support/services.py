@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from syshax.common.supervisor import free_port, wait_until
+from common.supervisor import free_port, wait_until
 
 POSTGRES_USER = "postgres"  # the cluster's superuser, and the OS user as root
 

@@ -1,6 +1,6 @@
-"""The vLLM CPU engine image (images/vllm-cpu/), built or found by scripts/vllm_image.sh.
+"""The vLLM CPU engine image (images/vllm-cpu/), built or found by scripts/dev/vllm_image.sh.
 
-The script runs scripts/compose_setup.sh first (Podman, its private storage, the Debian base
+The script runs scripts/dev/compose_setup.sh first (Podman, its private storage, the Debian base
 image), so the image lives beside the compose test's images and is rebuilt only when its
 inputs change. :func:`ensure_vllm_image` skips only where Podman cannot be installed and skips
 are allowed, like the compose test.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "vllm_image.sh"
+SCRIPT = ROOT / "scripts" / "dev" / "vllm_image.sh"
 
 
 def ensure_vllm_image() -> dict[str, str]:

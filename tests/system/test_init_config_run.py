@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from syshax.common.supervisor import ReadyChild, free_port, python_argv, wait_until
+from common.supervisor import ReadyChild, free_port, python_argv, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 # The suite's own settings would point the commands at the test database and broker.

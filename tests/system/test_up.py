@@ -19,8 +19,8 @@ import httpx
 import psutil
 import pytest
 
+from common.supervisor import free_port
 from syshax.commands.up_stack import SIM_MODEL
-from syshax.common.supervisor import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

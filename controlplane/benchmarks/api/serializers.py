@@ -6,7 +6,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.benchmarks.models import MAX_CONCURRENCY, BenchmarkRun, BenchmarkSample, Scenario
-from syshax.loadgen.goodput import DEFAULT_BISECTIONS, parse_rates
+from loadgen.goodput import DEFAULT_BISECTIONS, parse_rates
 
 MAX_REQUESTS_PER_RUN = 1_000_000  # every request is stored as a sample row
 

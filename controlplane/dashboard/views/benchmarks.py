@@ -16,7 +16,7 @@ from controlplane.dashboard import benchdata, charts
 from controlplane.dashboard import services as reads
 from controlplane.dashboard.forms import BenchmarkRunForm
 from controlplane.dashboard.views.common import require_perm
-from syshax.loadgen.goodput import GoodputSearch
+from loadgen.goodput import GoodputSearch
 
 COMPARE_LIMIT = 4
 

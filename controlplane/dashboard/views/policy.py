@@ -9,11 +9,11 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
+from common.policy_schema import PolicyError
 from controlplane.dashboard.forms import PolicyForm
 from controlplane.dashboard.views.common import require_perm
 from controlplane.policy import services
 from controlplane.policy.models import KNOB_NAMES, SchedulingPolicy
-from syshax.common.policy_schema import PolicyError
 
 
 def ordered_diff(changed: dict[str, Any]) -> list[tuple[str, Any, Any]]:

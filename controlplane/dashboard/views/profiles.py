@@ -6,11 +6,11 @@ from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 
+from common.errors import FieldError
 from controlplane.deployments.masking import may_see_env
 from controlplane.deployments.models import DeploymentProfile
 from controlplane.deployments.render import render_profile
 from controlplane.inventory.models import Node
-from syshax.common.errors import FieldError
 
 
 @login_required

@@ -5,7 +5,7 @@ version of a row into the page that holds the old one, and then updates no index
 update), only when that page has room. At the default fill factor (100) a table loaded at
 once has none, so the first update of each row writes every index of the node (six) or card
 (four); later ones find room where pruning freed the dead versions, for a node nearly
-always, for a card 95-97 % of the time (``scripts/heartbeat_write_timing.py``). A fill
+always, for a card 95-97 % of the time (``scripts/bench/heartbeat_write_timing.py``). A fill
 factor leaves room in every page written from now on: half of each node page (the rows are
 small and few) and 30 % of each card page, which makes every card update HOT. Pages written
 before keep what they have until their rows move (docs/scale.md).

@@ -1,4 +1,4 @@
-"""A node's address is a host name or an IP literal (syshax/common/hosts.py).
+"""A node's address is a host name or an IP literal (common/hosts.py).
 
 It was free text an agent chose, and routers, benchmarks and the agents' own probes send
 traffic to ``http://<address>:<port>``: ``10.0.0.5:22#`` aimed that anywhere. Reports are
@@ -12,7 +12,7 @@ is the stored one without reading it).
 from django.db import migrations, models
 
 import controlplane.inventory.models
-from syshax.common.hosts import is_host
+from common.hosts import is_host
 
 
 def blank_bad_addresses(apps, schema_editor):  # type: ignore[no-untyped-def]

@@ -27,7 +27,7 @@ class PolicySerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
 
 class PolicyChangeSerializer(serializers.Serializer):  # type: ignore[type-arg]
     """A change: any subset of knobs plus a mandatory reason. Values are checked by
-    ``syshax.common.policy_schema`` in the service, which names the knob and its limit."""
+    ``common.policy_schema`` in the service, which names the knob and its limit."""
 
     reason = serializers.CharField(max_length=2000)
     knobs = serializers.DictField(child=serializers.JSONField(), allow_empty=False)

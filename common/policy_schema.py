@@ -1,0 +1,266 @@
+"""The PD scheduling policy's knobs: one definition shared by the control plane and the router.
+
+Pure Python with no Django import, so the router can validate a policy it pulled (or read
+from a file) with exactly the rules the control plane used when it was saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from common.errors import FieldError
+
+MODES = ("auto", "gpu-only", "cpu-only", "forced-pd")
+ALGORITHMS = ("capacity", "syshax-threshold")
+
+
+class PolicyError(FieldError):
+    """A policy value is out of range. ``field`` names the knob."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    kind: type
+    default: Any
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] | None = None
+    meaning: str = ""
+
+
+# Defaults follow sysHAX's example configuration where it has one (MISSION.md).
+KNOBS: tuple[Knob, ...] = (
+    Knob(
+        "mode",
+        str,
+        "auto",
+        choices=MODES,
+        meaning="auto decides per request; gpu-only, cpu-only and forced-pd pin every request",
+    ),
+    Knob(
+        "algorithm",
+        str,
+        "capacity",
+        choices=ALGORITHMS,
+        meaning="decider used in auto mode: capacity-aware, or sysHAX's threshold decider",
+    ),
+    Knob(
+        "enable_auto_pd_offload",
+        bool,
+        True,
+        meaning="sysHAX enable_auto_pd_offload: prefill on GPU/NPU, decode may move to the CPU",
+    ),
+    Knob(
+        "max_num_seqs",
+        int,
+        256,
+        1,
+        65536,
+        meaning="GPU running sequences at which new decode work is offloaded to the CPU",
+    ),
+    Knob(
+        "gpu_cache_threshold",
+        float,
+        90.0,
+        0.0,
+        100.0,
+        meaning="GPU KV-cache usage (%) above which decode is offloaded to the CPU",
+    ),
+    Knob(
+        "cpu_throughput_threshold",
+        float,
+        10.0,
+        0.0,
+        100000.0,
+        meaning="CPU decode throughput (tokens/s) below which the CPU takes no more work",
+    ),
+    Knob(
+        "token_limit_multiplier",
+        float,
+        4.0,
+        0.0,
+        1000.0,
+        meaning="CPU decode chunk = multiplier x CPU throughput, clamped to [min, max]",
+    ),
+    Knob(
+        "token_limit_min",
+        int,
+        10,
+        1,
+        100000,
+        meaning="fewest tokens the CPU decodes before the scheduler decides again",
+    ),
+    Knob(
+        "token_limit_max",
+        int,
+        100,
+        1,
+        100000,
+        meaning="most tokens the CPU decodes before the scheduler decides again",
+    ),
+    Knob(
+        "cpu_max_batch_size",
+        int,
+        8,
+        0,
+        4096,
+        meaning="most sequences decoding on the CPU at once (sysHAX cpu_max_batch_size)",
+    ),
+    Knob(
+        "cpu_decode_slo_ms",
+        float,
+        100.0,
+        1.0,
+        60000.0,
+        meaning="capacity decider: the CPU takes decode only while its token latency stays below",
+    ),
+    Knob(
+        "gpu_decode_slo_ms",
+        float,
+        50.0,
+        1.0,
+        60000.0,
+        meaning="capacity decider: GPU token latency treated as the batch's latency knee",
+    ),
+    Knob(
+        "gpu_max_temperature_c",
+        float,
+        90.0,
+        0.0,
+        150.0,
+        meaning="capacity decider: a GPU/NPU at or past this temperature (the agents' "
+        "heartbeats) is treated as saturated and new decodes go to the CPU",
+    ),
+    Knob(
+        "cpu_max_memory_percent",
+        float,
+        95.0,
+        0.0,
+        100.0,
+        meaning="capacity decider: host RAM use (%) at or past which the CPU engine takes no "
+        "new decode (its KV cache lives in host RAM)",
+    ),
+    Knob(
+        "max_queue_size",
+        int,
+        200,
+        0,
+        1000000,
+        meaning="requests waiting in the router before it answers 429",
+    ),
+    Knob(
+        "request_timeout_seconds",
+        float,
+        600.0,
+        1.0,
+        86400.0,
+        meaning="longest a request may take end to end",
+    ),
+    Knob(
+        "metrics_interval_seconds",
+        float,
+        1.0,
+        0.1,
+        60.0,
+        meaning="how often the router scrapes each engine's /metrics (sysHAX: 5 s)",
+    ),
+)
+KNOBS_BY_NAME = {knob.name: knob for knob in KNOBS}
+
+
+@dataclass(frozen=True)
+class PolicyKnobs:
+    mode: str = "auto"
+    algorithm: str = "capacity"
+    enable_auto_pd_offload: bool = True
+    max_num_seqs: int = 256
+    gpu_cache_threshold: float = 90.0
+    cpu_throughput_threshold: float = 10.0
+    token_limit_multiplier: float = 4.0
+    token_limit_min: int = 10
+    token_limit_max: int = 100
+    cpu_max_batch_size: int = 8
+    cpu_decode_slo_ms: float = 100.0
+    gpu_decode_slo_ms: float = 50.0
+    gpu_max_temperature_c: float = 90.0
+    cpu_max_memory_percent: float = 95.0
+    max_queue_size: int = 200
+    request_timeout_seconds: float = 600.0
+    metrics_interval_seconds: float = 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def coerce_value(name: str, raw: Any) -> Any:
+    """Convert ``raw`` (possibly a CLI string) to the knob's type and check its range."""
+    knob = KNOBS_BY_NAME.get(name)
+    if knob is None:
+        raise PolicyError(name, f"unknown knob; known knobs are {', '.join(KNOBS_BY_NAME)}")
+    value: Any
+    if knob.kind is bool:
+        if isinstance(raw, bool):
+            value = raw
+        elif isinstance(raw, str) and raw.strip().lower() in {"true", "1", "yes", "on"}:
+            value = True
+        elif isinstance(raw, str) and raw.strip().lower() in {"false", "0", "no", "off"}:
+            value = False
+        else:
+            raise PolicyError(name, f"must be true or false, got {raw!r}")
+    elif knob.kind is int:
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise PolicyError(name, f"must be an integer, got {raw!r}")
+        try:
+            value = int(raw)
+        except (TypeError, ValueError):
+            raise PolicyError(name, f"must be an integer, got {raw!r}") from None
+    elif knob.kind is float:
+        if isinstance(raw, bool):
+            raise PolicyError(name, f"must be a number, got {raw!r}")
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise PolicyError(name, f"must be a number, got {raw!r}") from None
+        if value != value:  # NaN
+            raise PolicyError(name, "must be a number, got NaN")
+    else:
+        if not isinstance(raw, str):
+            raise PolicyError(name, f"must be a string, got {raw!r}")
+        value = raw.strip()
+    if knob.choices is not None and value not in knob.choices:
+        raise PolicyError(name, f"must be one of {', '.join(knob.choices)}; got {value!r}")
+    if knob.minimum is not None and value < knob.minimum:
+        raise PolicyError(name, f"must be at least {knob.minimum:g}; got {value}")
+    if knob.maximum is not None and value > knob.maximum:
+        raise PolicyError(name, f"must be at most {knob.maximum:g}; got {value}")
+    return value
+
+
+def validate_knobs(data: dict[str, Any], *, partial: bool = False) -> PolicyKnobs:
+    """Build a ``PolicyKnobs`` from a mapping, raising ``PolicyError`` on the first bad knob.
+
+    Unknown keys are errors (a typo must not silently keep the old value). With ``partial``
+    missing knobs take their defaults; otherwise every knob must be present.
+    """
+    if not isinstance(data, dict):
+        raise PolicyError("policy", "must be a JSON object")
+    values: dict[str, Any] = {}
+    for key, raw in data.items():
+        values[key] = coerce_value(key, raw)
+    if not partial:
+        missing = [f.name for f in fields(PolicyKnobs) if f.name not in values]
+        if missing:
+            raise PolicyError(missing[0], "is required")
+    knobs = PolicyKnobs(**values)
+    check_cross_field(knobs)
+    return knobs
+
+
+def check_cross_field(knobs: PolicyKnobs) -> None:
+    if knobs.token_limit_min > knobs.token_limit_max:
+        raise PolicyError(
+            "token_limit_min",
+            f"must not exceed token_limit_max ({knobs.token_limit_min} > {knobs.token_limit_max})",
+        )

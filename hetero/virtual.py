@@ -1,0 +1,370 @@
+"""A GPU engine, a CPU engine and the router's decider, run in virtual time.
+
+The live benchmark (``syshax benchmark`` against a router in front of two simulators) is
+the product's test; this is its physics without sockets or sleeping, so a whole goodput sweep
+of several policies takes seconds instead of hours on a small machine. Nothing here is a
+second model of the parts: the engines are the simulator's own batch schedulers
+(``sim.scheduler``), and each request is routed by the router's own deciders
+(``router.decide.decide`` / ``decide_next_chunk``) on the loads the router would see: each
+engine's metrics scraped every ``metrics_interval_seconds`` and turned into throughput and
+inter-token latency by ``router.engine_metrics.derive_load``, plus the router's own in-flight
+counts between scrapes.
+
+What the live path does, modelled the same way here:
+
+- gpu-only: the GPU prefills and decodes the request.
+- PD: the GPU prefills and samples the first token; the KV connector saves the KV into
+  shared memory, which adds its measured stall to the prefill step (``kv_export_stall``) and
+  publishes it a copy's time later (``kv_export_bandwidth``); the CPU engine loads it in the
+  step that admits the decode, holding that step (``kv_import_bandwidth``), and decodes
+  ``token_limit`` tokens; then ``decide_next_chunk`` keeps the sequence on the CPU (its KV
+  stays there) or moves it back to the GPU, which recomputes the context (no KV goes back).
+- cpu-only: the CPU engine prefills and decodes.
+- rejected: the request fails (a 429 or 503 to the client).
+
+Not modelled: network and HTTP time, and the router's own CPU cost
+(``scripts/bench/router_overhead.py`` measures those), and clients that give up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from common.policy_schema import PolicyKnobs
+from loadgen.workload import arrival_offsets
+from router.decide import Decision, Loads, Route, decide, decide_next_chunk
+from router.engine_metrics import UNAVAILABLE, DeviceLoad, EngineSample, LoadTracker
+from sim.engine import EngineConfig, build_scheduler, plan_capacity
+from sim.perfmodel import effective_hardware, kv_copy_time
+from sim.scheduler import BatchScheduler, FinishReason, Sequence, Step
+from sim.stats import ITL_BUCKETS, Histogram
+from sim.tokens import TokenModel
+
+INF = math.inf
+
+
+@dataclass
+class Request:
+    index: int
+    prompt_tokens: int
+    output_tokens: int
+    arrival: float
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    tokens: int = 0
+    error: str | None = None
+    route: str = ""
+    cpu_tokens: int = 0  # tokens the CPU engine decoded
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.tokens >= self.output_tokens
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """As ``RequestRecord.tpot``: 0 for a one-token answer, as vLLM does."""
+        if self.first_token_at is None or self.last_token_at is None:
+            return None
+        if self.tokens < 2:
+            return 0.0
+        return (self.last_token_at - self.first_token_at) / (self.tokens - 1)
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.last_token_at is None else self.last_token_at - self.arrival
+
+
+@dataclass
+class Leg:
+    """One request's stay on one engine; a sequence carries its leg as its ``sink``."""
+
+    request: Request
+    kind: str  # "whole", "prefill" (PD: first token on the GPU) or "decode" (a CPU chunk)
+    chunk: int = 0  # a prefill's: the decode's token_limit on the CPU (0: to the end)
+
+
+class VirtualEngine(LoadTracker):
+    """A batch scheduler with the metrics a router scrapes from it, and what a router keeps
+    of those scrapes (``LoadTracker``)."""
+
+    def __init__(self, config: EngineConfig, role: str) -> None:
+        LoadTracker.__init__(self, role)
+        self.config = config
+        self.capacity = plan_capacity(config)
+        hw = effective_hardware(config.device, config.tensor_parallel_size)
+        self.sched: BatchScheduler = build_scheduler(
+            config, self.capacity, hw, TokenModel(config.seed)
+        )
+        self.step: Step | None = None
+        self.step_end = INF
+        self.wake_at = INF
+        # The Prometheus counters a real engine exports.
+        self.generation_tokens = 0
+        self.itl_histogram = Histogram(ITL_BUCKETS)  # its sum and count are the counters
+        self.inflight = 0
+        self.busy_s = 0.0
+
+    def next_event(self) -> float:
+        return min(self.step_end, self.wake_at)
+
+    def start_step(self, now: float) -> None:
+        if self.step is not None or not self.sched.has_work():
+            return
+        step = self.sched.plan(now)
+        if step is None:
+            ready = self.sched.next_ready_at()
+            self.wake_at = ready if ready is not None and ready > now else INF
+            return
+        self.wake_at = INF
+        self.step = step
+        self.step_end = now + step.duration
+        self.busy_s += step.duration
+
+    def scrape(self, now: float) -> None:
+        sched = self.sched
+        sample = EngineSample(
+            at=now,
+            running=float(len(sched.running)),
+            waiting=float(len(sched.waiting) + len(sched.swapped)),
+            kv_usage=sched.kv_usage(),
+            generation_tokens=float(self.generation_tokens),
+            itl_sum=self.itl_histogram.sum,
+            itl_count=float(self.itl_histogram.count),
+            avg_generation_tps=None,
+            itl_buckets=self.itl_histogram.bounded_cumulative(),
+        )
+        self.observe(sample)
+
+    def load(self) -> DeviceLoad:
+        return self.tracked_load(self.inflight)
+
+
+@dataclass
+class RunStats:
+    requests: list[Request]
+    duration_s: float
+    decisions: Counter[str] = field(default_factory=Counter)
+    preemptions: dict[str, int] = field(default_factory=dict)
+    busy: dict[str, float] = field(default_factory=dict)
+
+
+class VirtualDeployment:
+    """A GPU engine and (optionally) a CPU engine behind one router policy."""
+
+    def __init__(
+        self,
+        gpu: EngineConfig | None,
+        cpu: EngineConfig | None,
+        knobs: PolicyKnobs,
+    ) -> None:
+        if gpu is None and cpu is None:
+            raise ValueError("a deployment needs at least one engine")
+        self.knobs = knobs
+        self.gpu = VirtualEngine(gpu, "gpu") if gpu is not None else None
+        self.cpu = VirtualEngine(cpu, "cpu") if cpu is not None else None
+        self.decisions: Counter[str] = Counter()
+        self._serial = 0
+
+    # -- routing --------------------------------------------------------------------------
+
+    def _loads(self) -> Loads:
+        gpu = self.gpu.load() if self.gpu is not None else UNAVAILABLE
+        cpu = self.cpu.load() if self.cpu is not None else UNAVAILABLE
+        return Loads(
+            gpu=gpu,
+            cpu=cpu,
+            gpu_itl_slope_ms=self.gpu.itl_slope_ms if self.gpu else None,
+            cpu_itl_slope_ms=self.cpu.itl_slope_ms if self.cpu else None,
+            cpu_max_num_seqs=self.cpu.config.max_num_seqs if self.cpu else None,
+        )
+
+    def _count(self, decision: Decision) -> None:
+        self.decisions[decision.route.value] += 1
+        if decision.code:
+            self.decisions[f"{decision.route.value}:{decision.code}"] += 1
+
+    def _submit(
+        self,
+        engine: VirtualEngine,
+        leg: Leg,
+        now: float,
+        *,
+        limit: int | None = None,
+        imported: int = 0,
+        ready_at: float = 0.0,
+        load_seconds: float = 0.0,
+        export_stall_seconds: float = 0.0,
+        reserved: bool = False,
+    ) -> None:
+        """Queue ``leg`` on ``engine``; counted in the router's in-flight count there unless
+        the router already counted it when it chose the engine (``reserved``)."""
+        req = leg.request
+        self._serial += 1
+        seq = Sequence(
+            request_id=str(self._serial),
+            prompt_tokens=req.prompt_tokens,
+            resumed_tokens=req.tokens,
+            max_new_tokens=req.output_tokens - req.tokens,
+            tail=[req.index, req.tokens],
+            new_token_limit=limit,
+            imported_tokens=imported,
+            ready_at=ready_at,
+            load_seconds=load_seconds,
+            export_stall_seconds=export_stall_seconds,
+            arrival=now,
+            sink=leg,
+        )
+        engine.sched.add(seq)
+        if not reserved:
+            engine.inflight += 1
+
+    def arrive(self, req: Request, now: float) -> None:
+        decision = decide(self.knobs, self._loads())
+        self._count(decision)
+        req.route = decision.route.value
+        if decision.route is Route.GPU_ONLY and self.gpu is not None:
+            self._submit(self.gpu, Leg(req, "whole"), now)
+        elif decision.route is Route.CPU_ONLY and self.cpu is not None:
+            self._submit(self.cpu, Leg(req, "whole"), now)
+        elif decision.route is Route.PD and self.gpu is not None and self.cpu is not None:
+            # The router counts the CPU decode from the moment it chose it.
+            self.cpu.inflight += 1
+            device = self.gpu.config.device
+            save = kv_copy_time(
+                self.gpu.config.model, req.prompt_tokens, device.kv_export_bandwidth
+            )
+            self._submit(
+                self.gpu,
+                Leg(req, "prefill", decision.token_limit),
+                now,
+                limit=1,
+                export_stall_seconds=device.kv_export_stall * save,
+            )
+        else:
+            req.error = f"{decision.status or 503}: {decision.reason}"
+
+    def _to_cpu(
+        self, req: Request, now: float, export_bw: float | None, chunk: int, *, reserved: bool
+    ) -> None:
+        """The decode of ``req`` on the CPU: after a handoff from the GPU (``export_bw``) its
+        KV is copied through shared memory; a chunk that stays on the CPU keeps its KV (the
+        same stream goes on, ``router/pd_vllm.py``)."""
+        assert self.cpu is not None
+        context = req.prompt_tokens + req.tokens
+        model = self.cpu.config.model
+        published = load = 0.0
+        if export_bw is not None:
+            published = kv_copy_time(model, context, export_bw)
+            load = kv_copy_time(model, context, self.cpu.config.device.kv_import_bandwidth)
+        self._submit(
+            self.cpu,
+            Leg(req, "decode"),
+            now,
+            limit=chunk or None,
+            imported=context,
+            ready_at=now + published,
+            load_seconds=load,
+            reserved=reserved,
+        )
+
+    def _finished(self, engine: VirtualEngine, seq: Sequence, now: float) -> None:
+        leg: Leg = seq.sink
+        engine.inflight -= 1
+        req = leg.request
+        if req.tokens >= req.output_tokens or seq.finish_reason is not FinishReason.SCHEDULED:
+            if leg.kind == "prefill" and self.cpu is not None:
+                self.cpu.inflight -= 1  # the decode it was counted for never happens
+            return
+        if leg.kind == "prefill":
+            assert self.gpu is not None
+            bandwidth = self.gpu.config.device.kv_export_bandwidth
+            self._to_cpu(req, now, bandwidth, leg.chunk, reserved=True)
+            return
+        # A CPU chunk ended: decide where the rest goes.
+        assert self.cpu is not None
+        nxt = decide_next_chunk(self.knobs, self._loads())
+        self.decisions[f"next:{nxt.route.value}:{nxt.code}"] += 1
+        if nxt.route is Route.PD:
+            self._to_cpu(req, now, None, nxt.token_limit, reserved=False)
+        else:
+            assert self.gpu is not None
+            self._submit(self.gpu, Leg(req, "whole"), now)
+
+    # -- the event loop -------------------------------------------------------------------
+
+    def run(
+        self,
+        *,
+        rate: float,
+        requests: int,
+        prompt_tokens: int,
+        output_tokens: int,
+        burstiness: float = 1.0,
+        seed: int = 0,
+    ) -> RunStats:
+        offsets = arrival_offsets(requests, rate, burstiness, seed)
+        reqs = [Request(i, prompt_tokens, output_tokens, at) for i, at in enumerate(offsets)]
+        engines = [e for e in (self.gpu, self.cpu) if e is not None]
+        interval = self.knobs.metrics_interval_seconds
+        next_scrape = 0.0
+        i = 0
+        now = 0.0
+        for engine in engines:
+            engine.scrape(now)
+        while True:
+            busy = any(e.sched.has_work() or e.step is not None for e in engines)
+            next_arrival = reqs[i].arrival if i < len(reqs) else INF
+            if not busy and next_arrival == INF:
+                break
+            now = min(next_arrival, next_scrape, *(e.next_event() for e in engines))
+            for engine in engines:
+                if engine.step is not None and engine.step_end <= now:
+                    self._complete(engine, now)
+                if engine.wake_at <= now:
+                    engine.wake_at = INF
+            if next_scrape <= now:
+                for engine in engines:
+                    engine.scrape(now)
+                next_scrape = now + interval
+            while i < len(reqs) and reqs[i].arrival <= now:
+                self.arrive(reqs[i], now)
+                i += 1
+            for engine in engines:
+                engine.start_step(now)
+        start = reqs[0].arrival if reqs else 0.0
+        end = max((r.last_token_at or r.arrival for r in reqs), default=0.0)
+        return RunStats(
+            requests=reqs,
+            duration_s=max(end - start, 1e-9),
+            decisions=self.decisions,
+            preemptions={e.role: e.sched.preemptions_total for e in engines},
+            busy={e.role: e.busy_s for e in engines},
+        )
+
+    def _complete(self, engine: VirtualEngine, now: float) -> None:
+        step = engine.step
+        assert step is not None
+        engine.step = None
+        engine.step_end = INF
+        result = engine.sched.complete(step, now)
+        for seq, _token in result.emitted:
+            req = seq.sink.request
+            times = seq.token_times
+            at = times[-1]
+            if len(times) > 1:
+                engine.itl_histogram.observe(at - times[-2])
+            req.tokens += 1
+            if engine.role == "cpu":
+                req.cpu_tokens += 1
+            if req.first_token_at is None:
+                req.first_token_at = at
+            req.last_token_at = at
+        engine.generation_tokens += len(result.emitted)
+        for seq in result.finished:
+            self._finished(engine, seq, now)
