@@ -1,13 +1,13 @@
 """HTTP/1.1 responses, parsed as their bytes arrive: the one parser of both engine clients.
 
-The router's engine client (``router/transport.py``) and the load generator's timed client
+The router's engine client (``router/engines/transport.py``) and the load generator's timed client
 (``loadgen/wire.py``) read OpenAI-compatible servers (vLLM's uvicorn, the simulator,
 the router) from bare asyncio protocols. Both feed each socket read to a ``ResponseParser``,
 which is httptools (llhttp, the parser uvicorn uses) with the few callbacks they need: the
 status and header fields once the head is in, the body bytes each read completed (chunk
 framing removed), and the end of the message. ``scripts/bench/chunk_parse_timing.py`` times it
 against the hand-written chunk splitter it replaced: a third of its CPU per read
-(docs/decisions.md).
+(docs/decisions/0027-engine-clients-httptools.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ second model of the parts: the engines are the simulator's own batch schedulers
 (``sim.scheduler``), and each request is routed by the router's own deciders
 (``router.decide.decide`` / ``decide_next_chunk``) on the loads the router would see: each
 engine's metrics scraped every ``metrics_interval_seconds`` and turned into throughput and
-inter-token latency by ``router.engine_metrics.derive_load``, plus the router's own in-flight
+inter-token latency by ``router.engines.load.derive_load``, plus the router's own in-flight
 counts between scrapes.
 
 What the live path does, modelled the same way here:
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from common.policy_schema import PolicyKnobs
 from loadgen.workload import arrival_offsets
 from router.decide import Decision, Loads, Route, decide, decide_next_chunk
-from router.engine_metrics import UNAVAILABLE, DeviceLoad, EngineSample, LoadTracker
+from router.engines.load import UNAVAILABLE, DeviceLoad, EngineSample, LoadTracker
 from sim.engine import EngineConfig, build_scheduler, plan_capacity
 from sim.perfmodel import effective_hardware, kv_copy_time
 from sim.scheduler import BatchScheduler, FinishReason, Sequence, Step
@@ -254,7 +254,7 @@ class VirtualDeployment:
     ) -> None:
         """The decode of ``req`` on the CPU: after a handoff from the GPU (``export_bw``) its
         KV is copied through shared memory; a chunk that stays on the CPU keeps its KV (the
-        same stream goes on, ``router/pd_vllm.py``)."""
+        same stream goes on, ``router/pd/vllm.py``)."""
         assert self.cpu is not None
         context = req.prompt_tokens + req.tokens
         model = self.cpu.config.model

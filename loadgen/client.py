@@ -24,7 +24,7 @@ from loadgen.workload import RequestSpec
 APIS = ("completions", "chat")
 # Asks a router to pin this request to one mode (a common.policy_schema MODES value).
 FORCED_MODE_HEADER = "X-Syshax-Mode"
-# The router answers with the route it chose (router/flow.py); recorded per request.
+# The router answers with the route it chose (router/request.py); recorded per request.
 DECISION_HEADER = "X-Syshax-Route"
 _ERROR_BODY_LIMIT = 500
 

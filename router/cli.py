@@ -1,4 +1,9 @@
-"""``syshax router``: the OpenAI-compatible PD router, standalone or managed."""
+"""``syshax router``: the OpenAI-compatible PD router, standalone or managed.
+
+The composition root: the flags, the policy source they ask for (``router.policy``), the
+app (``router.api``) and what runs beside it (the source, the engine scrapes), wired
+together in ``compose`` and ``background``; ``--workers N`` hands over to the supervisor
+(``router.workers``)."""
 
 from __future__ import annotations
 
@@ -10,18 +15,21 @@ import os
 import signal
 import socket
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
 
 from common.files import write_ready_file
-from common.policy_schema import KNOBS, PolicyError, validate_knobs
+from common.policy_schema import KNOBS, PolicyError
 from common.routing import PD_PROTOCOLS, DeploymentSpec
-from router.access import MODE_HEADER_OFF, MODE_HEADER_POLICIES
-from router.backends import Timeouts, scrape_forever
-from router.managed import ControlPlaneClient
-from router.server import Router, ServerConfig, build_app
-from router.state import PolicyRecord
+from router.api.app import build_app
+from router.client.access import MODE_HEADER_OFF, MODE_HEADER_POLICIES
+from router.engines.backends import Timeouts
+from router.engines.scrape import scrape_forever
+from router.policy.managed import ControlPlaneClient
+from router.policy.source import PolicySource
+from router.policy.standalone import StandalonePolicy
+from router.state import Router, ServerConfig
 from router.workers import supervise
 
 log = logging.getLogger("syshax.router")
@@ -158,102 +166,8 @@ def _flag_knobs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def load_policy_file(path: str) -> dict[str, Any]:
-    text = Path(path).read_text()
-    if path.endswith((".yaml", ".yml")):
-        import yaml
-
-        data = yaml.safe_load(text)
-    else:
-        import json
-
-        data = json.loads(text)
-    if not isinstance(data, dict):
-        raise PolicyError("policy", f"{path} must hold a mapping of knobs")
-    return data
-
-
-class PolicySource(Protocol):
-    """Where the router's policy and deployments come from: a policy file and flags
-    (``StandalonePolicy``) or the control plane (``managed.ControlPlaneClient``). ``serve``
-    builds one, attaches it once the listener is bound, runs it beside the listener and
-    hands it SIGHUP."""
-
-    def attach(self, listen_url: str) -> None: ...
-
-    async def run(self) -> None: ...
-
-    def hangup(self) -> None: ...
-
-
 class StartupError(Exception):
     """The router cannot start as configured; the message says what to change."""
-
-
-class StandalonePolicy:
-    """The policy file plus flag overrides; a bad file is rejected and the old policy kept."""
-
-    def __init__(self, router: Router, path: str | None, overrides: dict[str, Any]) -> None:
-        self.router = router
-        self.path = path
-        self.overrides = overrides
-        self.mtime: float | None = None
-        self.version = 0
-
-    def load(self) -> PolicyRecord:
-        data: dict[str, Any] = {}
-        version = None
-        if self.path:
-            raw = load_policy_file(self.path)
-            if "knobs" in raw:
-                version = raw.get("version")
-                raw = raw["knobs"]
-            data.update(raw)
-        data.update(self.overrides)
-        knobs = validate_knobs(data, partial=True)
-        self.version = version if isinstance(version, int) else self.version + 1
-        return PolicyRecord("default", self.version, knobs)
-
-    def reload(self) -> bool:
-        try:
-            record = self.load()
-        except (PolicyError, OSError, ValueError) as exc:
-            self.router.metrics.invalid_policies.inc()
-            log.error(
-                "rejected policy file %s, keeping version %s: %s",
-                self.path,
-                self.router.state.default_policy().version,
-                exc,
-            )
-            return False
-        self.router.state.set_policy(record)
-        log.info(
-            "applied policy version %s: mode=%s algorithm=%s",
-            record.version,
-            record.knobs.mode,
-            record.knobs.algorithm,
-        )
-        return True
-
-    def attach(self, listen_url: str) -> None:
-        pass  # nothing to announce: the file and the flags are all there is
-
-    def hangup(self) -> None:
-        self.reload()
-
-    async def run(self) -> None:
-        """Reload when the file changes; checked often so a change lands within 1 s."""
-        if not self.path:
-            return
-        while True:
-            await asyncio.sleep(0.25)
-            try:
-                mtime = os.stat(self.path).st_mtime_ns
-            except OSError:
-                continue
-            if self.mtime is not None and mtime != self.mtime:
-                self.reload()
-            self.mtime = mtime
 
 
 async def discover_model(gpu_url: str) -> str | None:

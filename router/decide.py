@@ -1,7 +1,8 @@
 """The deciders: pure functions from (policy knobs, device loads) to a routing decision.
 
-No I/O here. ``backends.py`` builds the :class:`DeviceLoad` values from scraped metrics and
-the router's own in-flight counts; ``server.py`` acts on the :class:`Decision`.
+No I/O here. ``router.engines.backends`` builds the :class:`DeviceLoad` values from scraped
+metrics and the router's own in-flight counts; ``router.request`` (a new request) and the PD
+protocols (a chunk boundary) act on the :class:`Decision`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from common.policy_schema import PolicyKnobs
-from router.engine_metrics import DeviceLoad
+from router.engines.load import DeviceLoad
 
 
 class Route(StrEnum):

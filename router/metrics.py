@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from router.transport import FAILURE_REASONS
+from router.engines.transport import FAILURE_REASONS
 
 _LATENCY_BUCKETS = (
     0.001,

@@ -1,7 +1,9 @@
-"""The router's live view: policies, deployments and their backends.
+"""What every request reads: the router's configuration, its live view (policies,
+deployments and their backends) and its metrics, bundled as ``Router``.
 
 Policies and deployments are swapped in whole (a new dict/list object) so a request that
-already read them keeps a consistent view while an update lands.
+already read them keeps a consistent view while an update lands. The policy sources
+(``router.policy``) write them; requests only read them.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import web
+
 from common.policy_schema import PolicyError, PolicyKnobs, validate_knobs
 from common.routing import DeploymentSpec
-from router.backends import Backend, Timeouts
+from router.client.access import MODE_HEADER_BENCHMARK_KEYS
 from router.decide import Loads
-from router.engine_metrics import UNAVAILABLE
-from router.pd import PROTOCOLS, PdProtocol
+from router.engines.backends import Backend, Timeouts
+from router.engines.load import UNAVAILABLE
+from router.metrics import RouterMetrics
 
 log = logging.getLogger("syshax.router")
 
@@ -34,17 +39,14 @@ class PolicyRecord:
 
 @dataclass
 class Deployment:
+    """One deployment as the router routes to it: its GPU engine and its CPU engine, if any.
+    Its PD wire protocol is named by ``spec.pd_protocol`` (``router.pd.registry``)."""
+
     spec: DeploymentSpec
     gpu: Backend
     cpu: Backend | None
-    # The deployment's PD wire protocol, chosen once from ``spec.pd_protocol``.
-    pd: PdProtocol = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.pd = PROTOCOLS[self.spec.pd_protocol]
 
     def loads(self, now: float) -> Loads:
-
         return Loads(
             gpu=self.gpu.load(now),
             cpu=self.cpu.load(now) if self.cpu is not None else UNAVAILABLE,
@@ -197,3 +199,27 @@ class RouterState:
                 await closer
         for backend in list(self.backends.values()) + self.closing:
             await backend.close()
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    api_key: str | None = None
+    max_body_bytes: int = 10 * 1024 * 1024
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    # Keys that get in like the API key and may force a policy mode (router/client/access.py).
+    benchmark_keys: tuple[str, ...] = ()
+    # Who may force a policy mode with X-Syshax-Mode: benchmark-keys, all or off.
+    mode_header: str = MODE_HEADER_BENCHMARK_KEYS
+
+
+class Router:
+    """Everything a request reads: configuration, live state and metrics."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.state = RouterState(config.timeouts)
+        self.metrics = RouterMetrics()
+
+
+# Where the aiohttp app keeps its ``Router`` for the handlers.
+ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")

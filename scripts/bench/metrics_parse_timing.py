@@ -5,9 +5,10 @@
 The router parses every engine's ``/metrics`` on each scrape, on its event loop, so a slow
 parse delays every stream it serves. This parses one text (by default the captured
 ``/metrics`` of a real vLLM 0.32 engine in tests/router/data/, else ``--file``) with
-``router.engine_metrics.parse_metrics_text`` and with ``prometheus_client``'s
+``router.engines.load.parse_metrics_text`` and with ``prometheus_client``'s
 ``text_string_to_metric_families`` summing the same families, checks that both read the
-same numbers, and prints the median time of each and their ratio (docs/decisions.md).
+same numbers, and prints the median time of each and their ratio
+(docs/decisions/0026-router-parses-engine-metrics.md).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from router.engine_metrics import WANTED_METRICS, parse_metrics_text  # noqa: E402
+from router.engines.load import WANTED_METRICS, parse_metrics_text  # noqa: E402
 
 CAPTURED = ROOT / "tests" / "router" / "data" / "vllm-0.32-metrics.txt"
 
@@ -69,7 +70,7 @@ def main() -> int:
     fast = median_us(lambda t: parse_metrics_text(t, 0.0), text, args.reps)
     slow = median_us(with_prometheus_client, text, max(1, args.reps // 10))
     print(f"{args.file.name}: {len(text)} bytes, {lines} lines, same numbers from both parsers")
-    print(f"  router.engine_metrics   median {fast:9.1f} us per scrape")
+    print(f"  router.engines.load     median {fast:9.1f} us per scrape")
     print(f"  prometheus_client       median {slow:9.1f} us per scrape")
     print(f"  ratio                   {slow / fast:9.1f}x")
     return 0

@@ -104,7 +104,7 @@ def start(args: list[str], workdir: Path, name: str, pythonpath: str | None = No
     return Child(popen, f"http://127.0.0.1:{ready.read_text().strip()}")
 
 
-# -- the router under gunicorn (--gunicorn), for docs/decisions.md ---------------------------
+# -- the router under gunicorn (--gunicorn), for docs/decisions/0029-router-workers-so-reuseport.md
 
 GUNICORN_ARGV = "ROUTER_OVERHEAD_ROUTER_ARGV"
 
@@ -777,7 +777,7 @@ def main() -> int:
         "--baseline",
         metavar="DIR",
         help="also measure the router package found in DIR (e.g. an older version: "
-        "mkdir -p DIR/router; git show REV:router/X.py > DIR/router/X.py for each file)",
+        "mkdir -p DIR; git archive REV | tar -x -C DIR)",
     )
     parser.add_argument(
         "--gunicorn",

@@ -20,9 +20,9 @@ from controlplane.deployments.models import Deployment, DeploymentProfile
 from controlplane.deployments.services import placement_plan
 from controlplane.deployments.specs import engine_spec
 from controlplane.routers.services import routable_deployments
-from router.backends import Backend, Timeouts
 from router.decide import Loads, Route, decide
-from router.engine_metrics import DeviceLoad
+from router.engines.backends import Backend, Timeouts
+from router.engines.load import DeviceLoad
 from router.state import Deployment as RoutedDeployment
 from sim.cli import add_arguments as sim_arguments
 from sim.perfmodel import bind_cpu

@@ -16,8 +16,8 @@ from recording_engine import TRANSFER, RecordingEngine, Seen
 from router_procs import MODEL, Proc, metric, wait_for
 from standins import StandInControlPlane, deployment
 
-from router.access import bearer, forwarded_headers, key_matches, proxied_path
-from router.errors import RouterError
+from router.client.access import bearer, forwarded_headers, key_matches, proxied_path
+from router.client.errors import RouterError
 
 USER = "sxk_user"
 BENCH = "sxk_bench"

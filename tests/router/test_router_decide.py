@@ -18,7 +18,7 @@ from router.decide import (
     projected_itl_ms,
     token_limit,
 )
-from router.engine_metrics import UNAVAILABLE, DeviceLoad, fit_itl_slope
+from router.engines.load import UNAVAILABLE, DeviceLoad, fit_itl_slope
 
 IDLE_GPU = DeviceLoad(True, 0, 0, 5.0, 0.0, None)
 IDLE_CPU = DeviceLoad(True, 0, 0, 0.0, 0.0, None)

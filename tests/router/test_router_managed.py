@@ -207,8 +207,8 @@ def test_state_cache_restores_only_valid_state(tmp_path: Path) -> None:
     import asyncio
 
     from common.policy_schema import PolicyKnobs
-    from router.managed import ControlPlaneClient, StateCache
-    from router.server import Router, ServerConfig
+    from router.policy.managed import ControlPlaneClient, StateCache
+    from router.state import Router, ServerConfig
 
     good = {
         "name": "default",

@@ -11,13 +11,13 @@ import pytest
 from common.policy_schema import PolicyError, PolicyKnobs
 from common.routing import DeploymentSpec
 from common.sse import event_data, split_events
-from router.backends import Backend, Timeouts, ejection_seconds
 from router.cli import BENCHMARK_KEY_ENV, StartupError, add_arguments, benchmark_keys
-from router.engine_metrics import LoadTracker, derive_load, median_itl_ms, parse_metrics_text
-from router.errors import RouterError
-from router.sse import ChunkBuilder, chunk_parts
+from router.client.errors import RouterError
+from router.client.sse import ChunkBuilder, chunk_parts
+from router.client.validate import check_request, parse_body
+from router.engines.backends import Backend, Timeouts, ejection_seconds
+from router.engines.load import LoadTracker, derive_load, median_itl_ms, parse_metrics_text
 from router.state import parse_policy
-from router.validate import check_request, parse_body
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -345,7 +345,7 @@ def test_sse_at_the_end_of_a_stream_the_rest_is_its_last_event() -> None:
 
 def test_every_wire_protocol_of_the_contract_has_its_pd_protocol() -> None:
     from common.routing import PD_PROTOCOLS
-    from router.pd import PROTOCOLS
+    from router.pd.registry import PROTOCOLS
 
     assert sorted(PROTOCOLS) == sorted(PD_PROTOCOLS)
     assert all(PROTOCOLS[name].name == name for name in PROTOCOLS)

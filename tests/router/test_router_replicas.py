@@ -19,7 +19,7 @@ from standins import FailingEngine, SilentHost, StandInControlPlane, deployment
 from test_router_paths import PROMPT, assert_one_continuous_stream, client, stream_chat
 
 from common.routing import DeploymentSpec
-from router.backends import Backend, Timeouts
+from router.engines.backends import Backend, Timeouts
 from router.state import RouterState
 
 # The router scrapes once a minute: it learns that a replica failed only from the requests

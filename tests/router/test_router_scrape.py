@@ -17,8 +17,9 @@ from router_procs import Proc, metric, wait_for
 from test_router_paths import stream_chat
 
 from common.supervisor import free_port
-from router.backends import Backend, Timeouts
-from router.engine_metrics import WANTED_METRICS, parse_metrics_text
+from router.engines.backends import Backend, Timeouts
+from router.engines.load import WANTED_METRICS, parse_metrics_text
+from router.engines.scrape import scrape
 
 # A vLLM 0.32 engine's gauges and counters, as far as the router reads them.
 METRICS_PAGE = """\
@@ -88,14 +89,14 @@ def test_a_slow_scrape_makes_the_backend_stale_and_keeps_it_routable(
 ) -> None:
     async def check() -> None:
         async with fake_engine() as engine, backend_for(engine.url) as backend:
-            await backend.scrape()
+            await scrape(backend)
             first = backend.sample
             assert first is not None and not backend.scrape_view(first.at).stale
 
             engine.mode = "slow"
             with caplog.at_level(logging.INFO, logger="syshax.router"):
                 for _ in range(3):
-                    await backend.scrape()
+                    await scrape(backend)
             now = first.at + 1.0
             view = backend.scrape_view(now)
             assert view.stale and backend.up and backend.available(now)
@@ -116,7 +117,7 @@ def test_a_slow_scrape_makes_the_backend_stale_and_keeps_it_routable(
             engine.mode = "ok"
             caplog.clear()
             with caplog.at_level(logging.INFO, logger="syshax.router"):
-                await backend.scrape()
+                await scrape(backend)
             assert not backend.stale and backend.last_scrape_error is None
             assert backend.scrape_failures_in_row == 0
             assert [r.levelno for r in caplog.records if r.name == "syshax.router"] == [
@@ -129,11 +130,11 @@ def test_a_slow_scrape_makes_the_backend_stale_and_keeps_it_routable(
 def test_a_sample_too_old_is_treated_as_missing_but_the_backend_stays_available() -> None:
     async def check() -> None:
         async with fake_engine() as engine, backend_for(engine.url) as backend:
-            await backend.scrape(interval=1.0)
+            await scrape(backend, interval=1.0)
             sample = backend.sample
             assert sample is not None
             engine.mode = "slow"
-            await backend.scrape(interval=1.0)
+            await scrape(backend, interval=1.0)
             backend.inflight = 1
             # max(10 s, 3 x the 1 s interval) = 10 s
             assert backend.sample_max_age() == 10.0
@@ -152,7 +153,7 @@ def test_a_sample_too_old_is_treated_as_missing_but_the_backend_stays_available(
 def test_a_refused_connection_marks_the_backend_down_at_once() -> None:
     async def check() -> None:
         async with backend_for(f"http://127.0.0.1:{free_port()}") as backend:
-            await backend.scrape()
+            await scrape(backend)
             now = 1e9
             assert not backend.up and not backend.available(now)
             view = backend.scrape_view(now)
@@ -167,18 +168,18 @@ def test_a_refused_connection_marks_the_backend_down_at_once() -> None:
 def test_an_http_error_marks_the_backend_down_and_a_good_scrape_brings_it_back() -> None:
     async def check() -> None:
         async with fake_engine() as engine, backend_for(engine.url) as backend:
-            await backend.scrape()
+            await scrape(backend)
             engine.mode = "error"
-            await backend.scrape()
+            await scrape(backend)
             assert not backend.up and backend.sample is None
             assert backend.last_scrape_error == "http: HTTP 500"
             assert backend.take_scrape_failures() == {"http": 1}
             # A slow scrape does not bring a down backend back, nor make it stale.
             engine.mode = "slow"
-            await backend.scrape()
+            await scrape(backend)
             assert not backend.up and not backend.scrape_view(0.0).stale
             engine.mode = "ok"
-            await backend.scrape()
+            await scrape(backend)
             assert backend.up and backend.sample is not None
 
     run(check)
@@ -188,7 +189,7 @@ def test_an_unreadable_metrics_page_is_stale_not_down() -> None:
     async def check() -> None:
         async with fake_engine() as engine, backend_for(engine.url) as backend:
             engine.mode = "garbage"
-            await backend.scrape()
+            await scrape(backend)
             assert backend.up and backend.stale
             assert backend.take_scrape_failures() == {"parse": 1}
             assert (backend.last_scrape_error or "").startswith("parse: ")
@@ -278,7 +279,8 @@ def test_a_dead_engine_has_no_scraped_values_and_counts_connect_failures(
 
 def test_a_real_vllm_scrape_reads_as_prometheus_client_reads_it() -> None:
     # The /metrics of a vLLM 0.32 engine (tests/realengine's tiny model, after its PD tests),
-    # captured once: our parser (45x faster, docs/decisions.md) must read every family the
+    # captured once: our parser (45x faster,
+    # docs/decisions/0026-router-parses-engine-metrics.md) must read every family the
     # deciders use exactly as the reference parser does.
     text = (Path(__file__).parent / "data" / "vllm-0.32-metrics.txt").read_text()
     reference: dict[str, float] = {}

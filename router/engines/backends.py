@@ -1,22 +1,19 @@
-"""Engines as the router sees them: one connection pool, scraped load and ejection state."""
+"""Engines as the router sees them: one connection pool, scraped load and ejection state.
+
+A ``Backend`` is one engine endpoint. It holds what the scrapes said (``router.engines.scrape``
+does the scraping), the requests the router has on it, and its errors towards ejection."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.engine_metrics import (
-    UNAVAILABLE,
-    DeviceLoad,
-    LoadTracker,
-    parse_metrics_text,
-)
-from router.transport import EnginePool, UpstreamFailed, request
+from router.engines.load import UNAVAILABLE, DeviceLoad, EngineSample, LoadTracker
+from router.engines.transport import EnginePool
 
 log = logging.getLogger("syshax.router")
 
@@ -26,16 +23,6 @@ EJECT_MAX_SECONDS = 30.0
 # A stale sample is still used until it is older than this many scrape intervals (and at
 # least ``Timeouts.sample_max_age``); after that the decider sees only the in-flight count.
 SAMPLE_MAX_AGE_INTERVALS = 3
-
-# Why a scrape failed, the ``kind`` label of ``syshax_router_scrape_failures_total``.
-SCRAPE_TIMEOUT = "timeout"
-SCRAPE_CONNECT = "connect"
-SCRAPE_HTTP = "http"
-SCRAPE_PARSE = "parse"
-SCRAPE_FAILURE_KINDS = (SCRAPE_TIMEOUT, SCRAPE_CONNECT, SCRAPE_HTTP, SCRAPE_PARSE)
-# The engine answered, or is too busy to answer in time: it is alive, only its load is
-# unknown for now. The other kinds mean nothing (or the wrong thing) answers on that URL.
-_STALE_KINDS = frozenset({SCRAPE_TIMEOUT, SCRAPE_PARSE})
 
 
 @dataclass(frozen=True)
@@ -65,23 +52,6 @@ class ScrapeView:
     last_error: str | None  # of the latest scrape; None when it succeeded
 
 
-def scrape_failure_kind(exc: BaseException) -> str:
-    """Classify a failed scrape: only ``timeout`` and ``parse`` leave the backend up."""
-    if isinstance(exc, UpstreamFailed):
-        if exc.connect_failed:
-            # The kernel completes TCP handshakes however busy the engine is: a host that
-            # does not (in time) is unreachable, like a refused connection.
-            return SCRAPE_CONNECT
-        if exc.timed_out:
-            return SCRAPE_TIMEOUT
-        if exc.status is not None:
-            return SCRAPE_HTTP
-        return SCRAPE_CONNECT  # the connection broke: something else answers on that URL
-    if isinstance(exc, ValueError):  # UnicodeDecodeError: not a Prometheus text page
-        return SCRAPE_PARSE
-    return SCRAPE_CONNECT
-
-
 class InFlight(Protocol):
     """A request using a backend, as the backend sees it when it leaves the deployment set."""
 
@@ -103,7 +73,7 @@ class Backend(LoadTracker):
         self.url = url.rstrip("/")
         self.timeouts = timeouts
         # The one client for this engine: passthrough, PD, tokenize, scrapes and the proxy.
-        self.pool = EnginePool(self.url, timeouts.connect)
+        self.pool = EnginePool(self.url, role, timeouts.connect, timeouts.idle)
         self.closed = False  # closed after leaving the deployment set and draining
         self.up = True  # optimistic until the first scrape says otherwise
         self.inflight = 0  # sequences this router currently has on the engine
@@ -229,32 +199,10 @@ class Backend(LoadTracker):
             return True
         return False
 
-    async def scrape(self, interval: float | None = None) -> None:
-        if self.pool.closed:
-            return  # left the deployment set (closed with it, or about to be)
-        if interval is not None:
-            self.scrape_interval = interval
-        started = time.monotonic()
-        try:
-            # One deadline for the whole scrape, connect included.
-            async with request(
-                self,
-                "/metrics",
-                first_byte=self.timeouts.scrape,
-                method=b"GET",
-                headers=b"",
-                idle=None,
-            ) as resp:
-                body = await resp.read_all()
-                if resp.status != 200:
-                    raise UpstreamFailed(self, f"HTTP {resp.status}", status=resp.status)
-            # Prometheus text is UTF-8 by definition; anything else is not a metrics page.
-            text = body.decode()
-        except (UpstreamFailed, ValueError) as exc:
-            self._scrape_failed(scrape_failure_kind(exc), exc)
-            return
-        now = time.monotonic()
-        sample = parse_metrics_text(text, now)
+    # -- what the scrapes say (router.engines.scrape) ----------------------------------------
+
+    def scrape_succeeded(self, sample: EngineSample, started: float, now: float) -> None:
+        """A scrape that began at ``started`` read ``sample``: the engine is up and fresh."""
         self.observe(sample)
         self.last_scrape_ok_at = now
         self.last_scrape_seconds = now - started
@@ -267,19 +215,14 @@ class Backend(LoadTracker):
         self.up = True
         self.stale = False
 
-    def _scrape_failed(self, kind: str, exc: BaseException) -> None:
+    def scrape_failed(self, kind: str, detail: str, *, alive: bool) -> None:
+        """A scrape failed (``kind``, ``detail``). ``alive``: the engine answered, or is too
+        busy to answer in time, so it stays routable on its last sample (stale); otherwise
+        nothing (or the wrong thing) answers on its URL and it is down."""
         self.scrape_failures_in_row += 1
         self._untaken_scrape_failures[kind] = self._untaken_scrape_failures.get(kind, 0) + 1
-        if kind == SCRAPE_TIMEOUT:
-            detail = f"no answer within {self.timeouts.scrape:g}s"
-        elif isinstance(exc, UpstreamFailed) and exc.status is not None:
-            detail = f"HTTP {exc.status}"
-        elif isinstance(exc, UpstreamFailed):
-            detail = exc.detail
-        else:
-            detail = str(exc) or exc.__class__.__name__
         self.last_scrape_error = f"{kind}: {detail}"
-        if kind in _STALE_KINDS:
+        if alive:
             # A busy engine is slow to answer /metrics, not gone: keep routing to it on its
             # last sample and the router's own in-flight count. A down one stays down.
             if self.up and not self.stale:
@@ -301,18 +244,3 @@ class Backend(LoadTracker):
         self.up = False
         self.stale = False
         self.sample = None
-
-
-async def scrape_forever(
-    backends: Callable[[], list[Backend]], interval: Callable[[], float]
-) -> None:
-    """Scrape every backend each ``interval()`` seconds, concurrently, forever.
-
-    Both are callables so a new deployment set or a changed policy interval takes effect
-    on the next round without restarting the loop.
-    """
-    while True:
-        started = time.monotonic()
-        period = interval()
-        await asyncio.gather(*(b.scrape(period) for b in backends()), return_exceptions=True)
-        await asyncio.sleep(max(0.05, period - (time.monotonic() - started)))

@@ -12,7 +12,7 @@ stream; a client that is not keeping up) queues for the coroutine waiting in
 :meth:`EngineResponse.next`. Anything unusual (no length, an upgrade) is an error, never a
 guess. Closing the connection is how the engine learns the client left.
 
-Every wait has one deadline in ``router.deadlines``: the first bytes within ``first_byte``
+Every wait has one deadline in ``router.engines.deadlines``: the first bytes within ``first_byte``
 seconds, then the idle timeout between reads (held while the consumer holds the data: a slow
 client is not a silent engine), or one deadline for the whole exchange (``idle=None``).
 """
@@ -24,20 +24,17 @@ import json
 import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 from common.http1 import FramingError, ResponseParser
-from router.deadlines import DEADLINES, Deadline
-
-if TYPE_CHECKING:
-    from router.backends import Backend
+from router.engines.deadlines import DEADLINES, Deadline
 
 MAX_HEAD = 1 << 16
 # Reads queued for a busy coroutine before the engine socket stops being read.
 MAX_PENDING = 64
-# The request's own idle timeout is the backend's unless a call says otherwise.
-_BACKEND_IDLE = -1.0
+# The request's own idle timeout is the pool's unless a call says otherwise.
+_POOL_IDLE = -1.0
 
 # Why an engine could not serve a request: the ``reason`` label of the router's
 # ``failovers_total``. ``removed``: its deployment left the control plane's set.
@@ -49,12 +46,26 @@ FAILURE_REMOVED = "removed"
 FAILURE_REASONS = (FAILURE_CONNECT, FAILURE_HTTP, FAILURE_TIMEOUT, FAILURE_BROKEN, FAILURE_REMOVED)
 
 
+class Engine(Protocol):
+    """An engine as a failure names it: its URL and its role (``gpu`` or ``cpu``). A pool is
+    one, and so is the router's ``Backend``."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def role(self) -> str: ...
+
+
 class UpstreamFailed(Exception):
-    """An engine could not serve a request. ``status``/``body`` are set for HTTP errors."""
+    """An engine could not serve a request. ``status``/``body`` are set for HTTP errors.
+
+    It names the engine (``url``, ``role``) and nothing more: whoever called the engine
+    counts the failure against it (``recorded``)."""
 
     def __init__(
         self,
-        backend: Backend,
+        engine: Engine,
         message: str,
         *,
         connect_failed: bool = False,
@@ -62,8 +73,9 @@ class UpstreamFailed(Exception):
         status: int | None = None,
         body: bytes | None = None,
     ) -> None:
-        super().__init__(f"{backend.role} engine {backend.url}: {message}")
-        self.backend = backend
+        super().__init__(f"{engine.role} engine {engine.url}: {message}")
+        self.url = engine.url
+        self.role = engine.role
         self.detail = message  # what failed, without the engine's name
         self.connect_failed = connect_failed
         self.timed_out = timed_out
@@ -91,8 +103,8 @@ class BackendRemoved(UpstreamFailed):
     Nothing is wrong with the engine as far as the router knows (the host may be silent,
     or the deployment stopped), so it is not counted towards errors or ejection."""
 
-    def __init__(self, backend: Backend) -> None:
-        super().__init__(backend, "removed from the deployment set")
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine, "removed from the deployment set")
         self.recorded = True
 
     @property
@@ -252,17 +264,22 @@ class Conn(asyncio.Protocol):
 
 
 class EnginePool:
-    """Idle keep-alive connections to one engine."""
+    """Idle keep-alive connections to one engine, and the timeouts of its requests: what
+    :func:`request` needs to reach it."""
 
-    def __init__(self, url: str, connect_timeout: float) -> None:
+    def __init__(self, url: str, role: str, connect_timeout: float, idle_timeout: float) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"engine URLs must be http://, got {url!r}")
+        self.url = url
+        self.role = role
         self.host = parts.hostname
         self.port = parts.port or 80
         self.host_header = parts.netloc.encode()
         self.prefix = parts.path.rstrip("/").encode()
         self.connect_timeout = connect_timeout
+        # The longest silence inside a streamed answer, unless a request says otherwise.
+        self.idle_timeout = idle_timeout
         self.idle: list[Conn] = []
         self.closed = False  # the engine left the deployment set: no new connections
 
@@ -299,8 +316,8 @@ class EnginePool:
 class EngineResponse:
     """An engine's answer whose head arrived; its body is read with ``next``."""
 
-    def __init__(self, backend: Backend, conn: Conn) -> None:
-        self.backend = backend
+    def __init__(self, pool: EnginePool, conn: Conn) -> None:
+        self.pool = pool
         self.conn = conn
         parser = conn.parser
         self.status = parser.status
@@ -324,7 +341,7 @@ class EngineResponse:
                 body = await self.read_all()
             except UpstreamFailed:
                 body = b""
-            raise UpstreamFailed(self.backend, f"HTTP {self.status}", status=self.status, body=body)
+            raise UpstreamFailed(self.pool, f"HTTP {self.status}", status=self.status, body=body)
 
     def set_direct(self, direct: Callable[[bytes], bool] | None) -> None:
         self.conn.direct = direct
@@ -341,8 +358,8 @@ class EngineResponse:
         except _Broken as exc:
             if conn.deadline is not None and conn.deadline.fired:
                 what = f"silent for {conn.limit:g}s" if conn.limit else "no answer in time"
-                raise UpstreamFailed(self.backend, what, timed_out=True) from None
-            raise UpstreamFailed(self.backend, str(exc)) from None
+                raise UpstreamFailed(self.pool, what, timed_out=True) from None
+            raise UpstreamFailed(self.pool, str(exc)) from None
 
     async def iter_body(self) -> AsyncIterator[bytes]:
         while True:
@@ -362,30 +379,29 @@ class EngineResponse:
         conn.direct = None
         conn.deadline = None
         if conn.finished and not conn.pending and self.keep_alive and not conn.closed:
-            self.backend.pool.release(conn)
+            self.pool.release(conn)
         else:
             conn.close()
 
 
 @asynccontextmanager
 async def request(
-    backend: Backend,
+    pool: EnginePool,
     path: str,
     body: bytes = b"",
     *,
     first_byte: float,
     method: bytes = b"POST",
     headers: bytes = b"Content-Type: application/json\r\nAccept: */*\r\n",
-    idle: float | None = _BACKEND_IDLE,
+    idle: float | None = _POOL_IDLE,
 ) -> AsyncIterator[EngineResponse]:
     """Send a request and yield the response once its head arrived; raises
-    ``UpstreamFailed``. ``idle`` is the silence allowed between body reads (the backend's
+    ``UpstreamFailed``. ``idle`` is the silence allowed between body reads (the pool's
     by default); None puts the whole exchange under the ``first_byte`` deadline. Retries
     once when a pooled keep-alive connection turns out to be closed by the engine. The
     connection goes back to the pool when the body was read to its end."""
-    pool = backend.pool
-    if idle == _BACKEND_IDLE:
-        idle = backend.timeouts.idle
+    if idle == _POOL_IDLE:
+        idle = pool.idle_timeout
     message = (
         method
         + b" "
@@ -406,11 +422,9 @@ async def request(
             conn, reused = await pool.acquire(connect)
         except (OSError, TimeoutError) as exc:
             if pool.closed:
-                raise BackendRemoved(backend) from None
+                raise BackendRemoved(pool) from None
             detail = "no connection within the timeout" if isinstance(exc, TimeoutError) else exc
-            raise UpstreamFailed(
-                backend, f"connect failed: {detail!r}", connect_failed=True
-            ) from None
+            raise UpstreamFailed(pool, f"connect failed: {detail!r}", connect_failed=True) from None
         with DEADLINES.closing(conn, first_byte) as deadline:
             conn.deadline = deadline
             conn.limit = first_byte if idle is not None else None
@@ -423,16 +437,16 @@ async def request(
                 conn.close()
                 if deadline.fired:
                     raise UpstreamFailed(
-                        backend, f"no response within {first_byte:g}s", timed_out=True
+                        pool, f"no response within {first_byte:g}s", timed_out=True
                     ) from None
                 if reused and attempt == 0:
                     continue
-                raise UpstreamFailed(backend, f"request failed: {exc}") from None
+                raise UpstreamFailed(pool, f"request failed: {exc}") from None
             except BaseException:
                 # Cancelled (the client left): closing the socket makes the engine abort.
                 conn.close()
                 raise
-            response = EngineResponse(backend, conn)
+            response = EngineResponse(pool, conn)
             if idle is not None:
                 deadline.at = conn.clock() + first_byte  # for the first body bytes
             try:
@@ -443,27 +457,25 @@ async def request(
 
 
 async def call_json(
-    backend: Backend, path: str, body: dict[str, Any], *, within: float, what: str = ""
+    pool: EnginePool, path: str, body: dict[str, Any], *, within: float, what: str = ""
 ) -> Any:
     """A non-streaming JSON call whose whole answer must arrive within ``within`` seconds;
     a status of 300 or more is an ``UpstreamFailed`` with the engine's body."""
     label = what or path
-    async with request(
-        backend, path, json.dumps(body).encode(), first_byte=within, idle=None
-    ) as resp:
+    async with request(pool, path, json.dumps(body).encode(), first_byte=within, idle=None) as resp:
         try:
             raw = await resp.read_all()
         except UpstreamFailed as exc:
             if exc.timed_out:
                 raise UpstreamFailed(
-                    backend, f"{label}: no answer within {within:g}s", timed_out=True
+                    pool, f"{label}: no answer within {within:g}s", timed_out=True
                 ) from None
             raise
         if resp.status >= 300:
             raise UpstreamFailed(
-                backend, f"{label} answered HTTP {resp.status}", status=resp.status, body=raw
+                pool, f"{label} answered HTTP {resp.status}", status=resp.status, body=raw
             )
     try:
         return json.loads(raw)
     except ValueError:
-        raise UpstreamFailed(backend, f"{label}: the answer is not JSON") from None
+        raise UpstreamFailed(pool, f"{label}: the answer is not JSON") from None

@@ -21,9 +21,9 @@ from typing import Any, Protocol, cast
 from aiohttp import web
 
 from common.policy_schema import PolicyKnobs
-from router.errors import RouterError
+from router.client.errors import RouterError
+from router.client.sse import DONE, ChunkBuilder, full_response
 from router.metrics import RouterMetrics
-from router.sse import DONE, ChunkBuilder, full_response
 
 # Which path served the request (gpu-only, pd, cpu-only): for operators and tests.
 ROUTE_HEADER = "X-Syshax-Route"
@@ -54,7 +54,8 @@ class ClientRequest:
 
 
 class Relayed(Protocol):
-    """An engine's streamed body as the pump reads it (``router.transport.EngineResponse``)."""
+    """An engine's streamed body as the pump reads it
+    (``router.engines.transport.EngineResponse``)."""
 
     async def next(self) -> tuple[bytes, bool]: ...
 

@@ -26,15 +26,13 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from common.sse import event_data, split_events
-from router.backends import Backend
 from router.decide import Decision, Route, cpu_allowed, decide_next_chunk, token_limit
-from router.transport import UpstreamFailed, call_json, request
-
-if TYPE_CHECKING:
-    from router.flow import Exchange
+from router.engines.backends import Backend
+from router.engines.transport import UpstreamFailed, call_json, request
+from router.pd.sequence import PdSequence
 
 log = logging.getLogger("syshax.router")
 
@@ -110,40 +108,39 @@ class VllmProtocol:
     def unspliceable(self, body: dict[str, Any]) -> str | None:
         return spliceable(body)
 
-    async def run(self, ex: Exchange, decision: Decision) -> None:
-        await VllmPd(ex).run(decision)
+    async def run(self, seq: PdSequence, decision: Decision) -> None:
+        await VllmPd(seq).run(decision)
 
-    async def resume(self, ex: Exchange, failed: Backend, why: str) -> bool:
-        return await resume_stream(ex, failed, why)
+    async def resume(self, seq: PdSequence, failed: Backend, why: str) -> bool:
+        return await resume_stream(seq, failed, why)
 
 
 class VllmPd:
-    """One PD sequence on vLLM engines; writes into the exchange's client stream."""
+    """One PD sequence on vLLM engines; writes into the sequence's client stream."""
 
-    def __init__(self, exchange: Exchange) -> None:
-        self.ex = exchange
+    def __init__(self, seq: PdSequence) -> None:
+        self.seq = seq
         self.prompt_ids: list[int] = []
         self.generated: list[int] = []
         self.transfer: Transfer | None = None
         # The prefill engine could not publish the KV (its arena full): decode where it is.
         self.kv_fallback = False
-        self.min_tokens = exchange.req.body.get("min_tokens")
+        self.min_tokens = seq.req.body.get("min_tokens")
 
     # -- steps -------------------------------------------------------------------------
 
     async def run(self, decision: Decision) -> None:
-        ex = self.ex
+        seq = self.seq
         finish = await self.prefill()
         if finish != "length" or self.remaining() == 0:
-            ex.out.finish_reason = finish
+            seq.out.finish_reason = finish
             return
-        cpu = ex.deployment.cpu
-        target = cpu if cpu is not None and not self.kv_fallback else ex.deployment.gpu
+        cpu = seq.cpu
+        target = cpu if cpu is not None and not self.kv_fallback else seq.gpu
         # A re-decision point costs nothing here (the stream goes on), so even "to the end"
         # decisions (forced-pd) get one every token_limit tokens: a live policy change lands.
         limit = decision.token_limit or token_limit(
-            ex.state.knobs_for(ex.deployment, ex.req.knobs),
-            cpu.throughput_tps if cpu is not None else 0.0,
+            seq.knobs(), cpu.throughput_tps if cpu is not None else 0.0
         )
         while True:
             remaining = self.remaining()
@@ -153,56 +150,56 @@ class VllmPd:
             try:
                 finish, moved = await self.decode(target, limit)
             except UpstreamFailed as exc:
-                if exc.client_error and not ex.out.pieces:
+                if exc.client_error and not seq.out.pieces:
                     raise
-                ex.record_failure(exc)
-                if target is ex.deployment.gpu:
+                seq.record_failure(target, exc)
+                if target is seq.gpu:
                     raise
                 log.warning(
                     "%s: CPU decode failed after %d tokens (%s); resuming on the GPU",
-                    ex.out.request_id,
+                    seq.out.request_id,
                     len(self.generated),
                     exc,
                 )
-                ex.metrics.fallback("cpu-decode-to-gpu")
-                target = ex.deployment.gpu
+                seq.metrics.fallback("cpu-decode-to-gpu")
+                target = seq.gpu
                 continue
             if not moved:
                 break
-            target = ex.deployment.gpu
-        ex.out.finish_reason = finish
+            target = seq.gpu
+        seq.out.finish_reason = finish
 
     def remaining(self) -> int | None:
-        limit = self.ex.req.max_tokens
+        limit = self.seq.req.max_tokens
         return None if limit is None else max(0, limit - len(self.generated))
 
     async def prefill(self) -> str:
         """GPU prefill of the client's own request; emits the first token."""
-        ex = self.ex
-        gpu = ex.deployment.gpu
-        body = ex.base_body()
+        seq = self.seq
+        gpu = seq.gpu
+        body = seq.base_body()
         body.update(
             stream=False,
             max_tokens=1,
             return_token_ids=True,
             kv_transfer_params={"do_remote_decode": True},
         )
-        data = await ex.prefill_on_gpu(body)
+        data = await seq.prefill_on_gpu(body)
         try:
             choice = data["choices"][0]
-            text = (choice["message"]["content"] if ex.req.chat else choice["text"]) or ""
+            text = (choice["message"]["content"] if seq.req.chat else choice["text"]) or ""
             token_ids = [int(t) for t in choice["token_ids"]]
             prompt_ids = choice.get("prompt_token_ids") or data.get("prompt_token_ids")
             self.prompt_ids = [int(t) for t in prompt_ids]
             finish = str(choice.get("finish_reason") or "stop")
             usage = data.get("usage") or {}
         except (KeyError, IndexError, TypeError, ValueError):
-            raise UpstreamFailed(
+            raise seq.failed(
                 gpu,
                 "prefill answer lacks token ids (an engine without return_token_ids: "
                 "vLLM >= 0.10.2 is required for the vllm PD protocol)",
             ) from None
-        ex.out.prompt_tokens = int(usage.get("prompt_tokens") or len(self.prompt_ids))
+        seq.out.prompt_tokens = int(usage.get("prompt_tokens") or len(self.prompt_ids))
         params = data.get("kv_transfer_params")
         if isinstance(params, dict) and params.get("transfer_id"):
             clean = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
@@ -215,34 +212,34 @@ class VllmPd:
         elif isinstance(params, dict) and params.get("syshax_kv_fallback"):
             # Counted, not failed: the GPU engine holds the prompt's KV and decodes it.
             self.kv_fallback = True
-            ex.metrics.kv_transfer("fallback")
+            seq.metrics.kv_transfer("fallback")
             log.warning(
                 "deployment %s: GPU engine %s kept request %s (%s); it decodes there",
-                ex.deployment.spec.name,
+                seq.deployment,
                 gpu.url,
-                ex.out.request_id,
+                seq.out.request_id,
                 str(params["syshax_kv_fallback"])[:300],
             )
         elif finish == "length":
             # The GPU engine has no connector: the decode recomputes the prompt.
-            ex.metrics.kv_transfer("none")
+            seq.metrics.kv_transfer("none")
             log.warning(
                 "deployment %s: GPU engine %s published no kv_transfer_params (is "
                 "SyshaxShmConnector in its --kv-transfer-config?); the CPU recomputes the prompt",
-                ex.deployment.spec.name,
+                seq.deployment,
                 gpu.url,
             )
         self.generated.extend(token_ids)
-        ex.out.prompt_token_ids = self.prompt_ids
+        seq.out.prompt_token_ids = self.prompt_ids
         if text or token_ids:
-            await ex.out.emit(text, len(token_ids), token_ids)
+            await seq.out.emit(text, len(token_ids), token_ids)
         return finish
 
     def _decode_body(self, limit_tokens: int | None, transfer: Transfer | None) -> bytes:
-        ex = self.ex
-        body = {k: v for k, v in ex.req.body.items() if k not in PROMPT_FIELDS}
+        req = self.seq.req
+        body = {k: v for k, v in req.body.items() if k not in PROMPT_FIELDS}
         body.update(
-            model=ex.req.model,
+            model=req.model,
             prompt=self.prompt_ids + self.generated,
             stream=True,
             stream_options={"include_usage": True},
@@ -260,8 +257,8 @@ class VllmPd:
         """Stream from ``target`` until the sequence ends or the decider moves it to the GPU.
 
         Returns (finish reason, moved). ``limit`` is the CPU's chunk (0: to the end)."""
-        ex = self.ex
-        on_cpu = target is ex.deployment.cpu
+        seq = self.seq
+        on_cpu = target is seq.cpu
         # The prefill's KV is for the first decode, and only a CPU engine loads it.
         transfer = self.transfer if on_cpu else None
         self.transfer = None
@@ -271,9 +268,11 @@ class VllmPd:
         usage: dict[str, Any] | None = None
         received = 0
         buffer = bytearray()
-        with target.holding(ex):
+        with target.holding(seq.holder):
             try:
-                async with request(target, COMPLETIONS, body, first_byte=ex.first_byte) as resp:
+                async with request(
+                    target.pool, COMPLETIONS, body, first_byte=seq.first_byte
+                ) as resp:
                     await resp.raise_for_status()
                     async for data in resp.iter_body():
                         buffer += data
@@ -292,51 +291,51 @@ class VllmPd:
                                 self.generated.extend(ids)
                                 received += len(ids)
                                 since_decision += len(ids)
-                                await ex.out.emit(text, len(ids), ids)
+                                await seq.out.emit(text, len(ids), ids)
                             if choice.get("finish_reason"):
                                 finish = str(choice["finish_reason"])
                         if finish is not None or not on_cpu or not limit or since_decision < limit:
                             continue
                         # A chunk boundary: decide again (a live policy change lands here).
-                        ex.metrics.chunk(target.role)
+                        seq.metrics.chunk(target.role)
                         since_decision = 0
-                        knobs = ex.state.knobs_for(ex.deployment, ex.req.knobs)
+                        knobs = seq.knobs()
                         with target.uncounted():  # the decider must not count this one
-                            nxt = decide_next_chunk(knobs, ex.deployment.loads(time.monotonic()))
-                        ex.metrics.decision("chunk", nxt.route.value, nxt.code)
+                            nxt = decide_next_chunk(knobs, seq.loads())
+                        seq.metrics.decision("chunk", nxt.route.value, nxt.code)
                         if nxt.route is Route.PD:
                             limit = nxt.token_limit
                             continue
                         log.info(
                             "%s moves to the GPU after %d tokens: %s",
-                            ex.out.request_id,
+                            seq.out.request_id,
                             len(self.generated),
                             nxt.reason,
                         )
                         if nxt.fallback:
-                            ex.metrics.fallback("cpu-decode-to-gpu")
+                            seq.metrics.fallback("cpu-decode-to-gpu")
                         self._check_kv(target, transfer, usage)
                         return "length", True
             except ValueError:
                 raise UpstreamFailed(target, "malformed stream chunk") from None
             finally:
                 if transfer is not None and usage is None:
-                    ex.metrics.kv_transfer("unverified")
+                    seq.metrics.kv_transfer("unverified")
         if finish is None:
             raise UpstreamFailed(target, "stream ended without a finish reason")
         target.record_success()
-        ex.metrics.chunk(target.role)
+        seq.metrics.chunk(target.role)
         if usage is not None:
             reported = int(usage.get("completion_tokens") or 0)
             if reported != received:
                 log.warning(
                     "%s: %s engine reported %d completion tokens, sent %d token ids",
-                    ex.out.request_id,
+                    seq.out.request_id,
                     target.role,
                     reported,
                     received,
                 )
-                ex.out.completion_tokens += reported - received
+                seq.out.completion_tokens += reported - received
         self._check_kv(target, transfer, usage)
         return finish, False
 
@@ -346,17 +345,17 @@ class VllmPd:
         """Compare the decode engine's cached prompt tokens with what was transferred."""
         if transfer is None or usage is None:
             return
-        ex = self.ex
+        seq = self.seq
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if cached is None:
-            ex.metrics.kv_transfer("unverified")
+            seq.metrics.kv_transfer("unverified")
             return
         if int(cached) >= transfer.num_tokens:
             target.kv_misses = 0
-            ex.metrics.kv_transfer("hit")
+            seq.metrics.kv_transfer("hit")
             return
-        ex.metrics.kv_transfer("kv_miss")
+        seq.metrics.kv_transfer("kv_miss")
         target.kv_misses += 1
         cause = (
             "its lease had expired"
@@ -366,7 +365,7 @@ class VllmPd:
         log.warning(
             "deployment %s: %s engine %s recomputed the prompt instead of loading transfer %s "
             "(%d of %d tokens cached; %s)",
-            ex.deployment.spec.name,
+            seq.deployment,
             target.role,
             target.url,
             transfer.transfer_id,
@@ -375,9 +374,8 @@ class VllmPd:
             cause,
         )
         if target.kv_misses >= KV_MISS_FAILURE_AFTER:
-            ex.record_failure(
-                UpstreamFailed(target, f"{target.kv_misses} consecutive KV handoff misses")
-            )
+            misses = UpstreamFailed(target, f"{target.kv_misses} consecutive KV handoff misses")
+            seq.record_failure(target, misses)
 
 
 def _chunks(buffer: bytearray, backend: Backend) -> Iterator[dict[str, Any]]:
@@ -394,7 +392,7 @@ def _chunks(buffer: bytearray, backend: Backend) -> Iterator[dict[str, Any]]:
 async def _tokenize(backend: Backend, body: dict[str, Any]) -> list[int]:
     """Token ids from the engine's own ``/tokenize`` (vLLM's tokenizer and chat template)."""
     data = await call_json(
-        backend, "/tokenize", body, within=backend.timeouts.first_byte, what="/tokenize"
+        backend.pool, "/tokenize", body, within=backend.timeouts.first_byte, what="/tokenize"
     )
     try:
         return [int(t) for t in data.get("tokens") or ()]
@@ -402,7 +400,7 @@ async def _tokenize(backend: Backend, body: dict[str, Any]) -> list[int]:
         raise UpstreamFailed(backend, "/tokenize answered without token ids") from None
 
 
-async def resume_stream(ex: Exchange, failed: Backend, why: str) -> bool:
+async def resume_stream(seq: PdSequence, failed: Backend, why: str) -> bool:
     """A gpu-only or cpu-only stream whose engine died: continue it on the other engine.
 
     The router does not know the token ids of a passthrough stream, so the text relayed so
@@ -410,20 +408,20 @@ async def resume_stream(ex: Exchange, failed: Backend, why: str) -> bool:
     template) and decoded on from there; the client's stream goes on with the same id.
     Returns False (the caller then ends the stream with an error event) when the policy does
     not allow the other engine, it is down, or the relayed bytes end inside an event."""
-    deployment = ex.deployment
-    other = deployment.cpu if failed is deployment.gpu else deployment.gpu
-    knobs = ex.state.knobs_for(deployment, ex.req.knobs)
+    out, req = seq.out, seq.req
+    other = seq.cpu if failed is seq.gpu else seq.gpu
+    knobs = seq.knobs()
     refused = None
     if other is None or not other.available(time.monotonic()):
         refused = "no other engine is available"
-    elif other is deployment.cpu and not cpu_allowed(knobs):
+    elif other is seq.cpu and not cpu_allowed(knobs):
         refused = f"the policy ({knobs.mode}) keeps the CPU out"
-    elif other is deployment.gpu and knobs.mode == "cpu-only":
+    elif other is seq.gpu and knobs.mode == "cpu-only":
         refused = "the policy is cpu-only"
     if refused is not None or other is None:
-        log.info("%s: not resumed after %s: %s", ex.out.request_id, why, refused)
+        log.info("%s: not resumed after %s: %s", out.request_id, why, refused)
         return False
-    relayed = b"".join(ex.out.relayed)
+    relayed = b"".join(out.relayed)
     if relayed and not relayed.endswith(b"\n\n"):
         return False  # the client holds half an event: nothing can follow it cleanly
     text, finish = [], None
@@ -431,9 +429,9 @@ async def resume_stream(ex: Exchange, failed: Backend, why: str) -> bool:
     try:
         for chunk in _chunks(buffer, failed):
             if "id" in chunk:
-                ex.out.keep_id(str(chunk["id"]), int(chunk.get("created") or 0))
+                out.keep_id(str(chunk["id"]), int(chunk.get("created") or 0))
             for choice in chunk.get("choices") or []:
-                if ex.req.chat:
+                if req.chat:
                     text.append((choice.get("delta") or {}).get("content") or "")
                 else:
                     text.append(choice.get("text") or "")
@@ -441,15 +439,15 @@ async def resume_stream(ex: Exchange, failed: Backend, why: str) -> bool:
     except (UpstreamFailed, ValueError):
         return False
     if finish is not None:
-        ex.out.finish_reason = str(finish)  # only the tail was lost
+        out.finish_reason = str(finish)  # only the tail was lost
         return True
-    body = ex.req.body
+    body = req.body
     try:
-        if ex.req.chat:
+        if req.chat:
             prompt_ids = await _tokenize(
                 other,
                 {
-                    "model": ex.req.model,
+                    "model": req.model,
                     "messages": body["messages"],
                     "add_generation_prompt": True,
                 },
@@ -459,36 +457,36 @@ async def resume_stream(ex: Exchange, failed: Backend, why: str) -> bool:
         ):
             prompt_ids = list(body["prompt"])
         else:
-            prompt_ids = await _tokenize(other, {"model": ex.req.model, "prompt": body["prompt"]})
+            prompt_ids = await _tokenize(other, {"model": req.model, "prompt": body["prompt"]})
         so_far = "".join(text)
         generated = (
             await _tokenize(
-                other, {"model": ex.req.model, "prompt": so_far, "add_special_tokens": False}
+                other, {"model": req.model, "prompt": so_far, "add_special_tokens": False}
             )
             if so_far
             else []
         )
     except UpstreamFailed as exc:
-        log.warning("%s: cannot resume on the %s engine: %s", ex.out.request_id, other.role, exc)
+        log.warning("%s: cannot resume on the %s engine: %s", out.request_id, other.role, exc)
         return False
     log.warning(
         "%s: %s engine failed after %d tokens (%d characters; %s); resuming on the %s engine",
-        ex.out.request_id,
+        out.request_id,
         failed.role,
         len(generated),
         len(so_far),
         why,
         other.role,
     )
-    ex.metrics.fallback(f"{failed.role}-stream-to-{other.role}")
-    pd = VllmPd(ex)
+    seq.metrics.fallback(f"{failed.role}-stream-to-{other.role}")
+    pd = VllmPd(seq)
     pd.prompt_ids, pd.generated = prompt_ids, generated
-    ex.out.prompt_tokens = len(prompt_ids)
-    ex.out.completion_tokens = len(generated)
-    ex.out.pieces.append(so_far)
+    out.prompt_tokens = len(prompt_ids)
+    out.completion_tokens = len(generated)
+    out.pieces.append(so_far)
     try:
-        ex.out.finish_reason, _ = await pd.decode(other, 0)
+        out.finish_reason, _ = await pd.decode(other, 0)
     except UpstreamFailed as exc:
-        ex.record_failure(exc)
+        seq.record_failure(other, exc)
         return False
     return True

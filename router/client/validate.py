@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from router.errors import RouterError, bad_request
+from router.client.errors import RouterError, bad_request
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from router.errors import error_body
+from router.client.errors import error_body
 
 DONE = b"data: [DONE]\n\n"
 

@@ -1,7 +1,8 @@
 """Parse an engine's Prometheus ``/metrics`` text into the few numbers the deciders need.
 
-Pure functions only. The scrape loop in ``backends.py`` keeps two consecutive samples and
-turns counters into rates with :func:`derive_load`.
+Pure functions only. The scrape (``router.engines.scrape``) parses each answer here; each
+``Backend`` keeps two consecutive samples (``LoadTracker``) and turns counters into rates with
+:func:`derive_load`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable, Mapping
 
-from router.errors import RouterError
+from router.client.errors import RouterError
 
 MODE_HEADER = "X-Syshax-Mode"
 # Who may force a policy mode with X-Syshax-Mode; the first is the default.

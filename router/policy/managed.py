@@ -21,8 +21,7 @@ from common import __version__
 from common.files import write_json_atomic
 from common.policy_schema import PolicyError
 from common.routing import parse_deployments
-from router.server import Router
-from router.state import PolicyRecord, parse_policy
+from router.state import PolicyRecord, Router, parse_policy
 
 log = logging.getLogger("syshax.router")
 
@@ -82,7 +81,7 @@ class ControlPlaneClient:
         self.registered = False
         self.last_stats = 0.0
 
-    # -- as the router's policy source (router/cli.py: PolicySource) ------------------------
+    # -- as the router's policy source (router/policy/source.py: PolicySource) --------------
 
     def attach(self, listen_url: str) -> None:
         """The listener is bound: register under its URL, serving the cached state meanwhile."""

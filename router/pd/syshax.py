@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from common.sse import event_data, split_events
-from router.backends import Backend
+from router.client.sse import chunk_parts
 from router.decide import Decision, Route, decide_next_chunk
-from router.sse import chunk_parts
-from router.transport import UpstreamFailed, request
-
-if TYPE_CHECKING:
-    from router.flow import Exchange
+from router.engines.backends import Backend
+from router.engines.transport import UpstreamFailed, request
+from router.pd.sequence import PdSequence
 
 log = logging.getLogger("syshax.router")
 
@@ -37,14 +34,14 @@ class SyshaxPd:
     def unspliceable(self, body: dict[str, Any]) -> str | None:
         return None  # the patched engines take the text so far: any request splits
 
-    async def resume(self, ex: Exchange, failed: Backend, why: str) -> bool:
+    async def resume(self, seq: PdSequence, failed: Backend, why: str) -> bool:
         """A passthrough stream cannot be continued: these engines take no token ids."""
         return False
 
-    async def run(self, ex: Exchange, decision: Decision) -> None:
-        out = ex.out
-        cpu = ex.deployment.cpu
-        request_id, finish = await self._prefill(ex)
+    async def run(self, seq: PdSequence, decision: Decision) -> None:
+        out = seq.out
+        cpu = seq.cpu
+        request_id, finish = await self._prefill(seq)
         if finish != "scheduled":
             out.finish_reason = finish
             return
@@ -52,12 +49,12 @@ class SyshaxPd:
         kv_id: str | None = request_id
         limit = decision.token_limit
         while True:
-            remaining = _remaining(ex)
+            remaining = _remaining(seq)
             if remaining is not None and remaining <= 0:
                 finish = "length"
                 break
-            body = ex.base_body()
-            target = cpu if on_cpu and cpu is not None else ex.deployment.gpu
+            body = seq.base_body()
+            target = cpu if on_cpu and cpu is not None else seq.gpu
             budget = remaining if remaining is not None else UNBOUNDED_DECODE
             body["num_decode_tokens"] = min(limit, budget) if on_cpu and limit else budget
             body["generated_text"] = "".join(out.pieces)
@@ -66,14 +63,14 @@ class SyshaxPd:
             if remaining is not None:
                 body["max_tokens"] = remaining
             try:
-                finish = await self._segment(ex, target, body)
+                finish = await self._segment(seq, target, body)
             except UpstreamFailed as exc:
                 if exc.client_error and not out.pieces:
                     raise
-                ex.record_failure(exc)
-                if target is ex.deployment.gpu:
+                seq.record_failure(target, exc)
+                if target is seq.gpu:
                     raise
-                ex.metrics.fallback("cpu-decode-to-gpu")
+                seq.metrics.fallback("cpu-decode-to-gpu")
                 on_cpu, kv_id = False, None
                 continue
             if finish != "scheduled":
@@ -81,50 +78,50 @@ class SyshaxPd:
             if not on_cpu:
                 continue
             # Read anew per chunk: a live policy change lands mid-request.
-            knobs = ex.state.knobs_for(ex.deployment, ex.req.knobs)
-            nxt = decide_next_chunk(knobs, ex.deployment.loads(time.monotonic()))
-            ex.metrics.decision("chunk", nxt.route.value, nxt.code)
+            nxt = decide_next_chunk(seq.knobs(), seq.loads())
+            seq.metrics.decision("chunk", nxt.route.value, nxt.code)
             if nxt.route is Route.PD:
                 limit = nxt.token_limit
             else:
                 log.info("%s moves to the GPU: %s", out.request_id, nxt.reason)
                 if nxt.fallback:
-                    ex.metrics.fallback("cpu-decode-to-gpu")
+                    seq.metrics.fallback("cpu-decode-to-gpu")
                 on_cpu, kv_id = False, None
         if finish == "scheduled":
             finish = "length"
         out.finish_reason = finish
 
-    async def _prefill(self, ex: Exchange) -> tuple[str, str]:
+    async def _prefill(self, seq: PdSequence) -> tuple[str, str]:
         """GPU prefill; emits the first token. Returns (request_id_inference, finish_reason)."""
-        body = ex.base_body()
+        body = seq.base_body()
         body.update(stream=False, num_decode_tokens=0)
-        data = await ex.prefill_on_gpu(body)
+        data = await seq.prefill_on_gpu(body)
         try:
             choice = data["choices"][0]
-            text = (choice["message"]["content"] if ex.req.chat else choice["text"]) or ""
+            text = (choice["message"]["content"] if seq.req.chat else choice["text"]) or ""
             finish = choice.get("finish_reason") or "stop"
             request_id = str(data["id"])
             usage = data.get("usage") or {}
         except (KeyError, IndexError, TypeError):
-            raise UpstreamFailed(
-                ex.deployment.gpu, "prefill answer has an unexpected shape"
-            ) from None
-        ex.out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            raise seq.failed(seq.gpu, "prefill answer has an unexpected shape") from None
+        seq.out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         if text:
-            await ex.out.emit(text, int(usage.get("completion_tokens") or 1))
+            await seq.out.emit(text, int(usage.get("completion_tokens") or 1))
         return request_id, finish
 
-    async def _segment(self, ex: Exchange, backend: Backend, body: dict[str, Any]) -> str:
+    async def _segment(self, seq: PdSequence, backend: Backend, body: dict[str, Any]) -> str:
         """Stream one decode segment into the client's stream; returns its finish reason."""
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         finish: str | None = None
         buffer = bytearray()
-        with backend.holding(ex):
+        with backend.holding(seq.holder):
             try:
                 async with request(
-                    backend, ex.req.path, json.dumps(body).encode(), first_byte=ex.first_byte
+                    backend.pool,
+                    seq.req.path,
+                    json.dumps(body).encode(),
+                    first_byte=seq.first_byte,
                 ) as resp:
                     await resp.raise_for_status()
                     async for data in resp.iter_body():
@@ -136,9 +133,9 @@ class SyshaxPd:
                             chunk = json.loads(payload)
                             if "error" in chunk:
                                 raise UpstreamFailed(backend, f"error event: {chunk['error']}")
-                            parts = chunk_parts(chunk, ex.req.chat)
+                            parts = chunk_parts(chunk, seq.req.chat)
                             if parts.text:
-                                await ex.out.emit(parts.text)
+                                await seq.out.emit(parts.text)
                             if parts.finish_reason:
                                 finish = parts.finish_reason
             except ValueError:
@@ -146,11 +143,11 @@ class SyshaxPd:
         if finish is None:
             raise UpstreamFailed(backend, "stream ended without a finish reason")
         backend.record_success()
-        ex.metrics.chunk(backend.role)
+        seq.metrics.chunk(backend.role)
         return finish
 
 
-def _remaining(ex: Exchange) -> int | None:
-    if ex.req.max_tokens is None:
+def _remaining(seq: PdSequence) -> int | None:
+    if seq.req.max_tokens is None:
         return None
-    return ex.req.max_tokens - ex.out.completion_tokens
+    return seq.req.max_tokens - seq.out.completion_tokens

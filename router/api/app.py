@@ -1,0 +1,81 @@
+"""The aiohttp application: its routes, the API key check and the error shaping.
+
+Every answer a client gets goes through ``errors_middleware``: a ``RouterError`` becomes
+OpenAI's error shape, anything unexpected a 500 in that shape (never a stack trace). The
+completions endpoints are ``router.request.serve``; the others are in ``endpoints`` and
+``proxy``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from router.api.endpoints import health, metrics_endpoint, models
+from router.api.proxy import proxy
+from router.client.access import bearer, key_matches
+from router.client.errors import RouterError, error_response
+from router.request import serve
+from router.state import ROUTER_KEY, Router
+
+log = logging.getLogger("syshax.router")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    router = request.app[ROUTER_KEY]
+    config = router.config
+    try:
+        if config.api_key is not None and request.path not in OPEN_PATHS:
+            # A benchmark key gets in as the API key does.
+            keys = (config.api_key, *config.benchmark_keys)
+            if not key_matches(bearer(request.headers.get("Authorization", "")), keys):
+                raise RouterError(
+                    401,
+                    "Incorrect or missing API key",
+                    type_="invalid_request_error",
+                    code="invalid_api_key",
+                )
+        return await handler(request)
+    except RouterError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status == 413:
+            return error_response(RouterError(413, "request body too large", code="body_too_large"))
+        return error_response(
+            RouterError(exc.status, exc.reason, type_="invalid_request_error", code=str(exc.status))
+        )
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        # Log the trace for the operator; the client gets the OpenAI shape and no trace.
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(
+            RouterError(500, "internal router error", type_="server_error", code="internal_error")
+        )
+
+
+async def completions(http: web.Request) -> web.StreamResponse:
+    """``/v1/completions`` and ``/v1/chat/completions``: ``router.request`` serves them."""
+    return await serve(http.app[ROUTER_KEY], http)
+
+
+def build_app(router: Router) -> web.Application:
+    app = web.Application(
+        middlewares=[errors_middleware], client_max_size=router.config.max_body_bytes
+    )
+    app[ROUTER_KEY] = router
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_endpoint)
+    app.router.add_route("*", "/{tail:.*}", proxy)
+    return app

@@ -1,0 +1,7 @@
+"""The policy sources: where the router's policies and deployments (the deciders' inputs)
+come from, written into its live state (``router.state``).
+
+- ``standalone``: a policy file plus flag overrides, reloaded on change and on SIGHUP;
+- ``managed``: pulled from the control plane, with the last good copy kept on disk;
+- ``source``: what the composition root (``router.cli``) asks of either.
+"""
