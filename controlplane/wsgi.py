@@ -11,7 +11,7 @@ def _warm() -> None:
     (every view and serializer) and every app's Celery task modules, which the first request
     that queues a task imports (``core/dispatch.py``). Those imports cost a worker about a
     second of CPU, once; paid in the middle of a deploy, they delayed it and every request
-    the worker held meanwhile (docs/scale.md)."""
+    the worker held meanwhile (docs/decisions/0036-group-commits-one-statement.md)."""
     # lazy: Django is set up by get_wsgi_application() above, not at this module's top
     from django.urls import get_resolver
 

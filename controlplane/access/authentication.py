@@ -22,7 +22,8 @@ from controlplane.access.principal import MachinePrincipal
 def note_use(model: type[models.Model], pk: Any, last_used_at: Any) -> None:
     # last_used_at is informative: written at most once per TOKEN_LAST_USED_SECONDS a token.
     # Every request would double the write load; even once a minute, 5,000 agents would add
-    # 80 writes a second to their 500 heartbeats (docs/scale.md).
+    # 80 writes a second to their 500 heartbeats
+    # (docs/decisions/0024-heartbeat-seven-statements.md).
     now = timezone.now()
     resolution = timedelta(seconds=settings.TOKEN_LAST_USED_SECONDS)
     if last_used_at is None or now - last_used_at > resolution:

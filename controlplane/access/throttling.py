@@ -8,9 +8,9 @@ by every web worker), else each process's memory.
 
 The count is a fixed window that starts at a credential's first request: one Redis round trip
 per request (``INCR`` and ``EXPIRE NX`` in one pipeline), where DRF's sliding window reads and
-writes a list of timestamps (two round trips; docs/scale.md). A credential may so send up to
-twice the rate across a window's edge, which is still a loop's or a thief's rate, not an
-agent's.
+writes a list of timestamps (two round trips;
+docs/decisions/0028-fleet-paths-through-django.md). A credential may so send up to twice the
+rate across a window's edge, which is still a loop's or a thief's rate, not an agent's.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib import admin
 
 from controlplane.benchmarks import services
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
+from controlplane.core.admin import ServiceDeleteAdmin
 from controlplane.deployments.admin import DeploymentAdmin
 
 
@@ -28,7 +31,7 @@ DeploymentAdmin.actions = [*DeploymentAdmin.actions, run_benchmark]
 
 
 @admin.register(Scenario)
-class ScenarioAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class ScenarioAdmin(ServiceDeleteAdmin):
     list_display = [
         "name",
         "input_tokens",
@@ -39,6 +42,12 @@ class ScenarioAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     ]
     list_filter = ["builtin"]
     search_fields = ["name", "description"]
+
+    def delete_refusal(self, obj: Scenario) -> str:
+        return services.scenario_delete_refusal(obj)
+
+    def delete_with(self, obj: Scenario, *, acting_user: Any) -> None:
+        services.delete_scenario(obj, acting_user=acting_user)
 
 
 @admin.register(BenchmarkRun)

@@ -9,8 +9,9 @@ from django.db import transaction
 
 from controlplane.benchmarks.analysis import compare_to_baseline
 from controlplane.benchmarks.choices import ACTIVE_STATUSES, EXECUTE_RUN_TASK, RunStatus
-from controlplane.benchmarks.models import BenchmarkRun
+from controlplane.benchmarks.models import BenchmarkRun, Scenario
 from controlplane.core import audit, dispatch
+from controlplane.core.services import checked_delete
 from controlplane.deployments.models import Deployment
 from controlplane.inventory.models import engine_host
 from controlplane.routers.models import RouterInstance
@@ -151,3 +152,16 @@ def advisor_summaries(
     if deployment_id is not None:
         runs = runs.filter(deployment_id=deployment_id)
     return [run.summary for run in reversed(list(runs[:limit]))]
+
+
+def scenario_delete_refusal(scenario: Scenario) -> str:
+    """Why the scenario may not be deleted, or "" (its runs protect it too, through their
+    key: Django's ProtectedError names them)."""
+    if scenario.builtin:
+        return f"{scenario.name!r} is built in and cannot be deleted"
+    return ""
+
+
+def delete_scenario(scenario: Scenario, *, acting_user: Any) -> None:
+    """Delete a scenario no run used, with an audit row."""
+    checked_delete(scenario, scenario_delete_refusal, "scenario.deleted", acting_user=acting_user)

@@ -1,8 +1,50 @@
 from __future__ import annotations
 
-from django.contrib import admin
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db import models
 
 from controlplane.core.models import AuditEntry
+from controlplane.core.services import DeleteRefused
+
+
+class ServiceDeleteAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """An admin whose deletes go through its app's delete service (controlplane/core/services.py).
+
+    The confirmation page, for one object or the bulk action, lists what the service's rules
+    refuse the way Django lists protected objects: the page says "Cannot delete", and posting
+    it deletes nothing. A confirmed delete calls the service, which checks again under its lock
+    and writes the audit row. Subclasses name the service in :meth:`delete_with` and its rules
+    in :meth:`delete_refusal`.
+    """
+
+    def delete_refusal(self, obj: Any) -> str:
+        """Why ``obj`` may not be deleted now; "" when it may (protected keys aside: Django
+        lists what they protect)."""
+        return ""
+
+    def delete_with(self, obj: Any, *, acting_user: Any) -> None:
+        """The app's delete service for ``obj``."""
+        raise NotImplementedError
+
+    def get_deleted_objects(self, objs, request):  # type: ignore[no-untyped-def]
+        deleted, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        refusals = [why for why in map(self.delete_refusal, objs) if why]
+        return deleted, counts, perms_needed, [*protected, *refusals]
+
+    def _delete_one(self, request: Any, obj: models.Model) -> None:
+        try:
+            self.delete_with(obj, acting_user=request.user)
+        except DeleteRefused as exc:  # its state changed since the confirmation page
+            self.message_user(request, f"{obj}: {exc}", level=messages.ERROR)
+
+    def delete_model(self, request, obj):  # type: ignore[no-untyped-def]
+        self._delete_one(request, obj)
+
+    def delete_queryset(self, request, queryset):  # type: ignore[no-untyped-def]
+        for obj in queryset:
+            self._delete_one(request, obj)
 
 
 @admin.register(AuditEntry)

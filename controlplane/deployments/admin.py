@@ -8,6 +8,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from common.errors import FieldError
+from controlplane.core.admin import ServiceDeleteAdmin
 from controlplane.deployments import services
 from controlplane.deployments.masking import hide_env, hide_spec_env, may_see_env
 from controlplane.deployments.models import (
@@ -26,7 +27,7 @@ def _json(value: Any) -> str:
 
 
 @admin.register(DeploymentProfile)
-class DeploymentProfileAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class DeploymentProfileAdmin(ServiceDeleteAdmin):
     list_display = [
         "name",
         "model",
@@ -117,6 +118,9 @@ class DeploymentProfileAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             fields += self.hidden_env_fields.values()
         return fields
 
+    def delete_with(self, obj: DeploymentProfile, *, acting_user: Any) -> None:
+        services.delete_profile(obj, acting_user=acting_user)
+
     @admin.display(description="GPU env")
     def gpu_env_values_hidden(self, obj: DeploymentProfile) -> str:
         return _json(hide_env(obj.gpu_env))
@@ -169,7 +173,7 @@ class ContainerInline(admin.TabularInline):  # type: ignore[type-arg]
 
 
 @admin.register(Deployment)
-class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class DeploymentAdmin(ServiceDeleteAdmin):
     list_display = [
         "name",
         "node",
@@ -201,6 +205,12 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def held_cards(self, obj: Deployment) -> str:
         claims = obj.accelerator_claims.select_related("accelerator").order_by("accelerator__index")
         return ", ".join(f"{c.accelerator.index}: {c.accelerator.uuid}" for c in claims) or "-"
+
+    def delete_refusal(self, obj: Deployment) -> str:
+        return services.deployment_delete_refusal(obj)
+
+    def delete_with(self, obj: Deployment, *, acting_user: Any) -> None:
+        services.delete_deployment(obj, acting_user=acting_user)
 
     def save_model(self, request, obj, form, change):  # type: ignore[no-untyped-def]
         if "node" in form.changed_data:

@@ -4,7 +4,7 @@ The :class:`AgentCommand` row is the only copy of a command. An agent asks for i
 queued commands (``GET agent/commands``) and, when there are none, the request waits up to
 ``AGENT_COMMAND_WAIT_SECONDS`` for one (a long poll). No broker URL or queue ever reaches an
 agent, so an agent token reaches nothing but its own node's rows, and a revoked token is
-refused on the agent's next request (docs/decisions.md, "Agents fetch their commands").
+refused on the agent's next request (docs/decisions/0019-agents-fetch-commands-over-api.md).
 
 Waking a waiting request: with Redis configured, dispatching a command pushes a token on a
 per-node list that the waiting request blocks on (``BLPOP``); the embedded defaults have no

@@ -20,8 +20,7 @@ from common.engine_spec import EngineSpec, kv_connector_dir, prepend_python_path
 from common.errors import FieldError
 from controlplane.deployments.masking import HIDDEN, hide_env
 from controlplane.deployments.models import DeploymentProfile
-from controlplane.deployments.placement import PlacementError
-from controlplane.deployments.services import placement_plan
+from controlplane.deployments.placement import PlacementError, placement_plan
 from controlplane.deployments.specs import profile_engine_spec
 from controlplane.inventory.models import Node
 

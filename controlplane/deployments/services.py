@@ -1,15 +1,17 @@
 """Deployment operations. Each runs in one transaction, writes a timeline event and an audit
-row, and queues the workflow task only after the transaction commits."""
+row, and queues the workflow task only after the transaction commits. Deletes of profiles and
+deployments are here too: the API, the admin and the workflow all delete through them."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 
 from controlplane.core import audit, dispatch
-from controlplane.deployments import delivery, placing
-from controlplane.deployments.affinity import plan_for
+from controlplane.core.services import DeleteRefused, audited_delete
+from controlplane.deployments import delivery
 from controlplane.deployments.choices import (
     ADVANCE_TASK,
     DEPLOYMENT_LIFECYCLE,
@@ -27,7 +29,14 @@ from controlplane.deployments.models import (
     DeploymentEvent,
     DeploymentProfile,
 )
-from controlplane.deployments.placement import PlacementError, check_placement
+from controlplane.deployments.placement import (
+    Choice,
+    PlacementError,
+    choose,
+    place_and_claim,
+    placement_plan,
+    release,
+)
 from controlplane.inventory.models import Node
 from controlplane.policy.models import SchedulingPolicy
 from controlplane.policy.services import ensure_default_policy
@@ -55,38 +64,11 @@ def set_state(deployment: Deployment, state: str, reason: str = "") -> None:
     """The deployment's state moves (checked against its table); cards free once it stops."""
     deployment.transition(state, reason)
     if state in (DeploymentState.STOPPED, DeploymentState.FAILED) and deployment.pk:
-        placing.release(deployment)  # its cards are free for the next placement
+        release(deployment)  # its cards are free for the next placement
 
 
 def _queue_advance(deployment_id: int) -> None:
     dispatch.enqueue(ADVANCE_TASK, deployment_id)
-
-
-def placement_plan(
-    profile: DeploymentProfile,
-    node: Node,
-    deployment: Deployment | None = None,
-    *,
-    numa_node: int | None = None,
-) -> dict[str, Any]:
-    """Check the profile fits the node and plan the CPU engine's cores (on ``numa_node`` only
-    when given); raise the first PlacementError (it names the field and the limit), carrying
-    all of them in ``problems``."""
-    problems = check_placement(profile, node)
-    if problems:
-        first = problems[0]
-        first.problems = problems
-        raise first
-    if not profile.enable_cpu_engine:
-        return {}
-
-    return plan_for(
-        profile,
-        node,
-        deployment=deployment,
-        cpu_cores=deployment.cpu_cores if deployment is not None else None,
-        numa_nodes=(numa_node,) if numa_node is not None else None,
-    )
 
 
 PLACEMENT_FIELDS = (
@@ -141,10 +123,10 @@ def create_deployment(
     return deployment
 
 
-def _place_draft(draft: Deployment) -> placing.Choice:
+def _place_draft(draft: Deployment) -> Choice:
     """A deployment not yet saved, on the node the scheduler chooses, its CPU engine planned
     there (nothing claimed: cards are claimed when it deploys)."""
-    choice = placing.choose(draft)
+    choice = choose(draft)
     draft.node = Node.objects.get(name=choice.node)
     draft.affinity_plan = placement_plan(draft.profile, draft.node, draft)
     return choice
@@ -189,7 +171,7 @@ def _sync_replicas(first: Deployment, *, acting_user: Any) -> None:
             replica.retiring = True
             replica.save(update_fields=["retiring", "updated_at"])
             if replica.state in (DeploymentState.STOPPED, DeploymentState.PENDING):
-                replica.delete()
+                retire_replica(replica, acting_user=acting_user)
             else:
                 request_stop(replica, acting_user=acting_user)
 
@@ -255,7 +237,7 @@ def _place(locked: Deployment, *, avoid: frozenset[str] = frozenset()) -> str:
     """Claim the deployment's cards (moving it when it is not pinned and its node no longer
     fits) and plan its CPU engine there. Returns the node it left, or ""."""
     before = locked.node
-    choice, moved = placing.place_and_claim(locked, avoid=avoid)
+    choice, moved = place_and_claim(locked, avoid=avoid)
     locked.affinity_plan = placement_plan(
         locked.profile, locked.node, locked, numa_node=choice.numa_node
     )
@@ -287,6 +269,84 @@ def request_stop(deployment: Deployment, *, acting_user: Any, follow: bool = Tru
 def request_restart(deployment: Deployment, *, acting_user: Any) -> Deployment:
     """A restart is a redeploy of the same profile: old engines stop, a new generation starts."""
     return request_deploy(deployment, acting_user=acting_user)
+
+
+# A deployment is deleted only in these states: in every other one its engines may still run
+# on its node, holding the cards it claims (docs/lifecycles.md, "Deleting"). Stopped and failed
+# ones have freed their cards; pending ones never claimed any.
+DELETABLE_STATES = (DeploymentState.STOPPED, DeploymentState.PENDING, DeploymentState.FAILED)
+
+
+def _engines_may_run(deployment: Deployment) -> str:
+    """Why the deployment's engines may still run, or ""."""
+    if deployment.state not in DELETABLE_STATES:
+        return f"is {deployment.state}; stop it first"
+    if deployment.state == DeploymentState.FAILED and deployment.step:
+        # Its cleanup commands are still out: deleting them would orphan what started.
+        return (
+            f"is failed and still removing its engines (step {deployment.step}); "
+            "delete it once that is done"
+        )
+    return ""
+
+
+def deployment_delete_refusal(deployment: Deployment) -> str:
+    """Why the deployment may not be deleted now, or "". Its replicas go with it, so they
+    count too; and a benchmark run measured only through it would lose its target."""
+    for member in (deployment, *deployment.replica_set.order_by("replica_index")):
+        why = _engines_may_run(member)
+        if why:
+            who = "it" if member.pk == deployment.pk else f"its replica {member.name!r}"
+            return (
+                f"cannot delete deployment {deployment.name!r} while its engines may run: "
+                f"{who} {why}"
+            )
+    runs = deployment.benchmark_runs.filter(target_url="").count()
+    if runs:
+        return (
+            f"deployment {deployment.name!r} is the only target of {runs} benchmark "
+            f"run{'s' if runs > 1 else ''}: delete those first to keep no orphaned results"
+        )
+    return ""
+
+
+def delete_deployment(deployment: Deployment, *, acting_user: Any) -> None:
+    """Delete the deployment and its replicas, with an audit row; raises DeleteRefused
+    (naming the state) while any of their engines may still run, so a delete never frees the
+    cards of engines that run."""
+    with transaction.atomic():
+        # Locked with its replicas: a deploy of any of them waits, then finds it gone.
+        locked = list(
+            Deployment.objects.select_for_update()
+            .filter(Q(pk=deployment.pk) | Q(replica_of=deployment.pk))
+            .order_by("pk")
+        )
+        first = next((d for d in locked if d.pk == deployment.pk), None)
+        if first is None:  # deleted meanwhile
+            return
+        why = deployment_delete_refusal(first)
+        if why:
+            raise DeleteRefused(why)
+        detail = {"state": first.state, "node": first.node.name, "profile": first.profile.name}
+        replicas = sorted(d.name for d in locked if d.pk != first.pk)
+        if replicas:
+            detail["replicas"] = ", ".join(replicas)
+        audited_delete(first, "deployment.deleted", acting_user=acting_user, detail=detail)
+
+
+def retire_replica(replica: Deployment, *, acting_user: Any) -> None:
+    """A replica beyond its deployment's count, its engines stopped, is deleted; one a rule
+    keeps (a benchmark run measured only through it) stays, retiring, and says why."""
+    try:
+        delete_deployment(replica, acting_user=acting_user)
+    except DeleteRefused as exc:
+        add_event(replica, "retire", f"kept: {exc}", level=EventLevel.WARNING)
+
+
+def delete_profile(profile: DeploymentProfile, *, acting_user: Any) -> None:
+    """Delete the profile, with an audit row. One a deployment uses is refused by its
+    protected key (ProtectedError: the API's 409 naming them), so no running engines lose it."""
+    audited_delete(profile, "profile.deleted", acting_user=acting_user)
 
 
 def mark_node_deployments_unknown(node: Node) -> int:
@@ -514,6 +574,8 @@ __all__ = [
     "PlacementError",
     "add_event",
     "create_deployment",
+    "delete_deployment",
+    "delete_profile",
     "mark_node_deployments_unknown",
     "request_deploy",
     "request_restart",

@@ -32,7 +32,7 @@ from controlplane.deployments.choices import (
     StepName,
 )
 from controlplane.deployments.models import AgentCommand, Deployment
-from controlplane.deployments.services import add_event, set_state
+from controlplane.deployments.services import add_event, retire_replica, set_state
 from controlplane.deployments.specs import engine_spec
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def _finish(deployment: Deployment, steps: tuple[Step, ...]) -> None:
     if deployment.retiring and deployment.state == DeploymentState.STOPPED:
         # A replica beyond its deployment's count: gone once its engines are.
         log.info("replica %s retired", deployment.name)
-        deployment.delete()
+        retire_replica(deployment, acting_user="control plane")
 
 
 def record_command_result(

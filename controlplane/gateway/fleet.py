@@ -54,7 +54,8 @@ def _job(fn: Callable[..., T], *args: Any) -> T:
     """``fn`` on this thread's connection, opened on first use and then kept. It is not
     checked before each call, as Django checks a request's (``CONN_HEALTH_CHECKS``, a
     ``SELECT 1``): that was a round trip more for every batch, an eighth of the writer's
-    time under load (docs/scale.md). A call that fails closes it instead, and the next call
+    time under load (docs/decisions/0038-gateway-writes-from-event-loop.md). A call that
+    fails closes it instead, and the next call
     opens another: one failed batch, handed to the control plane, then writes resume."""
     try:
         return fn(*args)
@@ -168,8 +169,8 @@ class Credentials(Batched[str, Machine]):
     for ``ttl`` seconds or until any machine credential is issued, changed (its kind, node or
     revocation) or deleted (the snapshot's fingerprint changes, at most one snapshot later): a
     revoked or moved token passes the gateway's own answers for up to one snapshot interval
-    (docs/decisions.md). A lookup under way when the cache is dropped answers its requests
-    but is not kept: it may have read the credential before its change."""
+    (docs/decisions/0030-machine-gateway.md). A lookup under way when the cache is dropped
+    answers its requests but is not kept: it may have read the credential before its change."""
 
     MAX_ENTRIES = 50_000
 
@@ -349,7 +350,8 @@ class Statements:
 
     Through the writer thread, a batch waited for that thread to wake, and then the thread
     and the event loop took turns at Python's GIL for every step of it; under load that
-    was more of a batch's time than the database's work (docs/scale.md). Here a batch is
+    was more of a batch's time than the database's work
+    (docs/decisions/0038-gateway-writes-from-event-loop.md). Here a batch is
     one ``await``. The connection opens on first use; one that fails is closed, and the
     next batch opens another."""
 

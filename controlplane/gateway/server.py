@@ -76,15 +76,16 @@ MAX_STATS = 64 * 1024
 MAX_INVENTORY = 1024 * 1024
 # Connections the kernel holds for the gateway to accept. A fleet reconnecting at once (the
 # gateway or the network back) fills a short queue in a moment; each connection it drops
-# waits for the client to send its SYN again, 1 s later and then 3 s (docs/scale.md). Linux
-# caps this at net.core.somaxconn.
+# waits for the client to send its SYN again, 1 s later and then 3 s
+# (docs/decisions/0033-gateway-backlog-and-frozen-heap.md). Linux caps this at
+# net.core.somaxconn.
 BACKLOG = 4096
 # Seconds the answers under way get to go out once the gateway stops; a long poll held longer
 # is cut off, and its agent asks again.
 STOP_GRACE = 10.0
 # Seconds a thread holds the GIL before another waiting for it gets it (Python's default
 # is 0.005). A tenth of that took the heartbeat p99 at 5,000 agents from 127-139 ms to 85-87
-# ms, back to back (docs/scale.md, "The heartbeat's tail").
+# ms, back to back (docs/decisions/0034-gateway-gil-switch-interval.md).
 SWITCH_INTERVAL = 0.0005
 SECURITY_HEADERS = (
     ("X-Content-Type-Options", "nosniff"),
@@ -143,7 +144,7 @@ class Throttle:
     each would cost more than the answer. A credential over it is handed to the control
     plane, whose own throttle counts what reaches it; so a credential may reach up to twice
     its rate across the two, which is still a loop's or a thief's rate, not a machine's
-    (docs/decisions.md)."""
+    (docs/decisions/0030-machine-gateway.md)."""
 
     def __init__(self) -> None:
         self.window = MachineRateThrottle().window()
@@ -181,7 +182,8 @@ class RoutingAnswers:
     request goes to the control plane and the gateway keeps its answer; the routers that ask
     meanwhile wait for it, and those after get it while the snapshot still names its ETag.
     A change is then one request to Django, not one a router: 200 routers at once had taken
-    the web server from a tenth of a core to a whole one for a second (docs/scale.md)."""
+    the web server from a tenth of a core to a whole one for a second
+    (docs/decisions/0032-gateway-keeps-router-answers.md)."""
 
     MAX_BODY = 1024 * 1024
 
@@ -584,7 +586,8 @@ def serve(
 ) -> None:
     """Run a gateway until SIGINT or SIGTERM, then stop it gracefully."""
     # The database threads wait for the GIL each time a statement returns, while the event
-    # loop holds it for up to this long: five times a batch (docs/scale.md).
+    # loop holds it for up to this long: five times a batch
+    # (docs/decisions/0034-gateway-gil-switch-interval.md).
     sys.setswitchinterval(switch_interval)
     cap = connection_cap(max_connections)
     if cap < max_connections:

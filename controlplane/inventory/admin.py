@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib import admin
 
+from controlplane.core.admin import ServiceDeleteAdmin
+from controlplane.inventory import services
 from controlplane.inventory.models import Accelerator, CpuTopology, Heartbeat, Node, NumaNode
 
 
@@ -20,6 +24,8 @@ class NumaNodeInline(admin.TabularInline):  # type: ignore[type-arg]
 class AcceleratorInline(admin.TabularInline):  # type: ignore[type-arg]
     model = Accelerator
     extra = 0
+    # A card is deleted on its own page, through its delete service (a claimed one is kept).
+    can_delete = False
     fields = [
         "index",
         "kind",
@@ -35,7 +41,7 @@ class AcceleratorInline(admin.TabularInline):  # type: ignore[type-arg]
 
 
 @admin.register(Node)
-class NodeAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class NodeAdmin(ServiceDeleteAdmin):
     list_display = ["name", "status", "address", "last_heartbeat_at", "agent_version"]
     list_filter = ["status", "accelerators__kind", "accelerators__simulated"]
     search_fields = ["name", "address", "hostname"]
@@ -44,6 +50,12 @@ class NodeAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     readonly_fields = ["status", "last_heartbeat_at", "inventory_hash", "inventory_updated_at"]
     inlines = [CpuTopologyInline, NumaNodeInline, AcceleratorInline]
     actions = ["drain", "undrain"]
+
+    def delete_refusal(self, obj: Node) -> str:
+        return services.node_delete_refusal(obj)
+
+    def delete_with(self, obj: Node, *, acting_user: Any) -> None:
+        services.delete_node(obj, acting_user=acting_user)
 
     @admin.action(description="Drain selected nodes (no new deployments)")
     def drain(self, request, queryset):  # type: ignore[no-untyped-def]
@@ -55,7 +67,7 @@ class NodeAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 
 @admin.register(Accelerator)
-class AcceleratorAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class AcceleratorAdmin(ServiceDeleteAdmin):
     list_display = [
         "node",
         "index",
@@ -68,6 +80,12 @@ class AcceleratorAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     ]
     list_filter = ["kind", "vendor", "simulated"]
     search_fields = ["model_name", "uuid", "node__name"]
+
+    def delete_refusal(self, obj: Accelerator) -> str:
+        return services.accelerator_delete_refusal(obj)
+
+    def delete_with(self, obj: Accelerator, *, acting_user: Any) -> None:
+        services.delete_accelerator(obj, acting_user=acting_user)
 
 
 @admin.register(Heartbeat)

@@ -170,7 +170,8 @@ class Heartbeat(models.Model):
     """One small row per heartbeat; pruned after HEARTBEAT_RETENTION_HOURS."""
 
     # No index of its own: ``heartbeat_node_time_idx`` leads with the node and serves every
-    # lookup by node (and the cascade), so a second one only cost each insert (docs/scale.md).
+    # lookup by node (and the cascade), so a second one only cost each insert
+    # (docs/decisions/0036-group-commits-one-statement.md).
     node = models.ForeignKey(
         Node, on_delete=models.CASCADE, related_name="heartbeats", db_index=False
     )

@@ -9,14 +9,63 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection, transaction
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from common.inventory import inventory_hash
 from controlplane.core import audit
 from controlplane.core.models import Clock
+from controlplane.core.services import checked_delete
 from controlplane.inventory import signals
 from controlplane.inventory.choices import NODE_LIFECYCLE, NodeStatus
 from controlplane.inventory.models import Accelerator, CpuTopology, Heartbeat, Node, NumaNode
+
+
+def _holders(cards: QuerySet[Accelerator]) -> list[str]:
+    """The deployments that claim any of ``cards``, by name."""
+    held = cards.filter(claim__isnull=False).values_list("claim__deployment__name", flat=True)
+    return sorted(set(held))
+
+
+def node_delete_refusal(node: Node) -> str:
+    """Why the node may not be deleted now, or "": its cards go with it, and with them the
+    claims of deployments whose engines may run there. (Deployments placed on it protect it
+    too, through their key: Django's ProtectedError names them.)"""
+    held = _holders(Accelerator.objects.filter(node=node))
+    if held:
+        return (
+            f"cannot delete node {node.name!r} while deployments hold its cards: "
+            f"{', '.join(held)} (stop them first)"
+        )
+    return ""
+
+
+def delete_node(node: Node, *, acting_user: Any) -> None:
+    """Delete the node and what it reported, with an audit row; raises DeleteRefused while a
+    deployment holds one of its cards, ProtectedError while deployments are placed on it."""
+    checked_delete(node, node_delete_refusal, "node.deleted", acting_user=acting_user)
+
+
+def accelerator_delete_refusal(accelerator: Accelerator) -> str:
+    """Why the card may not be deleted now, or "": a deployment claims it."""
+    held = _holders(Accelerator.objects.filter(pk=accelerator.pk))
+    if held:
+        return (
+            f"cannot delete accelerator {accelerator} while deployment {held[0]!r} holds it "
+            "(stop it first)"
+        )
+    return ""
+
+
+def delete_accelerator(accelerator: Accelerator, *, acting_user: Any) -> None:
+    """Delete a card, with an audit row; raises DeleteRefused while a deployment claims it."""
+    checked_delete(
+        accelerator,
+        accelerator_delete_refusal,
+        "accelerator.deleted",
+        acting_user=acting_user,
+        detail=lambda card: {"uuid": card.uuid},
+    )
 
 
 def apply_inventory(node: Node, payload: dict[str, Any], *, acting_user: Any) -> bool:
@@ -37,7 +86,7 @@ def apply_inventory(node: Node, payload: dict[str, Any], *, acting_user: Any) ->
             "memory_total_bytes": cpu.get("memory_total_bytes", 0),
         }
         # One upsert each for the topology and for all the cards, not a read and a write
-        # per row (docs/scale.md): 5,000 agents registering at once are 5,000 of these.
+        # per row (decision 28): 5,000 agents registering at once are 5,000 of these.
         CpuTopology.objects.bulk_create(
             [CpuTopology(node=node, **topology)],
             update_conflicts=True,
@@ -128,7 +177,7 @@ def record_heartbeat(node: Node, payload: dict[str, Any]) -> Node:
 def record_steady_heartbeats(
     reports: Sequence[tuple[int, dict[str, Any]]],
 ) -> dict[int, tuple[str, str]]:
-    """Many nodes' heartbeats at once, for the machine gateway's group commit (docs/scale.md):
+    """Many nodes' heartbeats at once, for the machine gateway's group commit (decision 36):
     each node's ``last_heartbeat_at``, its heartbeat row and its cards' readings, as
     :func:`record_heartbeat` stores them.
 
@@ -219,7 +268,7 @@ def _steady_statement() -> str:
         f"  WHERE {pk} = ANY (ARRAY(SELECT DISTINCT node FROM b))"
         # The status is checked on the nodes found by id: as a bare column the planner may
         # read it through its index, every online node of the fleet for each batch (2 ms of
-        # a 3-heartbeat batch's 2.7 at 5,000 nodes, docs/scale.md).
+        # a 3-heartbeat batch's 2.7 at 5,000 nodes, decision 36).
         f"  AND ({status} || '') IN ({steady})"
         f"  RETURNING {pk} AS node, {status} AS status,"
         f"  {_column(Node, 'inventory_hash')} AS inventory_hash),"
@@ -243,7 +292,7 @@ def steady_heartbeats_statement(
 ) -> tuple[str, dict[str, Any]]:
     """The PostgreSQL statement that records a batch as :func:`record_steady_heartbeats`
     does, and its parameters; :func:`steady_heartbeats_seen` reads what it returns. The
-    machine gateway sends it on a connection of its own (docs/scale.md)."""
+    machine gateway sends it on a connection of its own (decision 38)."""
     beats = json.dumps(
         [
             {
@@ -310,7 +359,7 @@ def _rows(types: Sequence[str], rows: Sequence[Sequence[Any]]) -> tuple[str, lis
     the same for any number of rows, and the whole table is one string the driver quotes at
     C speed. An array parameter a column cost five times the CPU for the heartbeat rows
     (psycopg quotes each element of a list in Python: 14.4 against 2.7 ms for 100 heartbeats,
-    ``scripts/bench/heartbeat_batch_timing.py``, docs/scale.md), and that CPU is the machine
+    ``scripts/bench/heartbeat_batch_timing.py``, decision 31), and that CPU is the machine
     gateway's, under its one lock. Elsewhere it is a ``VALUES`` list, with a ``JSONB``
     column's values as JSON text."""
     if connection.vendor == "postgresql":

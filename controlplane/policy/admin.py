@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib import admin, messages
 
+from controlplane.core.admin import ServiceDeleteAdmin
 from controlplane.policy import services
 from controlplane.policy.models import KNOB_NAMES, PolicyRevision, SchedulingPolicy
 
@@ -25,7 +28,7 @@ class PolicyRevisionInline(admin.TabularInline):  # type: ignore[type-arg]
 
 
 @admin.register(SchedulingPolicy)
-class SchedulingPolicyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class SchedulingPolicyAdmin(ServiceDeleteAdmin):
     list_display = [
         "name",
         "version",
@@ -38,6 +41,13 @@ class SchedulingPolicyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     list_filter = ["mode", "algorithm"]
     search_fields = ["name"]
     readonly_fields = ["version"]
+
+    def delete_refusal(self, obj: SchedulingPolicy) -> str:
+        return services.policy_delete_refusal(obj)
+
+    def delete_with(self, obj: SchedulingPolicy, *, acting_user: Any) -> None:
+        services.delete_policy(obj, acting_user=acting_user)
+
     inlines = [PolicyRevisionInline]
 
     def save_model(self, request, obj, form, change):  # type: ignore[no-untyped-def]

@@ -8,6 +8,7 @@ from django.db import transaction
 
 from common.policy_schema import PolicyError, validate_knobs
 from controlplane.core import audit
+from controlplane.core.services import checked_delete
 from controlplane.policy.models import KNOB_NAMES, PolicyRevision, SchedulingPolicy
 
 
@@ -122,3 +123,16 @@ def rollback_policy(
         reason=reason or f"rollback to v{to_version}",
         rolled_back_to=to_version,
     )
+
+
+def policy_delete_refusal(policy: SchedulingPolicy) -> str:
+    """Why the policy may not be deleted, or "" (the deployments that use it protect it too,
+    through their key: Django's ProtectedError names them)."""
+    if policy.name == "default":
+        return "the default policy cannot be deleted"
+    return ""
+
+
+def delete_policy(policy: SchedulingPolicy, *, acting_user: Any) -> None:
+    """Delete the policy and its revisions, with an audit row."""
+    checked_delete(policy, policy_delete_refusal, "policy.deleted", acting_user=acting_user)

@@ -66,7 +66,8 @@ def record_stats(
 def record_stats_batch(
     reports: Sequence[tuple[int, int, dict[str, Any]]],
 ) -> set[tuple[int, int]]:
-    """Many routers' stats at once, for the machine gateway's group commit (docs/scale.md),
+    """Many routers' stats at once, for the machine gateway's group commit
+    (docs/decisions/0036-group-commits-one-statement.md),
     each stored as :func:`record_stats` stores it. A report is ``(router id, the id of the
     credential that sent it, validated stats)`` (``StatsSerializer``'s ``validated_data``
     form); it is stored only when that router is the credential's own and the credential is
@@ -104,7 +105,7 @@ def stats_batch_statement(
 ) -> tuple[str, dict[str, Any]]:
     """The PostgreSQL statement that stores a batch as :func:`record_stats_batch` does, and
     its parameters; :func:`stats_batch_stored` reads what it returns. The machine gateway
-    sends it on a connection of its own (docs/scale.md)."""
+    sends it on a connection of its own (docs/decisions/0038-gateway-writes-from-event-loop.md)."""
     now = timezone.now()
     doc = json.dumps(
         [{"router": r, "credential": c, "stats": stats} for r, c, stats in reports],

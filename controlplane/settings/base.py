@@ -203,7 +203,8 @@ CACHES = (
 # --- Celery -------------------------------------------------------------------------------
 # With REDIS_URL (or CELERY_BROKER_URL) set, Redis carries tasks and results. Without it the
 # broker is kombu's filesystem transport under var/celery: a real transport with real worker
-# and beat processes, so retries and routing behave as in production (docs/decisions.md).
+# and beat processes, so retries and routing behave as in production
+# (docs/decisions/0018-broker-syshaxfs.md).
 REDIS_URL = env_str("REDIS_URL")
 CELERY_DATA_DIR = VAR_DIR / "celery"
 _broker = env_str("CELERY_BROKER_URL") or REDIS_URL
@@ -269,7 +270,7 @@ HEARTBEAT_TOLERANCE = env_float("HEARTBEAT_TOLERANCE", 3.0, minimum=1.0)
 HEARTBEAT_RETENTION_HOURS = env_int("HEARTBEAT_RETENTION_HOURS", 24, minimum=1)
 ROUTER_GRACE_SECONDS = env_float("ROUTER_GRACE_SECONDS", 30.0, minimum=1.0)
 # A token's last_used_at is written at most this often (a write per request would double the
-# fleet's write load; docs/scale.md).
+# fleet's write load; docs/decisions/0024-heartbeat-seven-statements.md).
 TOKEN_LAST_USED_SECONDS = env_float("TOKEN_LAST_USED_SECONDS", 300.0, minimum=1.0)
 
 LOGGING = {

@@ -13,7 +13,7 @@ from django.utils import timezone
 from controlplane.deployments import services
 from controlplane.deployments.models import AcceleratorClaim, AgentCommand, Deployment
 from controlplane.deployments.placement import PlacementError
-from controlplane.deployments.scheduler import (
+from controlplane.deployments.placement.scheduler import (
     GIB,
     CardView,
     Constraints,
@@ -22,7 +22,7 @@ from controlplane.deployments.scheduler import (
     choose,
 )
 from controlplane.inventory.services import mark_lost_nodes
-from tests.support.factories import build_node, build_profile
+from testbed.factories import build_node, build_profile
 
 
 def view(name: str, cards: int = 1, *, gb: int = 80, kind: str = "gpu", **fields: Any) -> NodeView:

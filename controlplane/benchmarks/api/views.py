@@ -32,11 +32,7 @@ class ScenarioViewSet(ScopedModelViewSet):
     search_fields = ["name", "description"]
 
     def perform_destroy(self, instance: Scenario) -> None:
-        if instance.builtin:
-            raise ValidationError({"name": f"{instance.name!r} is built in and cannot be deleted"})
-        if instance.runs.exists():
-            raise ValidationError({"name": f"{instance.name!r} has benchmark runs"})
-        instance.delete()
+        services.delete_scenario(instance, acting_user=self.request.user)
 
 
 class BenchmarkRunViewSet(ScopedModelViewSet):

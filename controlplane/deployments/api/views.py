@@ -7,7 +7,6 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
 from rest_framework.decorators import action
-from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
@@ -17,7 +16,6 @@ from controlplane.access.models import MachineCredential
 from controlplane.access.permissions import ScopedPermission
 from controlplane.access.principal import MachinePrincipal
 from controlplane.access.viewsets import ScopedModelViewSet, ScopedReadOnlyViewSet
-from controlplane.core.api import Conflict
 from controlplane.deployments import delivery, services, workflow
 from controlplane.deployments.api.serializers import (
     AgentCommandSerializer,
@@ -44,6 +42,9 @@ class ProfileViewSet(ScopedModelViewSet):
     serializer_class = ProfileSerializer
     filterset_fields = ["engine", "quantization", "pd_protocol"]
     search_fields = ["name", "model", "served_model_name"]
+
+    def perform_destroy(self, instance: DeploymentProfile) -> None:
+        services.delete_profile(instance, acting_user=self.request.user)
 
 
 class DeploymentViewSet(ScopedModelViewSet):
@@ -113,16 +114,7 @@ class DeploymentViewSet(ScopedModelViewSet):
         return self.get_paginated_response(DeploymentEventSerializer(page, many=True).data)
 
     def perform_destroy(self, instance: Deployment) -> None:
-        if instance.state not in ("stopped", "pending", "failed"):
-            raise ValidationError({"state": f"stop the deployment first (it is {instance.state})"})
-        # A run measured only through this deployment would lose what it measured.
-        runs = instance.benchmark_runs.filter(target_url="").count()
-        if runs:
-            raise Conflict(
-                f"deployment {instance.name!r} is the only target of {runs} benchmark "
-                f"run{'s' if runs > 1 else ''}: delete those first to keep no orphaned results"
-            )
-        instance.delete()
+        services.delete_deployment(instance, acting_user=self.request.user)
 
 
 class ContainerViewSet(ScopedReadOnlyViewSet):

@@ -4,7 +4,7 @@ Data first, while ``cpu_kv_cache_space_gb`` is still a float: fractions are roun
 reads ``VLLM_CPU_KVCACHE_SPACE`` with ``int()``, and rounding down could leave too little
 room). A profile on ``vllm`` with ``pd_protocol: syshax`` could only ever have worked against
 sysHAX's patched V0 image (upstream vLLM ignores sysHAX's fields), so it becomes
-``syshax-v0`` and keeps the command line it had (docs/decisions.md).
+``syshax-v0`` and keeps the command line it had (docs/decisions/0011-engine-kinds.md).
 """
 
 import math

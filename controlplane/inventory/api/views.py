@@ -59,6 +59,9 @@ class NodeViewSet(ScopedModelViewSet):
         if isinstance(user, MachinePrincipal) and self.action not in agent_actions:
             self.permission_denied(request, message="agents may only report for their own node")
 
+    def perform_destroy(self, instance: Node) -> None:
+        services.delete_node(instance, acting_user=self.request.user)
+
     @extend_schema(
         request=InventorySerializer,
         responses=inline_serializer(

@@ -1,4 +1,5 @@
-"""A BRIN index on heartbeat time, for the hourly prune (docs/scale.md).
+"""A BRIN index on heartbeat time, for the hourly prune
+(docs/decisions/0028-fleet-paths-through-django.md).
 
 Heartbeats are appended in time order, so a block-range index finds the expired ones at a
 fraction of a B-tree's size and adds almost nothing to each heartbeat's insert. BRIN is

@@ -8,7 +8,8 @@ once has none, so the first update of each row writes every index of the node (s
 always, for a card 95-97 % of the time (``scripts/bench/heartbeat_write_timing.py``). A fill
 factor leaves room in every page written from now on: half of each node page (the rows are
 small and few) and 30 % of each card page, which makes every card update HOT. Pages written
-before keep what they have until their rows move (docs/scale.md).
+before keep what they have until their rows move
+(docs/decisions/0036-group-commits-one-statement.md).
 
 The heartbeat's own index on ``node_id`` repeated the first column of
 ``heartbeat_node_time_idx``, which serves every lookup by node; it is dropped.

@@ -75,11 +75,7 @@ class PolicyViewSet(ScopedModelViewSet):
         return Response(self.get_serializer(policy).data)
 
     def perform_destroy(self, instance: SchedulingPolicy) -> None:
-        if instance.name == "default":
-            raise ValidationError({"name": "the default policy cannot be deleted"})
-        if instance.deployments.exists():
-            raise ValidationError({"name": "the policy is used by deployments"})
-        instance.delete()
+        services.delete_policy(instance, acting_user=self.request.user)
 
     @extend_schema(responses=PolicyRevisionSerializer(many=True))
     @action(

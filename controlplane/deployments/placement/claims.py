@@ -1,11 +1,5 @@
-"""Placement against the database: views of the fleet for :mod:`scheduler`, and claims.
-
-A placement is made in the caller's transaction, under one fleet-wide lock (a PostgreSQL
-advisory lock held to the end of that transaction): :func:`place_and_claim` asks the scheduler
-for a node on what every earlier placement committed and writes one :class:`AcceleratorClaim`
-per card. The claim's unique card key is the last guard: two deploys can never hold one card.
-Cores and ports are checked under the same lock, from the other active deployments' plans.
-"""
+"""Placement against the database: the fleet as the scheduler sees it, the fleet-wide
+placement lock, and the cards' claims (the package docstring tells how they fit together)."""
 
 from __future__ import annotations
 
@@ -14,10 +8,10 @@ from dataclasses import replace
 
 from django.db import IntegrityError, connection, transaction
 
-from controlplane.deployments.affinity import ACTIVE, node_topology
 from controlplane.deployments.models import AcceleratorClaim, Deployment
-from controlplane.deployments.placement import PlacementError
-from controlplane.deployments.scheduler import (
+from controlplane.deployments.placement.cores import ACTIVE, node_topology
+from controlplane.deployments.placement.fit import PlacementError
+from controlplane.deployments.placement.scheduler import (
     GIB,
     CardView,
     Choice,
@@ -25,7 +19,7 @@ from controlplane.deployments.scheduler import (
     NodeView,
     NoPlacement,
 )
-from controlplane.deployments.scheduler import choose as choose_node
+from controlplane.deployments.placement.scheduler import choose as choose_node
 from controlplane.inventory.cpulist import parse_cpu_list
 from controlplane.inventory.models import Accelerator, Node
 

@@ -1,8 +1,8 @@
 """Where a deployment runs: a pure function from the fleet's free resources to a choice.
 
-No database here. :mod:`controlplane.deployments.placing` builds the :class:`NodeView` of each
-node from its rows (cards already claimed, cores held by other deployments, ports in use),
-calls :func:`choose`, then claims the choice under the node's row lock.
+No database here: :mod:`controlplane.deployments.placement.claims` builds the :class:`NodeView`
+of each node from its rows (cards already claimed, cores held by other deployments, ports in
+use), calls :func:`choose`, and claims the choice (the package docstring says under which lock).
 
 The rules (docs/lifecycles.md, "Placement"):
 

@@ -1,5 +1,6 @@
 """Plan the CPU engine's cores on a node with the agents' pure planner (common.affinity),
-leaving out cores that other active deployments on the node already hold."""
+leaving out cores that other active deployments on the node already hold; and
+:func:`placement_plan`, the fit check and that plan together, as a deployment stores it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from common.affinity import (
 )
 from controlplane.deployments.choices import AffinityMode, DeploymentState
 from controlplane.deployments.models import Deployment, DeploymentProfile
-from controlplane.deployments.placement import PlacementError
+from controlplane.deployments.placement.fit import PlacementError, check_placement
 from controlplane.inventory.cpulist import format_cpu_list, parse_cpu_list
 from controlplane.inventory.models import Node
 
@@ -101,3 +102,30 @@ def plan_for(
         "gpu_cpuset": plan.gpu_host_cpuset,
         "cores_per_numa_node": {str(k): v for k, v in plan.cores_per_numa_node.items()},
     }
+
+
+def placement_plan(
+    profile: DeploymentProfile,
+    node: Node,
+    deployment: Deployment | None = None,
+    *,
+    numa_node: int | None = None,
+) -> dict[str, Any]:
+    """Check the profile fits the node and plan the CPU engine's cores (on ``numa_node`` only
+    when given); raise the first PlacementError (it names the field and the limit), carrying
+    all of them in ``problems``."""
+    problems = check_placement(profile, node)
+    if problems:
+        first = problems[0]
+        first.problems = problems
+        raise first
+    if not profile.enable_cpu_engine:
+        return {}
+
+    return plan_for(
+        profile,
+        node,
+        deployment=deployment,
+        cpu_cores=deployment.cpu_cores if deployment is not None else None,
+        numa_nodes=(numa_node,) if numa_node is not None else None,
+    )
