@@ -9,7 +9,7 @@ router) and runs every scenario on it, or those named by ``--only``. Prints a ma
 writes the full report as JSON, and exits 1 when a scenario misses a target (0 lost, 0 run
 twice, 0 orphaned engines, 0 client errors, recovered before the deadline). ``--quick`` scales
 the 30 s Redis pause and the 60 s control-plane outage (and the rest) down to seconds, as
-tests/chaos runs it. What each scenario shows: docs/chaos.md.
+tests/chaos runs it. The suite is testbed/chaos; what each scenario shows: docs/chaos.md.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from types import FrameType
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.chaos.scenarios import SCENARIOS, Durations  # noqa: E402
-from tests.chaos.stack import StackConfig  # noqa: E402
-from tests.chaos.suite import render_breakdown, render_table, run_suite  # noqa: E402
+from testbed.chaos.scenarios import SCENARIOS, Durations  # noqa: E402
+from testbed.chaos.stack import StackConfig  # noqa: E402
+from testbed.chaos.suite import render_breakdown, render_table, run_suite  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -13,7 +13,8 @@ wire) and parses it both ways, checking that both give the same payloads:
   arrives;
 - whole, as the load generator did before: the complete body is parsed once it arrived.
 
-It prints the median microseconds per stream of each, and their ratio (docs/decisions.md).
+It prints the median microseconds per stream of each, and their ratio
+(docs/decisions/0027-engine-clients-httptools.md).
 """
 
 from __future__ import annotations

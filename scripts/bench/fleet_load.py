@@ -71,11 +71,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-import stall_probe  # noqa: E402  (beside this script, on sys.path as its folder)
-
 from common.collections_timed import CollectionTimes, freeze_heap  # noqa: E402
 from common.supervisor import free_port  # noqa: E402
 from loadgen import wire  # noqa: E402
+from testbed import stall_probe  # noqa: E402
 
 HOST = "127.0.0.1"
 GPUS_PER_NODE = 8
@@ -396,7 +395,7 @@ async def heartbeats(
             await after()
         # As the agent waits (agents/main.py): a jittered interval from this answer. A fixed
         # phase kept the one the first inventory answer gave, and those answers came in
-        # groups, so the fleet beat in bursts every period (docs/scale.md).
+        # groups, so the fleet beat in bursts every period (decision 39).
         await asyncio.sleep(max(0.0, min(end - loop.time(), jittered(ARGS.period, rng=rng))))
     if lost_at is not None and loop.time() >= lost_at:
         api.recorder.events.setdefault("lost_silent_at", time.time())  # the agent has died
@@ -1057,7 +1056,7 @@ async def load(base: str, data: dict[str, Any], sampler: CpuSampler) -> dict[str
         ]
         # What the simulated fleet holds lives to the end (5,200 tasks, their connections):
         # without this, each full collection walked it all, 80-96 ms every 10 s, and every
-        # answer in flight meanwhile was timed that much late (docs/scale.md). Frozen, a
+        # answer in flight meanwhile was timed that much late (decision 35). Frozen, a
         # full collection still took 28-47 ms, so they are also made a hundred times rarer.
         # The freeze's own collection (110-190 ms) is made a few seconds before the window,
         # so that the answers it delays are the warm-up's.

@@ -49,7 +49,7 @@ from loadgen.simproc import (  # noqa: E402
     running_sim,
 )
 from sim.perfmodel import bind_cpu  # noqa: E402
-from tests.realengine.vllm_env import connector_config  # noqa: E402
+from testbed.vllm_env import connector_config  # noqa: E402
 
 
 def engine_args(pair: Pair, role: str, shm: Path) -> list[str]:

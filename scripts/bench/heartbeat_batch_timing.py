@@ -13,7 +13,8 @@ tables shaped as the heartbeat rows and the cards' readings, with a batch of hea
 
 It prints, for the batch's two row tables (the heartbeat rows, the cards' readings), the
 median CPU milliseconds of this process (the gateway's, under its one lock) and the median
-wall milliseconds of each form, and their ratios (docs/scale.md). It writes nothing outside
+wall milliseconds of each form, and their ratios
+(docs/decisions/0031-batch-rows-as-json.md). It writes nothing outside
 its temporary tables.
 """
 

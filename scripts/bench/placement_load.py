@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from controlplane.deployments.models import AcceleratorClaim, Deployment
     from controlplane.deployments.placement import PlacementError
     from controlplane.inventory.cpulist import parse_cpu_list
-    from tests.support.factories import build_node, build_profile
+    from testbed.factories import build_node, build_profile
 
     rng = random.Random(args.seed)
     for i in range(args.nodes):

@@ -3,7 +3,7 @@
 the same way.
 
 Runs one real vLLM engine on this machine's CPU with a KV-heavy tiny model
-(``make_tiny_model.py --kv-heavy``: 64 KiB of KV per token) and ``VLLM_CPU_KVCACHE_SPACE=1``
+(``testbed/tiny_model.py --kv-heavy``: 64 KiB of KV per token) and ``VLLM_CPU_KVCACHE_SPACE=1``
 (16,384 tokens), and one simulated engine given the same KV capacity in tokens and the same
 ``--max-num-seqs``, then offers both the same closed-loop load that outgrows the cache. Every
 0.25 s it scrapes both engines' ``/metrics`` and prints, per engine:
@@ -44,7 +44,7 @@ from loadgen.client import StreamClient  # noqa: E402
 from loadgen.runner import LoadSpec, run_async, run_load  # noqa: E402
 from loadgen.wire import ConnectionPool  # noqa: E402
 from loadgen.workload import build_requests  # noqa: E402
-from tests.realengine.vllm_env import HOME, EngineProcess, ensure_vllm  # noqa: E402
+from testbed.vllm_env import HOME, TINY_MODEL_WRITER, EngineProcess, ensure_vllm  # noqa: E402
 
 KV_TOKENS = 16384  # 1 GiB / 64 KiB per token
 MAX_NUM_SEQS = 16
@@ -99,8 +99,8 @@ def scrape(url: str, trace: Trace, stop: threading.Event) -> None:
 def kv_heavy_model() -> Path:
     out = HOME / "tiny-llama-kv-heavy"
     if not (out / "syshax-tiny-model.json").exists():
-        script = ROOT / "scripts" / "dev" / "make_tiny_model.py"
-        subprocess.run([str(ensure_vllm()), str(script), "--kv-heavy", str(out)], check=True)
+        writer = [str(ensure_vllm()), str(TINY_MODEL_WRITER), "--kv-heavy", str(out)]
+        subprocess.run(writer, check=True)
     return out
 
 

@@ -28,6 +28,7 @@ FIRST_PARTY = (
     "kvbench",
     "common",
     "kvconnector",
+    "testbed",
 )
 ROOTS = FIRST_PARTY
 LAZY = re.compile(r"#\s*lazy:\s*\S")

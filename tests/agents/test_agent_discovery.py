@@ -120,6 +120,7 @@ def test_heartbeat_reports_live_load_and_labels_simulated_cards() -> None:
     assert 30 < idle["temperature_c"] < busy["temperature_c"] < 95
 
 
+@pytest.mark.process
 def test_ascend_npus_are_read_from_npu_smi(tmp_path: Path) -> None:
     # MOCK: Ascend hardware cannot exist here; a stand-in npu-smi prints the real tool's layout.
     tool = tmp_path / "npu-smi"

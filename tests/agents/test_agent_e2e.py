@@ -30,7 +30,7 @@ from controlplane.inventory.models import Node
 from controlplane.inventory.services import mark_lost_nodes
 from tests.support.controlplane import child_env, running, syshax, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.process, pytest.mark.django_db(transaction=True)]
 
 INTERVAL = 0.5  # heartbeat period for these tests; grace = 3 x
 

@@ -15,6 +15,8 @@ from test_agent_process_runtime import engine_child_pid
 from agents.commands import CommandExecutor
 from agents.runtimes.process import ProcessRuntime
 
+pytestmark = pytest.mark.process
+
 AGENT_ONLY = {
     "SYSHAX_AGENT_TOKEN": "sxa_the_agents_secret",
     "SYSHAX_CONTROL_PLANE": "http://cp.example:8000",

@@ -18,7 +18,7 @@ from controlplane.deployments import services
 from controlplane.deployments.models import Deployment, DeploymentProfile
 from controlplane.deployments.specs import engine_spec
 from syshax.commands import up_stack
-from tests.support.factories import build_node, build_profile
+from testbed.factories import build_node, build_profile
 
 pytestmark = pytest.mark.django_db
 

@@ -129,6 +129,7 @@ class AgentProcess:
         return self.proc.wait(timeout=20)
 
 
+@pytest.mark.process
 def test_agent_beats_takes_commands_survives_an_outage_and_readopts_after_a_kill(
     plane: StandInControlPlane, node_name: str, tmp_path: Path, web_root: Path
 ) -> None:

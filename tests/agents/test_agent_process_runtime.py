@@ -13,11 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 from agent_helpers import http_engine_spec
 
 from agents.commands import CommandExecutor
 from agents.runtimes.process import ProcessRuntime
 from common.engine_spec import kv_connector_dir
+
+pytestmark = pytest.mark.process
 
 
 def run(

@@ -163,6 +163,7 @@ def beat(agent: Agent) -> list[dict[str, Any]]:
     return cards
 
 
+@pytest.mark.process
 def test_a_card_reports_its_simulator_engines_busy_time_and_memory(
     agent: Agent, executor: CommandExecutor
 ) -> None:
@@ -200,6 +201,7 @@ def test_a_card_reports_its_simulator_engines_busy_time_and_memory(
     assert engine_usage(url)["busy_seconds_total"] > 0
 
 
+@pytest.mark.process
 def test_a_card_whose_engine_is_not_a_simulator_reports_idle_and_says_why(
     agent: Agent, executor: CommandExecutor, web_root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -244,6 +246,7 @@ def plane() -> Iterator[StandInControlPlane]:
     cp.stop()
 
 
+@pytest.mark.process
 def test_the_agent_process_beats_its_simulator_engines_figures(
     plane: StandInControlPlane, tmp_path: Path
 ) -> None:

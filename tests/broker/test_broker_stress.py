@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "broker_stress", ROOT / "scripts/bench/broker_stress.py"
-)
-assert spec and spec.loader
-stress = importlib.util.module_from_spec(spec)
-sys.modules["broker_stress"] = stress
-spec.loader.exec_module(stress)
+from testbed import broker_stress as stress
 
 
 def test_ten_thousand_messages_four_producers_three_consumers() -> None:

@@ -1,7 +1,7 @@
 """The chaos suite in quick mode (``scripts/bench/chaos.py --quick``): the worker, the agent, Redis
 and PostgreSQL killed in mid-deploy, Redis frozen, the control plane down under client load,
 and each engine killed mid-stream, on a system of its own (throwaway Redis and PostgreSQL,
-tests/support/services.py). Each scenario must lose no command, run nothing twice, leave no
+testbed/services.py). Each scenario must lose no command, run nothing twice, leave no
 engine behind, show clients no error and recover. docs/chaos.md has the full run's figures.
 
 It runs in the PostgreSQL tier of ``make test`` (not again on the embedded defaults), and
@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from tests.chaos.scenarios import SCENARIOS, Durations
-from tests.chaos.suite import render_table, run_suite
-from tests.support.services import missing_binaries
+from testbed.chaos.scenarios import SCENARIOS, Durations
+from testbed.chaos.suite import render_table, run_suite
+from testbed.services import missing_binaries
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

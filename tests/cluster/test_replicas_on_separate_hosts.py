@@ -18,7 +18,7 @@ from tests.cluster.fleet import Fleet
 from tests.cluster.test_separate_hosts import ENGINE_PORT, make_profile, serve, state
 from tests.support.controlplane import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.netns, pytest.mark.django_db(transaction=True)]
 
 
 def replicas_of(first: Deployment) -> list[Deployment]:

@@ -35,7 +35,7 @@ from controlplane.inventory.models import Heartbeat, Node
 from tests.cluster.fleet import ClusterNode, ClusterRouter, Fleet
 from tests.support.controlplane import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.netns, pytest.mark.django_db(transaction=True)]
 
 MODEL = "qwen2.5-7b-instruct"
 ENGINE_PORT = 7001  # the same on every node: each is a machine of its own

@@ -11,7 +11,7 @@ from rest_framework.test import APIClient
 from controlplane.access.models import MachineCredential
 from controlplane.deployments.models import Deployment
 from controlplane.inventory.models import Node
-from tests.support.factories import build_deployment, build_node, build_profile
+from testbed.factories import build_deployment, build_node, build_profile
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Schemathesis drives every operation of the published OpenAPI schema: no input may make a 5xx,
 and every answer must match the schema (documented status, content type, headers, body).
 
-Two of its checks are left out, for reasons docs/decisions.md gives: ``positive_data_acceptance``
+Two of its checks are left out, for reasons decision 17 gives: ``positive_data_acceptance``
 (a schema-valid request must succeed: not so for a reference to an object that does not exist,
 or a rule the schema cannot state, which get a 400 naming the field) and
 ``negative_data_rejection`` (a schema-violating request must fail: DRF accepts ``"1"`` for an
@@ -34,7 +34,7 @@ from controlplane.benchmarks.models import BenchmarkRun, Scenario
 from controlplane.deployments.models import AgentCommand, ContainerInstance
 from controlplane.routers.models import RouterInstance
 from controlplane.wsgi import application
-from tests.support.factories import build_deployment, build_node, build_profile
+from testbed.factories import build_deployment, build_node, build_profile
 
 FUZZ_EXAMPLES = int(os.environ.get("SYSHAX_FUZZ_EXAMPLES", "15"))
 schema = schemathesis.openapi.from_dict(SchemaGenerator().get_schema(request=None, public=True))

@@ -38,6 +38,7 @@ def test_heartbeats_summarize_to_mean_and_peak() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.process
 def test_benchmark_a_deployment_through_the_control_plane(
     live_server, admin_user, make_deployment, tmp_path, capsys
 ) -> None:

@@ -18,7 +18,7 @@ from controlplane.deployments.models import AgentCommand, Deployment
 from tests.support.controlplane import running, syshax, wait_until
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.django_db(transaction=True)
 def test_the_worker_advances_a_deploy_and_the_agent_fetches_its_commands(
     tmp_path, make_node, make_profile, admin_user
@@ -61,7 +61,7 @@ def test_the_worker_advances_a_deploy_and_the_agent_fetches_its_commands(
     assert Deployment.objects.get(pk=deployment.pk).state == "deploying"
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.django_db(transaction=True)
 def test_benchmark_runs_wait_for_their_own_worker_and_never_hold_up_a_deploy(
     tmp_path, make_node, make_profile, admin_user

@@ -35,8 +35,8 @@ from controlplane.routers.api.serializers import StatsSerializer
 from controlplane.routers.models import RouterInstance
 from controlplane.routers.services import record_stats_batch, register_router
 from syshax.commands.gateway import add_arguments
+from testbed.factories import build_node
 from tests.controlplane.test_inventory import KUNPENG
-from tests.support.factories import build_node
 from tests.support.gateway import Running, serving_gateway
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -592,6 +592,7 @@ def test_an_unchanged_inventory_is_answered_and_a_changed_one_stored(gateway: Ru
     assert node.inventory_hash == changed.json()["inventory_hash"]
 
 
+@pytest.mark.process
 def test_syshax_gateway_serves_in_front_of_the_web_server(live_server: Any) -> None:
     """The command itself: Django set up, the loop started, requests handed on."""
     port = free_port()
@@ -625,6 +626,7 @@ def test_syshax_gateway_serves_in_front_of_the_web_server(live_server: Any) -> N
         proc.wait(timeout=30)
 
 
+@pytest.mark.process
 def test_syshax_gateway_names_a_bad_option() -> None:
     for option, value, limit in (
         ("--bind", "nowhere", "HOST:PORT"),

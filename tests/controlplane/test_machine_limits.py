@@ -80,6 +80,7 @@ def test_profile_env_values_are_shown_only_to_people_who_may_change_profiles(
     assert editor["gpu_env"] == {"HF_TOKEN": "hf_secret"}
 
 
+@pytest.mark.process
 def test_the_state_directory_and_the_sqlite_file_are_private(tmp_path) -> None:
     import subprocess
     import sys

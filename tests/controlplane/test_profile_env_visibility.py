@@ -19,7 +19,7 @@ from controlplane.access.models import MachineCredential, PersonalToken
 from controlplane.core.models import AuditEntry
 from controlplane.deployments import services, workflow
 from controlplane.deployments.models import AgentCommand, Deployment
-from tests.support.factories import build_node
+from testbed.factories import build_node
 from tests.support.gateway import Running, serving_gateway
 
 SECRET = "hf_never_for_viewers_0123"

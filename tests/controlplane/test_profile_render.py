@@ -13,7 +13,7 @@ from common.engine_spec import EngineSpec
 from controlplane.deployments.render import RenderError, render_profile
 from controlplane.deployments.specs import engine_spec
 from syshax.cli import main as syshax_main
-from tests.support.factories import build_deployment
+from testbed.factories import build_deployment
 
 GIB = 1024**3
 

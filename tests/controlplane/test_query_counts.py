@@ -16,7 +16,7 @@ from django.test.utils import CaptureQueriesContext
 from controlplane.inventory.choices import NodeStatus
 from controlplane.inventory.models import Accelerator, Node
 from controlplane.policy.services import ensure_default_policy
-from tests.support.factories import build_node
+from testbed.factories import build_node
 
 # Authenticate; load the node; the transaction: INSERT the heartbeat, UPDATE every card,
 # UPDATE the node. BEGIN and COMMIT are counted on PostgreSQL and are savepoints in a test.
@@ -184,7 +184,7 @@ def _one_of_each(i: int) -> dict[str, Any]:
     from controlplane.deployments.models import AgentCommand, ContainerInstance
     from controlplane.policy.services import create_policy
     from controlplane.routers.models import RouterInstance
-    from tests.support.factories import build_deployment, build_profile
+    from testbed.factories import build_deployment, build_profile
 
     node = build_node(f"count-{i}", accelerators=2, labels={"rack": f"r{i}"})
     profile = build_profile(gpu_port=9000 + 2 * i, cpu_port=9001 + 2 * i)

@@ -30,6 +30,7 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.process
 def test_production_refuses_to_start_without_a_secret_key(tmp_path) -> None:
     result = run_python(
         "import django; django.setup()",
@@ -42,11 +43,13 @@ def test_production_refuses_to_start_without_a_secret_key(tmp_path) -> None:
     assert "SECRET_KEY (or SECRET_KEY_FILE) must be set" in result.stderr
 
 
+@pytest.mark.process
 def test_a_web_worker_loads_its_urls_and_task_modules_before_its_first_request(
     tmp_path,
 ) -> None:
     """What gunicorn's worker imports: after it, no request imports the views or the tasks
-    (a deploy once paid a second of imports, docs/scale.md)."""
+    (a deploy once paid a second of imports,
+    docs/decisions/0036-group-commits-one-statement.md)."""
     code = (
         "import sys, controlplane.wsgi; from celery import current_app;"
         "print('deployments.expire_stale_commands' in current_app.tasks,"
@@ -58,6 +61,7 @@ def test_a_web_worker_loads_its_urls_and_task_modules_before_its_first_request(
     assert result.stdout.split() == ["True", "True", "True"]
 
 
+@pytest.mark.process
 def test_the_local_secret_is_generated_once_into_var(tmp_path) -> None:
     code = "from django.conf import settings; print(settings.SECRET_KEY)"
     env = {

@@ -8,14 +8,11 @@ again; real agent heartbeats with a body still work, on a kept-alive connection 
 from __future__ import annotations
 
 import http.client
-import importlib.util
 import json
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -28,16 +25,8 @@ from controlplane.webworker import (
     limits_from_env,
     request_extent,
 )
+from testbed import slow_clients as slow
 from tests.support.controlplane import child_env, free_port, running, syshax, wait_until
-
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "slow_clients", ROOT / "scripts/bench/slow_clients.py"
-)
-assert spec and spec.loader
-slow = importlib.util.module_from_spec(spec)
-sys.modules["slow_clients"] = slow
-spec.loader.exec_module(slow)
 
 READ_TIMEOUT = 2.0
 LIMITS = {"max_head": MAX_HEAD_BYTES, "max_body": 1024}
@@ -129,7 +118,7 @@ def exchange(port: int, *parts: bytes, pause: float = 0.0) -> tuple[float, bytes
     return time.monotonic() - started, answer
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_health_answers_while_80_slow_clients_hold_on_and_each_gets_a_408(web: int) -> None:
     seconds = 7.0
     figures = slow.attack(web, slow_bodies=40, slow_heads=40, seconds=seconds, interval=0.5)
@@ -206,6 +195,7 @@ def test_a_request_left_unfinished_behind_a_kept_alive_one_gets_a_408(web: int) 
     assert READ_TIMEOUT - 0.1 < took < READ_TIMEOUT + 2.0
 
 
+@pytest.mark.process
 def test_syshax_web_refuses_a_bad_read_timeout_naming_it() -> None:
     result = subprocess.run(
         syshax("web", "--no-migrate"),

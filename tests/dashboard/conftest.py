@@ -15,7 +15,7 @@ from controlplane.inventory.models import Node
 from loadgen.records import RequestRecord
 from loadgen.report import Row, to_json
 from loadgen.stats import summarize
-from tests.support.factories import build_deployment, build_node, build_profile
+from testbed.factories import build_deployment, build_node, build_profile
 
 PASSWORD = "dashboard-test-pass-1"
 

@@ -39,7 +39,7 @@ from tests.dashboard.browser import (
 from tests.dashboard.conftest import PASSWORD, finish_with_measurements, seed_finished_run
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.browser,
     pytest.mark.django_db(transaction=True),
     # Commands go to the node's queue with send_task on purpose, eager mode or not.
     pytest.mark.filterwarnings("ignore::celery.exceptions.AlwaysEagerIgnored"),

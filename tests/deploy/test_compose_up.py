@@ -43,7 +43,7 @@ IMAGE = "syshax-controlplane:latest"
 MODEL = "deepseek-r1-distill-qwen-32b"
 CONTROL_PLANE = ("postgres", "redis", "web", "gateway", "worker", "benchmarks", "beat")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
+pytestmark = [pytest.mark.container, pytest.mark.timeout(2700)]
 
 
 def free_port() -> int:

@@ -55,14 +55,14 @@ from common.engine_spec import (
 from common.supervisor import WaitTimeout, free_port, wait_until
 from controlplane.deployments.models import DeploymentProfile
 from controlplane.deployments.specs import profile_engine_spec
+from testbed.vllm_env import ensure_tiny_model
 from tests.realengine.conftest import FORCED_PD, segments, wait_engines_idle
 from tests.realengine.test_pd import _body, ask
-from tests.realengine.vllm_env import ensure_tiny_model
 from tests.router.router_procs import Proc, metric
 from tests.support.podman import podman_service
 from tests.support.vllm_image import ensure_vllm_image
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.container, pytest.mark.engine, pytest.mark.timeout(1800)]
 
 NODE = "vllm-containers"
 DEPLOYMENT = 4101

@@ -9,10 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from loadgen.client import StreamClient, discover_model, make_session
 from loadgen.runner import LoadSpec, run_async, run_load
 from loadgen.wire import ConnectionPool
 from loadgen.workload import arrival_offsets, build_requests
+
+pytestmark = pytest.mark.process
 
 
 def benchmark(*args: str) -> subprocess.CompletedProcess[str]:

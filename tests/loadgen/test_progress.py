@@ -6,6 +6,8 @@ import io
 import subprocess
 import sys
 
+import pytest
+
 from loadgen.progress import ProgressBar
 from loadgen.records import RequestRecord
 
@@ -32,6 +34,7 @@ def test_quiet_bar_prints_one_line() -> None:
     assert "3/3" in out.getvalue() and "\r" not in out.getvalue()
 
 
+@pytest.mark.process
 def test_realtime_priority_is_taken_or_explained() -> None:
     # In a child process, so the test run itself keeps its ordinary priority.
     code = (

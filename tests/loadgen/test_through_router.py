@@ -48,6 +48,7 @@ def test_hetero_rows_record_the_routers_decision(pd_router: str, tmp_path: Path)
     assert row["summary"]["tpot"]["mean"] > 30.0
 
 
+@pytest.mark.process
 def test_the_benchmark_sends_a_routers_api_key_from_its_environment(tmp_path: Path) -> None:
     with (
         running_sim("a100-80gb", speed=20.0) as gpu,

@@ -2,7 +2,7 @@
 CPU role, with the SyshaxShmConnector in both and one shared shm directory (the shared IPC
 namespace of a real deployment), started once for the whole package per engine kind:
 
-- ``vllm``: two real vLLM 0.32 engines on this machine's CPU (tests/realengine/vllm_env.py);
+- ``vllm``: two real vLLM 0.32 engines on this machine's CPU (testbed/vllm_env.py);
 - ``sim``: two ``syshax sim`` processes speaking the same wire contract (sim_env.py).
 
 The ``engines`` fixture is parametrized over both, so every test that uses it (or ``router``)
@@ -31,14 +31,14 @@ import httpx
 import pytest
 
 from common.supervisor import WaitTimeout, free_port
-from tests.realengine.sim_env import SimEngine
-from tests.realengine.vllm_env import (
+from testbed.vllm_env import (
     EngineProcess,
     VllmEngine,
     connector_config,
     ensure_tiny_model,
     ensure_vllm,
 )
+from tests.realengine.sim_env import SimEngine
 from tests.router.router_procs import Proc, wait_for
 
 # Each connector reaps expired segments; a short lease keeps the lease tests short.

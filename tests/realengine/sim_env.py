@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from common.supervisor import python_argv
-from tests.realengine.vllm_env import EngineProcess
+from testbed.vllm_env import EngineProcess
 
 MODEL = "qwen2.5-7b-instruct"
 MAX_MODEL_LEN = 4096

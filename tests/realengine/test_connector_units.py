@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from tests.realengine.vllm_env import ensure_pytest
+from testbed.vllm_env import ensure_pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 

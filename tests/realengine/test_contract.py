@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.supervisor import ReadyChild, free_port, python_argv
-from tests.realengine import vllm_env
+from testbed import vllm_env
 
 pytestmark = pytest.mark.timeout(1200)
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,8 +146,8 @@ def families(engine: Engine) -> dict[str, tuple[str, frozenset[str]]]:
 
 
 def names_read_by_the_router_and_the_load_generator() -> set[str]:
-    """Every vllm:* sample name in router/engine_metrics.py and loadgen, as a family."""
-    sources = [ROOT / "router" / "engine_metrics.py", *(ROOT / "syshax" / "loadgen").glob("*.py")]
+    """Every vllm:* sample name in router/engines/load.py and loadgen/, as a family."""
+    sources = [ROOT / "router" / "engines" / "load.py", *(ROOT / "loadgen").glob("*.py")]
     names = set()
     for source in sources:
         names |= set(re.findall(r"vllm:[a-z_]+", source.read_text()))

@@ -23,7 +23,7 @@ from agents.engine_policy import EnginePolicy
 from agents.runtimes.process import ProcessRuntime
 from common.engine_spec import KV_CONNECTOR_MODULE, kv_transfer_config
 from common.supervisor import free_port
-from tests.realengine.vllm_env import ensure_tiny_model, ensure_vllm
+from testbed.vllm_env import ensure_tiny_model, ensure_vllm
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -1,7 +1,7 @@
 """PD on a second model shape, so no layout assumption hides behind the tier's first model.
 
 The tier's model has 2 layers of 2 KV heads of 64 and 4,096 positions. This one
-(``make_tiny_model.py --wide``) has 3 layers of 8 KV heads of 128, no grouped-query attention,
+(``testbed/tiny_model.py --wide``) has 3 layers of 8 KV heads of 128, no grouped-query attention,
 bfloat16 where this CPU computes in it, and 1,024 positions. Its engines are started without
 ``--max-model-len``: vLLM derives the length from the model's own config.json, and the model
 card reader (common/model_card.py) must agree with it.
@@ -23,9 +23,9 @@ import pytest
 
 from common.model_card import read_model_card
 from common.supervisor import free_port
+from testbed.vllm_env import VllmEngine, connector_config, ensure_tiny_model
 from tests.realengine.conftest import CONNECTOR_EXTRA, CPU_ARENA, FORCED_PD, Pair
 from tests.realengine.test_pd import _body, ask
-from tests.realengine.vllm_env import VllmEngine, connector_config, ensure_tiny_model
 from tests.router.router_procs import Proc, metric
 
 pytestmark = pytest.mark.timeout(1200)

@@ -21,9 +21,9 @@ from typing import TypeVar
 
 import httpx
 
+from testbed.vllm_env import EngineProcess
 from tests.realengine.conftest import FORCED_PD, Pair
 from tests.realengine.test_pd import MESSAGES, _body, _moved_after, ask, assert_spliced
-from tests.realengine.vllm_env import EngineProcess
 from tests.router.router_procs import Proc, metric, wait_for
 
 TOTAL = 1200

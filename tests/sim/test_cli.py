@@ -11,6 +11,8 @@ import httpx
 import pytest
 from sim_procs import MODEL, SimFactory
 
+pytestmark = pytest.mark.process
+
 BLOCK_BYTES = 262144 * 16  # KV bytes per token of the 32B model x block size
 
 

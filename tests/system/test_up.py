@@ -17,7 +17,6 @@ from pathlib import Path
 
 import httpx
 import psutil
-import pytest
 
 from common.supervisor import free_port
 from syshax.commands.up_stack import SIM_MODEL
@@ -137,7 +136,6 @@ def serve_until_interrupted(
     return status, "".join(lines)
 
 
-@pytest.mark.slow
 def test_up_serves_a_completion_from_the_hetero_deployment_and_stops_cleanly(tmp_path) -> None:
     var_dir = tmp_path / "var"
     argv, env, ports = up_command(tmp_path)

@@ -6,12 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
-
 from tests.system.test_up import ROOT, processes_mentioning, up_command
 
 
-@pytest.mark.slow
 def test_up_benchmark_serves_every_mode_including_the_simulated_cpu(tmp_path) -> None:
     # The local node is this machine's few cores beside a simulated A100; the CPU engine is a
     # simulated Kunpeng 920. Bound to the host's cores it modelled 2 of the preset's 160, so

@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
-from tests.realengine.vllm_env import ensure_tiny_model, ensure_vllm
+from testbed.vllm_env import ensure_tiny_model, ensure_vllm
 from tests.system.test_up import ROOT, listening, processes_mentioning, up_command
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 @pytest.mark.timeout(1500)
 def test_up_on_real_vllm_engines_serves_pd_equal_to_gpu_only(tmp_path) -> None:
     python = ensure_vllm()

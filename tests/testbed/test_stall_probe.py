@@ -1,31 +1,23 @@
-"""scripts/bench/stall_probe.py: the machine-stall probe the fleet benchmark runs beside its
-load."""
+"""testbed/stall_probe.py: the machine-stall probe the fleet benchmark runs beside its load
+(scripts/bench/stall_probe.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "stall_probe.py"
+from testbed import stall_probe
 
-
-def _module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("stall_probe", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+PROBE = [sys.executable, "-m", "testbed.stall_probe"]
 
 
 def test_every_late_wake_up_is_written_with_its_time(tmp_path: Path) -> None:
     out = tmp_path / "stalls.jsonl"
     # A threshold of a microsecond: every wake-up is that late, so each one is written.
     args = [str(out), "--seconds", "0.3", "--tick-ms", "5", "--late-ms", "0.001"]
-    subprocess.run([sys.executable, str(SCRIPT), *args], check=True, timeout=30)
-    scheduler, stalls = _module().read(str(out))
+    subprocess.run([*PROBE, *args], check=True, timeout=30)
+    scheduler, stalls = stall_probe.read(str(out))
     # Root gets the real-time scheduler (CI runs as root); anyone else is told why not.
     assert scheduler == "SCHED_FIFO 50" or scheduler.startswith("normal priority")
     assert 10 <= len(stalls) <= 60
@@ -36,14 +28,12 @@ def test_every_late_wake_up_is_written_with_its_time(tmp_path: Path) -> None:
 def test_a_wake_up_on_time_is_not_written(tmp_path: Path) -> None:
     out = tmp_path / "stalls.jsonl"
     args = [str(out), "--seconds", "0.2", "--tick-ms", "5", "--late-ms", "10000"]
-    subprocess.run([sys.executable, str(SCRIPT), *args], check=True, timeout=30)
-    assert _module().read(str(out))[1] == []
+    subprocess.run([*PROBE, *args], check=True, timeout=30)
+    assert stall_probe.read(str(out))[1] == []
 
 
 def test_bad_arguments_name_the_limit(tmp_path: Path) -> None:
     args = [str(tmp_path / "x"), "--tick-ms", "0"]
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=30
-    )
+    done = subprocess.run([*PROBE, *args], capture_output=True, text=True, timeout=30)
     assert done.returncode == 2
     assert "--tick-ms must be between 0.1 and 1000" in done.stderr

@@ -2,7 +2,7 @@
 
 Nothing here touches the shared services on 5432/6379: each server is a new process with its
 own data directory, and :meth:`kill`, :meth:`pause` and :meth:`restart` act on that process
-only (the chaos suite, tests/chaos, uses them to crash and revive a broker or a database).
+only (the chaos suite, testbed/chaos, uses them to crash and revive a broker or a database).
 
     with throwaway_redis() as redis, throwaway_postgres() as pg:
         env = {"REDIS_URL": redis.url, "DATABASE_URL": pg.create_database("syshax")}

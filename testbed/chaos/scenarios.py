@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
-from tests.chaos.load import LoadClient
-from tests.chaos.stack import MODEL, ChaosStack, wait_for
+from testbed.chaos.load import LoadClient
+from testbed.chaos.stack import MODEL, ChaosStack, wait_for
 
 DEPLOY_STEPS = ("stop-old-cpu", "stop-old-gpu", "start-gpu", "start-cpu")
 # Where the fault lands in successive deploys: "requested" is the moment the deploy was asked

@@ -1,4 +1,4 @@
-"""``python -m tests.chaos.bootstrap``: migrate the chaos stack's own database, create its
+"""``python -m testbed.chaos.bootstrap``: migrate the chaos stack's own database, create its
 admin and print a person's API token for it as JSON. The only use of the ORM in the chaos
 suite; everything after this goes through the REST API, as an operator's automation would."""
 
@@ -13,6 +13,7 @@ from syshax.commands._django import setup
 def api_token(user: object) -> str:
     """A person's API token for ``user``, sent as ``Authorization: Token <key>``."""
     try:
+        # lazy: the models load once main() has set Django up
         from controlplane.access.models import PersonalToken
     except ImportError:  # a tree from before personal tokens: DRF's authtoken
         from rest_framework.authtoken.models import Token

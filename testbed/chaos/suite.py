@@ -12,14 +12,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tests.chaos.scenarios import (
+from testbed.chaos.scenarios import (
     SCENARIOS,
     Durations,
     ScenarioResult,
     baseline_deploy,
     run_scenario,
 )
-from tests.chaos.stack import ROOT, StackConfig, chaos_stack
+from testbed.chaos.stack import ROOT, StackConfig, chaos_stack
 
 TARGETS = "0 lost, 0 run twice, 0 orphaned engines, 0 client errors, recovered"
 

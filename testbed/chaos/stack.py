@@ -34,23 +34,27 @@ import httpx
 import psutil
 
 from common.supervisor import free_port, python_argv, wait_until
-from tests.chaos.procs import Proc, ProcessExit, Supervisor
-from tests.support.services import PostgresServer, RedisServer
+from testbed.chaos.procs import Proc, ProcessExit, Supervisor
+from testbed.services import PostgresServer, RedisServer, throwaway_postgres, throwaway_redis
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the stack's processes run: copied at start-up, so a process restarted mid-run runs the
 # code the run began with even while the working tree changes under it.
 SNAPSHOT = (
     "agents",
+    "common",
     "controlplane",
+    "hetero",
+    "kvbench",
+    "kvconnector",
+    "loadgen",
     "router",
+    "sim",
     "syshax",
+    "testbed",
     "templates",
     "manage.py",
     "pyproject.toml",
-    "tests/__init__.py",
-    "tests/chaos",
-    "tests/support",
 )
 MODEL = "qwen2.5-7b-instruct"
 NODE = "chaos-node"
@@ -207,7 +211,7 @@ class ChaosStack:
         self.snapshot()
         self.postgres.create_database("syshax")
         boot = subprocess.run(
-            [sys.executable, "-m", "tests.chaos.bootstrap"],
+            [sys.executable, "-m", "testbed.chaos.bootstrap"],
             env=self.env(),
             cwd=self.src,
             capture_output=True,
@@ -529,8 +533,6 @@ def wait_for(
 @contextlib.contextmanager
 def chaos_stack(workdir: Path, config: StackConfig | None = None) -> Iterator[ChaosStack]:
     """Throwaway Redis and PostgreSQL plus the whole stack on them, torn down afterwards."""
-    from tests.support.services import throwaway_postgres, throwaway_redis
-
     with throwaway_redis() as redis, throwaway_postgres() as postgres:
         stack = ChaosStack(workdir, redis, postgres, config or StackConfig())
         try:
