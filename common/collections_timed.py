@@ -2,8 +2,9 @@
 
 Both the machine gateway (its event loop's longest stall, in its 30 s report) and the fleet
 load generator (its own pauses, which it would otherwise time as the control plane's
-latency) register one :class:`CollectionTimes` in ``gc.callbacks`` (docs/scale.md, "The
-heartbeat's tail").
+latency) register one :class:`CollectionTimes` in ``gc.callbacks``
+(docs/decisions/0033-gateway-backlog-and-frozen-heap.md,
+docs/decisions/0035-fleet-load-generator-share.md).
 """
 
 from __future__ import annotations

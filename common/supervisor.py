@@ -4,9 +4,9 @@ Each child runs in its own process group so Ctrl-C, SIGTERM or a crash of one ch
 every process it started too (gunicorn workers, celery pool processes, engines).
 
 Also the one place that starts a syshax child with ``--ready-file`` and waits for its port
-(:class:`ReadyChild`), polls for a condition (:func:`wait_until`), picks a free port and
-writes a file atomically (:func:`write_text_atomic`), for the commands, agents, router, tests
-and scripts alike. Django-free.
+(:class:`ReadyChild`), polls for a condition (:func:`wait_until`) and picks a free port, for
+the commands, agents, router, tests and scripts alike (atomic file writes are
+:mod:`common.files`). Django-free.
 """
 
 from __future__ import annotations

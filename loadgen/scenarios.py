@@ -52,7 +52,7 @@ SCENARIOS: dict[str, Scenario] = {
     "medium": Scenario("medium", 512, 1024, 1, 8, "generation"),
     "long": Scenario("long", 2048, 512, 1, 4, "long context"),
     # The two regimes where CPU decode can pay (docs/benchmarks.md, "Goodput at SLO"): sized
-    # so the GPU of either benchmark pair is saturated; ``hetero.derive`` prints why.
+    # so the GPU of either benchmark pair is saturated; ``hetero.sweep.derivation`` prints why.
     "decode-heavy": Scenario(
         "decode-heavy", 256, 4096, 16, 256, "long outputs: the GPU's KV cache fills first"
     ),
