@@ -31,6 +31,10 @@ COPY controlplane ./controlplane
 COPY agents ./agents
 COPY router ./router
 COPY syshax ./syshax
+COPY common ./common
+COPY sim ./sim
+COPY loadgen ./loadgen
+COPY kvconnector ./kvconnector
 COPY templates ./templates
 # The state directories exist in the image, owned by syshax, so the named volumes mounted on
 # them start out writable by the services.

@@ -1,11 +1,11 @@
-# The two set-up commands of the README. Each one creates the virtualenv and installs what it
-# needs, so a fresh machine with only python3 is enough.
+# The set-up and test commands of the README and CONTRIBUTING.md. Each one creates the
+# virtualenv and installs what it needs, so a fresh machine with only python3 is enough.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test lint install clean
+.PHONY: up check test lint install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,11 @@ install: $(STAMP)
 up: $(STAMP)
 	$(VENV)/bin/syshax up $(ARGS)
 
+# The inner loop, about a minute: lint, import contracts and the fast tier in parallel.
+check: $(STAMP)
+	$(PY) scripts/dev/run_tests.py --check $(ARGS)
+
+# Everything, as CI runs it (.ci/run).
 test: $(STAMP)
 	$(PY) scripts/dev/run_tests.py $(ARGS)
 
