@@ -3,10 +3,11 @@ from __future__ import annotations
 from django.contrib import admin, messages
 
 from controlplane.access.models import MachineCredential, PersonalToken
+from controlplane.core.admin import RecordAdmin
 
 
 @admin.register(MachineCredential)
-class MachineCredentialAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class MachineCredentialAdmin(RecordAdmin):
     list_display = ["name", "kind", "node", "key_hint", "created_at", "last_used_at", "revoked_at"]
     list_filter = ["kind", "revoked_at"]
     search_fields = ["name", "node__name", "key_hint"]
@@ -34,7 +35,7 @@ class MachineCredentialAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 
 @admin.register(PersonalToken)
-class PersonalTokenAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class PersonalTokenAdmin(RecordAdmin):
     """People's API tokens. Only the hint (``sxp_`` and four characters) is ever shown; the
     token itself appears once, in the message after it is added."""
 

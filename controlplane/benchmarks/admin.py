@@ -6,7 +6,7 @@ from django.contrib import admin
 
 from controlplane.benchmarks import services
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
-from controlplane.core.admin import ServiceDeleteAdmin
+from controlplane.core.admin import RecordAdmin, ServiceDeleteAdmin
 from controlplane.deployments.admin import DeploymentAdmin
 
 
@@ -51,7 +51,7 @@ class ScenarioAdmin(ServiceDeleteAdmin):
 
 
 @admin.register(BenchmarkRun)
-class BenchmarkRunAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class BenchmarkRunAdmin(ServiceDeleteAdmin):
     list_display = [
         "id",
         "name",
@@ -107,8 +107,14 @@ class BenchmarkRunAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         for run in queryset:
             services.request_cancel(run, acting_user=request.user)
 
+    def delete_refusal(self, obj: BenchmarkRun) -> str:
+        return services.run_delete_refusal(obj)
+
+    def delete_with(self, obj: BenchmarkRun, *, acting_user: Any) -> None:
+        services.delete_run(obj, acting_user=acting_user)
+
 
 @admin.register(BenchmarkSample)
-class BenchmarkSampleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class BenchmarkSampleAdmin(RecordAdmin):
     list_display = ["run", "mode", "concurrency", "index", "ok", "ttft_ms", "tpot_ms", "e2e_ms"]
     list_filter = ["mode", "ok"]

@@ -165,3 +165,22 @@ def scenario_delete_refusal(scenario: Scenario) -> str:
 def delete_scenario(scenario: Scenario, *, acting_user: Any) -> None:
     """Delete a scenario no run used, with an audit row."""
     checked_delete(scenario, scenario_delete_refusal, "scenario.deleted", acting_user=acting_user)
+
+
+def run_delete_refusal(run: BenchmarkRun) -> str:
+    """Why the run may not be deleted, or "": a queued or running one is a worker's to finish
+    (cancel it first; a cancelled run keeps what it measured)."""
+    if run.status in ACTIVE_STATUSES:
+        return f"cannot delete benchmark run {run.pk} while it is {run.status}; cancel it first"
+    return ""
+
+
+def delete_run(run: BenchmarkRun, *, acting_user: Any) -> None:
+    """Delete a finished run and its samples, with an audit row."""
+    checked_delete(
+        run,
+        run_delete_refusal,
+        "benchmark.deleted",
+        acting_user=acting_user,
+        detail=lambda r: {"status": r.status, "mode": r.mode},
+    )

@@ -3,6 +3,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
 from django.db import models
 
 from controlplane.core.models import AuditEntry
@@ -47,8 +48,30 @@ class ServiceDeleteAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             self._delete_one(request, obj)
 
 
+class RecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Rows the system writes as its record (audit rows, deployment events, agent commands,
+    containers, heartbeats, benchmark samples) or that are retired rather than removed
+    (credentials and tokens: revoke them). An operator reads them and never deletes one by
+    hand: no delete button, no bulk delete, and the delete page answers 403. Deleting what
+    they belong to (a stopped deployment, a node) still takes them along, through that
+    object's delete service."""
+
+    def get_actions(self, request):  # type: ignore[no-untyped-def]
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):  # type: ignore[no-untyped-def]
+        return super().change_view(
+            request, object_id, form_url, {**(extra_context or {}), "show_delete": False}
+        )
+
+    def delete_view(self, request, object_id, extra_context=None):  # type: ignore[no-untyped-def]
+        raise PermissionDenied(f"{self.opts.verbose_name_plural} are not deleted by hand")
+
+
 @admin.register(AuditEntry)
-class AuditEntryAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class AuditEntryAdmin(RecordAdmin):
     list_display = ["created_at", "action", "object_type", "object_id", "actor", "actor_label"]
     list_filter = ["action", "object_type"]
     search_fields = ["object_id", "actor_label"]

@@ -8,7 +8,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from common.errors import FieldError
-from controlplane.core.admin import ServiceDeleteAdmin
+from controlplane.core.admin import RecordAdmin, ServiceDeleteAdmin
 from controlplane.deployments import services
 from controlplane.deployments.masking import hide_env, hide_spec_env, may_see_env
 from controlplane.deployments.models import (
@@ -243,14 +243,14 @@ class DeploymentAdmin(ServiceDeleteAdmin):
 
 
 @admin.register(ContainerInstance)
-class ContainerInstanceAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class ContainerInstanceAdmin(RecordAdmin):
     list_display = ["name", "deployment", "role", "generation", "status", "health", "updated_at"]
     list_filter = ["role", "status", "health"]
     search_fields = ["name", "engine_id", "deployment__name"]
 
 
 @admin.register(AgentCommand)
-class AgentCommandAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class AgentCommandAdmin(RecordAdmin):
     list_display = [
         "dispatch_id",
         "node",
@@ -283,7 +283,7 @@ class AgentCommandAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 
 @admin.register(DeploymentEvent)
-class DeploymentEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class DeploymentEventAdmin(RecordAdmin):
     list_display = ["deployment", "created_at", "generation", "step", "level", "message"]
     list_filter = ["level", "step"]
     search_fields = ["message", "deployment__name"]

@@ -4,7 +4,7 @@ from typing import Any
 
 from django.contrib import admin
 
-from controlplane.core.admin import ServiceDeleteAdmin
+from controlplane.core.admin import RecordAdmin, ServiceDeleteAdmin
 from controlplane.inventory import services
 from controlplane.inventory.models import Accelerator, CpuTopology, Heartbeat, Node, NumaNode
 
@@ -89,7 +89,7 @@ class AcceleratorAdmin(ServiceDeleteAdmin):
 
 
 @admin.register(Heartbeat)
-class HeartbeatAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class HeartbeatAdmin(RecordAdmin):
     list_display = ["node", "received_at", "cpu_percent", "memory_used_bytes"]
     list_filter = ["node"]
     date_hierarchy = "received_at"

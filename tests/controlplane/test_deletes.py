@@ -12,11 +12,19 @@ from django.contrib.admin.models import DELETION, LogEntry
 from django.test import Client
 from django.urls import reverse
 
-from controlplane.benchmarks.models import BenchmarkRun, Scenario
+from controlplane.access.models import MachineCredential, PersonalToken
+from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
 from controlplane.core.models import AuditEntry
 from controlplane.deployments import services
-from controlplane.deployments.models import AcceleratorClaim, Deployment, DeploymentProfile
-from controlplane.inventory.models import Accelerator, Node
+from controlplane.deployments.models import (
+    AcceleratorClaim,
+    AgentCommand,
+    ContainerInstance,
+    Deployment,
+    DeploymentEvent,
+    DeploymentProfile,
+)
+from controlplane.inventory.models import Accelerator, Heartbeat, Node
 from controlplane.policy.models import SchedulingPolicy
 from controlplane.policy.services import create_policy
 from testbed.factories import build_deployment, build_node, build_profile
@@ -332,3 +340,102 @@ def test_a_policy_or_scenario_in_use_is_a_409_naming_its_users(admin_client) -> 
     assert response.status_code == 409
     assert message(response).startswith("cannot delete it while it is still used by benchmark")
     assert not AuditEntry.objects.filter(action__endswith=".deleted").exists()
+
+
+# --- benchmark runs ----------------------------------------------------------------------
+
+
+def a_run(status: str) -> BenchmarkRun:
+    return BenchmarkRun.objects.create(
+        scenario=Scenario.objects.get(name="short"),
+        deployment=stopped(f"bench-{status}"),
+        status=status,
+    )
+
+
+@pytest.mark.parametrize("status", ["queued", "running"])
+def test_a_run_a_worker_may_be_measuring_is_kept_until_cancelled(
+    admin_client, browser, status
+) -> None:
+    run = a_run(status)
+    refused = admin_client.delete(f"/api/v1/benchmark-runs/{run.pk}/")
+    assert refused.status_code == 409
+    assert message(refused) == (
+        f"cannot delete benchmark run {run.pk} while it is {status}; cancel it first"
+    )
+    page = browser.post(admin_url(run, "delete"), {"post": "yes"})
+    assert "cancel it first" in page.content.decode()
+    assert BenchmarkRun.objects.filter(pk=run.pk).exists()
+    assert not deleted_rows("benchmark.deleted", run)
+
+
+def test_a_finished_run_is_deleted_with_its_samples_and_an_audit_row(
+    admin_client, admin_user
+) -> None:
+    run = a_run("succeeded")
+    BenchmarkSample.objects.create(run=run, mode="gpu", concurrency=1, index=0)
+    response = admin_client.delete(f"/api/v1/benchmark-runs/{run.pk}/")
+    assert response.status_code == 204
+    assert not BenchmarkRun.objects.filter(pk=run.pk).exists()
+    assert not BenchmarkSample.objects.filter(run_id=run.pk).exists()
+    (row,) = deleted_rows("benchmark.deleted", run)
+    assert row.actor == admin_user and row.detail["status"] == "succeeded"
+
+
+# --- the system's own records --------------------------------------------------------------
+
+
+def with_history(deployment: Deployment) -> AgentCommand:
+    """A command to the deployment's node and an event on its timeline, as a deploy leaves."""
+    DeploymentEvent.objects.create(deployment=deployment, step="deploy", message="deploying")
+    return AgentCommand.objects.create(
+        node=deployment.node, deployment=deployment, action="start", role="gpu", step=""
+    )
+
+
+def records(admin_user) -> list[Any]:
+    """One row of each model the system writes as its record, or that is revoked rather than
+    deleted."""
+    deployment = deployed("running", name="recorded")
+    command = with_history(deployment)
+    event = DeploymentEvent.objects.filter(deployment=deployment).first()
+    container = ContainerInstance.objects.create(
+        deployment=deployment, role="gpu", generation=1, name="recorded-gpu"
+    )
+    heartbeat = Heartbeat.objects.create(node=deployment.node)
+    run = a_run("succeeded")
+    sample = BenchmarkSample.objects.create(run=run, mode="gpu", concurrency=1, index=0)
+    credential, _ = MachineCredential.issue("agent", "agent-a", node=deployment.node)
+    token, _ = PersonalToken.issue(admin_user, "laptop", acting_user=admin_user)
+    audit_row = AuditEntry.objects.order_by("-pk").first()
+    return [command, event, container, heartbeat, sample, credential, token, audit_row]
+
+
+def test_the_systems_records_are_not_deleted_by_hand_in_the_admin(browser, admin_user) -> None:
+    for record in records(admin_user):
+        model = type(record)
+        opts = model._meta
+        changelist = browser.get(reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist"))
+        assert changelist.status_code == 200, model
+        assert 'value="delete_selected"' not in changelist.content.decode(), model
+        change = browser.get(admin_url(record, "change"))
+        assert change.status_code == 200, model
+        assert admin_url(record, "delete") not in change.content.decode(), model
+        assert browser.get(admin_url(record, "delete")).status_code == 403, model
+        assert browser.post(admin_url(record, "delete"), {"post": "yes"}).status_code == 403
+        bulk = admin_bulk_delete(browser, model, [record])
+        assert model._default_manager.filter(pk=record.pk).exists(), (model, bulk.status_code)
+
+
+def test_a_stopped_deployment_takes_its_records_along(browser, admin_user) -> None:
+    deployment = deployed("running", name="done")
+    with_history(deployment)
+    AcceleratorClaim.objects.filter(deployment=deployment).delete()  # as a stop releases them
+    Deployment.objects.filter(pk=deployment.pk).update(state="stopped")
+    assert AgentCommand.objects.filter(deployment=deployment).exists()
+    assert DeploymentEvent.objects.filter(deployment=deployment).exists()
+    response = browser.post(admin_url(deployment, "delete"), {"post": "yes"})
+    assert response.status_code == 302
+    assert not AgentCommand.objects.filter(deployment_id=deployment.pk).exists()
+    assert not DeploymentEvent.objects.filter(deployment_id=deployment.pk).exists()
+    assert deleted_rows("deployment.deleted", deployment)

@@ -43,6 +43,9 @@ class BenchmarkRunViewSet(ScopedModelViewSet):
     ordering_fields = ["created_at", "finished_at"]
     http_method_names = ["get", "post", "patch", "delete", "head", "options"]
 
+    def perform_destroy(self, instance: BenchmarkRun) -> None:
+        services.delete_run(instance, acting_user=self.request.user)
+
     def perform_create(self, serializer: BaseSerializer[BenchmarkRun]) -> None:
         serializer.instance = services.create_run(
             acting_user=self.request.user, **serializer.validated_data
