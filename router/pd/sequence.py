@@ -9,13 +9,14 @@ is counted. A protocol reaches nothing else of the router.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from common.policy_schema import PolicyKnobs
 from router.client.stream import ClientRequest, ClientStream
-from router.decide import Loads
+from router.decide import Loads, cpu_allowed
 from router.engines.backends import Backend, InFlight
 from router.engines.transport import UpstreamFailed, call_json
 from router.metrics import RouterMetrics
@@ -49,6 +50,14 @@ class PdSequence:
         failure = UpstreamFailed(backend, message)
         self.record_failure(backend, failure)
         return failure
+
+    def cpu_for_the_rest(self) -> Backend | None:
+        """The CPU engine, when it may decode the rest of a sequence whose GPU decode failed:
+        it is up and the live policy allows the CPU. None otherwise."""
+        cpu = self.cpu
+        if cpu is None or not cpu.available(time.monotonic()) or not cpu_allowed(self.knobs()):
+            return None
+        return cpu
 
     def base_body(self) -> dict[str, Any]:
         """The client's request without the fields the router sets itself for an engine."""

@@ -48,6 +48,7 @@ class SyshaxPd:
         on_cpu = cpu is not None
         kv_id: str | None = request_id
         limit = decision.token_limit
+        gpu_failed = False
         while True:
             remaining = _remaining(seq)
             if remaining is not None and remaining <= 0:
@@ -69,7 +70,13 @@ class SyshaxPd:
                     raise
                 seq.record_failure(target, exc)
                 if target is seq.gpu:
-                    raise
+                    # Once: the CPU goes on from the prompt and the text so far.
+                    if gpu_failed or seq.cpu_for_the_rest() is None:
+                        raise
+                    gpu_failed = True
+                    seq.metrics.fallback("gpu-decode-to-cpu")
+                    on_cpu, kv_id = True, None
+                    continue
                 seq.metrics.fallback("cpu-decode-to-gpu")
                 on_cpu, kv_id = False, None
                 continue

@@ -142,6 +142,7 @@ class VllmPd:
         limit = decision.token_limit or token_limit(
             seq.knobs(), cpu.throughput_tps if cpu is not None else 0.0
         )
+        gpu_failed = False
         while True:
             remaining = self.remaining()
             if remaining == 0:
@@ -154,7 +155,20 @@ class VllmPd:
                     raise
                 seq.record_failure(target, exc)
                 if target is seq.gpu:
-                    raise
+                    # Once: the CPU recomputes the prompt and the tokens so far, then decodes on.
+                    cpu = None if gpu_failed else seq.cpu_for_the_rest()
+                    if cpu is None:
+                        raise
+                    gpu_failed = True
+                    log.warning(
+                        "%s: GPU decode failed after %d tokens (%s); resuming on the CPU",
+                        seq.out.request_id,
+                        len(self.generated),
+                        exc,
+                    )
+                    seq.metrics.fallback("gpu-decode-to-cpu")
+                    target = cpu
+                    continue
                 log.warning(
                     "%s: CPU decode failed after %d tokens (%s); resuming on the GPU",
                     seq.out.request_id,

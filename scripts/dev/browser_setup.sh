@@ -4,7 +4,7 @@
 # (no `playwright install`); the tests drive /usr/bin/chromium.
 set -euo pipefail
 
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VENV="${VENV:-.venv}"
 
 if [ ! -x /usr/bin/chromium ]; then

@@ -17,7 +17,7 @@
 set -euo pipefail
 
 ROOT="${1:-${SYSHAX_COMPOSE_ROOT:-/var/tmp/syshax-compose}}"
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 MIRROR="${SYSHAX_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 BASE_IMAGE="localhost/syshax-debian:bookworm"
 POSTGRES_IMAGE="localhost/syshax-postgres-standin:bookworm"

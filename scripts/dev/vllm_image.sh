@@ -20,7 +20,7 @@
 set -euo pipefail
 
 started=$SECONDS
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VERSION=0.32.0
 IMAGE="localhost/syshax-vllm-cpu:$VERSION"
 CACHE="${SYSHAX_VLLM_HOME:-$HOME/.cache/syshax}"
@@ -29,7 +29,7 @@ PYTHON="${SYSHAX_WHEEL_PYTHON:-python3}"
 # What the image does without (see the Containerfile); not worth keeping in the cache either.
 LEFT_OUT=(torchvision torchaudio torchcodec triton)
 
-setup="$("$HERE/scripts/compose_setup.sh" "$@")"  # its exit status 3 passes through
+setup="$("$HERE/scripts/dev/compose_setup.sh" "$@")"  # its exit status 3 passes through
 while IFS='=' read -r key value; do
   [[ -n "$key" ]] && export "$key=$value"
 done <<<"$setup"

@@ -232,3 +232,41 @@ class SilentHost:
                 conn.close()
             except OSError:
                 pass
+
+
+class PrefillOnlyEngine(_Threaded):
+    """A GPU engine that prefills, keeps the prompt's KV (its connector found no room: a
+    ``syshax_kv_fallback``) and so is asked to decode too, then fails that decode with HTTP
+    500, as an engine does that dies between the two. Answers its metrics scrape (idle)."""
+
+    def __init__(self) -> None:
+        self.posts: list[dict[str, Any]] = []
+        super().__init__(_PrefillOnlyHandler)
+
+
+class _PrefillOnlyHandler(_FailingHandler):
+    def do_POST(self) -> None:
+        body = json.loads(self._read_body())
+        self.server.owner.posts.append(body)  # type: ignore[attr-defined]
+        if body.get("stream"):
+            failed = {"error": {"message": "engine died", "type": "server_error", "code": 500}}
+            self._send(500, json.dumps(failed).encode())
+            return
+        prompt_ids = list(range(1000, 1012))
+        answer = {
+            "id": "cmpl-prefill",
+            "object": "text_completion",
+            "model": MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": " first",
+                    "token_ids": [1100],
+                    "prompt_token_ids": prompt_ids,
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": 1},
+            "kv_transfer_params": {"syshax_kv_fallback": "no free KV blocks for the handoff"},
+        }
+        self._send(200, json.dumps(answer).encode())

@@ -38,6 +38,39 @@ def test_cpu_killed_mid_stream_resumes_on_gpu(
     assert metric(router, "syshax_router_decisions_total", stage="new", route="pd", reason="mode")
 
 
+def test_a_gpu_decode_that_fails_goes_on_on_the_cpu(
+    engines: tuple[Proc, Proc], router_factory: Callable[..., Proc]
+) -> None:
+    """The GPU kept the prompt's KV (no room for the handoff) and died before its decode: the
+    CPU recomputes the prompt and the first token and decodes the rest. One whole stream."""
+    from standins import PrefillOnlyEngine
+
+    _, cpu = engines
+    gpu = PrefillOnlyEngine()
+    try:
+        router = router_factory(gpu.url, cpu.url, "--mode", "forced-pd", "--pd-protocol", "vllm")
+        chunks = []
+        with client(router).completions.with_streaming_response.create(
+            model=MODEL,
+            prompt="tell me",
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+        ) as raw:
+            assert raw.headers["x-syshax-route"] == "pd"
+            for chunk in raw.parse():
+                chunks.append(chunk)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text.startswith(" first")
+        (usage,) = [c.usage for c in chunks if c.usage]
+        assert usage.completion_tokens == 40 and usage.prompt_tokens == 12
+        assert [bool(p.get("stream")) for p in gpu.posts] == [False, True]
+    finally:
+        gpu.close()
+    assert metric(router, "syshax_router_fallbacks_total", kind="gpu-decode-to-cpu") == 1
+    assert metric(router, "syshax_router_requests_total", decision="pd", outcome="ok") == 1
+
+
 def test_stalled_cpu_hits_the_idle_timeout_and_gpu_finishes(
     engines: tuple[Proc, Proc], workdir: object, router_factory: Callable[..., Proc]
 ) -> None:
