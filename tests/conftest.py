@@ -207,6 +207,8 @@ def _redis_db_url(url: str, offset: int) -> str:
     return urlunsplit(parts._replace(path=f"/{base + offset}"))
 
 
+# Optional: the real-engine tier runs tests/kvconnector in vLLM's virtualenv, without xdist.
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_setupnodes(config: pytest.Config, specs: list[Any]) -> None:
     """Each worker its own var dir (embedded broker folder, SQLite file, secret key) and its own
     Redis database, set in its environment before Django reads its settings. The test database
