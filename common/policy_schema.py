@@ -244,18 +244,43 @@ def validate_knobs(data: dict[str, Any], *, partial: bool = False) -> PolicyKnob
     Unknown keys are errors (a typo must not silently keep the old value). With ``partial``
     missing knobs take their defaults; otherwise every knob must be present.
     """
-    if not isinstance(data, dict):
-        raise PolicyError("policy", "must be a JSON object")
-    values: dict[str, Any] = {}
-    for key, raw in data.items():
-        values[key] = coerce_value(key, raw)
-    if not partial:
-        missing = [f.name for f in fields(PolicyKnobs) if f.name not in values]
-        if missing:
-            raise PolicyError(missing[0], "is required")
-    knobs = PolicyKnobs(**values)
-    check_cross_field(knobs)
+    knobs, errors = _checked(data, partial=partial)
+    if errors or knobs is None:
+        raise errors[0]
     return knobs
+
+
+def knob_errors(data: dict[str, Any], *, partial: bool = False) -> list[PolicyError]:
+    """Every reason ``validate_knobs`` refuses ``data``, at once (empty when it accepts it):
+    each bad or missing knob in turn, then the rules across knobs, which are checked once
+    every knob is valid on its own. A form shows them all in one round."""
+    return _checked(data, partial=partial)[1]
+
+
+def _checked(
+    data: dict[str, Any], *, partial: bool
+) -> tuple[PolicyKnobs | None, list[PolicyError]]:
+    """The knobs, or every error in the order ``validate_knobs`` meets them."""
+    if not isinstance(data, dict):
+        return None, [PolicyError("policy", "must be a JSON object")]
+    values: dict[str, Any] = {}
+    errors: list[PolicyError] = []
+    for key, raw in data.items():
+        try:
+            values[key] = coerce_value(key, raw)
+        except PolicyError as exc:
+            errors.append(exc)
+    if not partial:
+        names = [f.name for f in fields(PolicyKnobs)]
+        errors.extend(PolicyError(name, "is required") for name in names if name not in data)
+    if errors:
+        return None, errors
+    knobs = PolicyKnobs(**values)
+    try:
+        check_cross_field(knobs)
+    except PolicyError as exc:
+        return None, [exc]
+    return knobs, []
 
 
 def check_cross_field(knobs: PolicyKnobs) -> None:

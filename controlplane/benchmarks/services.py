@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -87,6 +88,24 @@ def create_run(*, acting_user: Any, **fields: Any) -> BenchmarkRun:
         audit.record("benchmark.created", run, acting_user=acting_user)
         queue_run(run)
     return run
+
+
+def run_errors(*, exclude: Collection[str] = (), **fields: Any) -> dict[str, list[str]]:
+    """Every reason :func:`create_run` would refuse a run of ``fields``, found at once (empty
+    when it would create it): its target and each field of its ``full_clean()``, for a form to
+    show together. ``exclude`` names fields whose values the caller could not read."""
+    errors: dict[str, list[str]] = {}
+    checks = [lambda: BenchmarkRun(**fields).full_clean(exclude=list(exclude))]
+    if fields.get("target_url") and "target_url" not in exclude:
+        checks.insert(0, lambda: check_target(str(fields["target_url"])))
+    for check in checks:
+        try:
+            check()
+        except ValidationError as exc:
+            for field, messages in exc.message_dict.items():
+                if field not in exclude:
+                    errors.setdefault(field, []).extend(messages)
+    return errors
 
 
 def queue_run(run: BenchmarkRun) -> None:

@@ -8,6 +8,7 @@ JSON endpoints the pages poll.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ from django.utils import timezone
 from controlplane.benchmarks import analysis
 from controlplane.benchmarks import services as benchmark_services
 from controlplane.benchmarks.analysis import Recommendation
-from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample
+from controlplane.benchmarks.choices import BenchmarkMode, RunStatus
+from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
 from controlplane.benchmarks.schedules import TASK_NAME
 from controlplane.dashboard.benchdata import (
     Figures,
@@ -30,9 +32,11 @@ from controlplane.dashboard.benchdata import (
 )
 from controlplane.dashboard.topology import Holder, Topology, build_topology
 from controlplane.deployments.choices import DeploymentState
-from controlplane.deployments.models import Deployment, DeploymentEvent
+from controlplane.deployments.models import Deployment, DeploymentEvent, DeploymentProfile
+from controlplane.deployments.placement import PlacementError, check_placement, choose
 from controlplane.inventory.choices import NodeStatus
 from controlplane.inventory.models import Accelerator, Node
+from controlplane.policy.models import SchedulingPolicy
 from controlplane.routers.choices import DECISIONS
 from controlplane.routers.models import RouterInstance
 
@@ -246,3 +250,82 @@ def benchmark_schedules() -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def placement_problems(
+    profile: DeploymentProfile, node: Node | None, node_selector: dict[str, str]
+) -> list[PlacementError]:
+    """Every reason a deployment of ``profile`` would not be placed, found without creating
+    it: the profile against the named node, else the scheduler's choice within
+    ``node_selector`` (what ``deployments.services.create_deployment`` asks)."""
+    if node is not None:
+        return check_placement(profile, node)
+    try:
+        choose(Deployment(profile=profile, pinned=False, node_selector=node_selector))
+    except PlacementError as exc:
+        return exc.problems
+    return []
+
+
+def policy_rollout(policy: SchedulingPolicy) -> dict[str, Any] | None:
+    """Which registered routers report the policy's current version in their latest stats
+    report: ``rows`` of (router, applied), those that have not (an older version, none yet)
+    first, and ``applied``, how many have. Routers report the version of the default policy
+    alone, so for another policy this is None."""
+    if policy.name != "default":
+        return None
+    routers = list(RouterInstance.objects.all())
+    rows = [(r, r.policy_version == policy.version) for r in routers]
+    rows.sort(key=lambda row: row[1])  # stable: by name within each group
+    return {"rows": rows, "applied": sum(applied for _, applied in rows)}
+
+
+@dataclass(frozen=True)
+class RunEstimate:
+    """How long a run by concurrency levels takes: a level of c sends its requests c at a
+    time, so it lasts about ceil(requests / c) requests one after another."""
+
+    requests: int
+    rounds: int
+    seconds_per_request: float | None  # the mean end-to-end latency of a measured run
+    measured_run: int | None
+
+    @property
+    def seconds(self) -> float | None:
+        if self.seconds_per_request is None:
+            return None
+        return self.rounds * self.seconds_per_request
+
+
+def run_estimate(
+    scenario: Scenario,
+    mode: str,
+    concurrency: Sequence[int],
+    iterations: int,
+    warmup: int,
+    request_rates: Sequence[float] = (),
+) -> RunEstimate | None:
+    """The run's requests and rounds, timed by the newest successful run of its scenario
+    (that run's mean end-to-end latency in the same mode); None for a goodput sweep, whose
+    length depends on what it measures."""
+    if request_rates or not concurrency or iterations < 1:
+        return None
+    modes = len(BenchmarkMode) - 1 if mode == BenchmarkMode.ALL else 1  # all: each in turn
+    per_mode = sum(math.ceil(iterations / c) + math.ceil(warmup / c) for c in concurrency)
+    requests = modes * len(concurrency) * (iterations + warmup)
+    measured = (
+        BenchmarkRun.objects.filter(scenario=scenario, status=RunStatus.SUCCEEDED)
+        .order_by("-finished_at")
+        .first()
+    )
+    latencies: list[float] = []
+    if measured is not None:
+        figures, _ = run_figures(measured)
+        same = [f for f in figures if mode in (f.mode, BenchmarkMode.ALL)] or figures
+        latencies = [ms for f in same if (ms := f.e2e.get("mean")) is not None]
+    return RunEstimate(
+        requests=requests,
+        rounds=modes * per_mode,
+        seconds_per_request=sum(latencies) / len(latencies) / 1000.0 if latencies else None,
+        measured_run=measured.pk if latencies and measured is not None else None,
+    )

@@ -76,6 +76,18 @@ class Topology:
     def cpu_count(self) -> int:
         return sum(len(n.cores) for s in self.sockets for n in s.numa)
 
+    @property
+    def numa_memory_gb(self) -> float:
+        """The memory of the NUMA nodes shown (each one's own, as the kernel assigns it)."""
+        return sum(n.memory_gb for s in self.sockets for n in s.numa)
+
+    def memory_unaccounted_gb(self, node_total_bytes: int) -> float:
+        """The node's memory its NUMA nodes with CPUs do not hold (memory-only NUMA nodes,
+        or memory the kernel does not assign per NUMA node); 0 when they agree within 5 %."""
+        total = node_total_bytes / 1024**3
+        missing = total - self.numa_memory_gb
+        return missing if total and missing > 0.05 * total else 0.0
+
 
 def build_topology(
     numa_nodes: Sequence[tuple[int, str, int]], sockets: int, holders: Sequence[Holder]

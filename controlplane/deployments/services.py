@@ -343,6 +343,29 @@ def retire_replica(replica: Deployment, *, acting_user: Any) -> None:
         add_event(replica, "retire", f"kept: {exc}", level=EventLevel.WARNING)
 
 
+def save_profile(
+    profile: DeploymentProfile | None, values: dict[str, Any], *, acting_user: Any
+) -> DeploymentProfile:
+    """Create a profile from ``values`` (``profile`` None) or change ``profile`` to them, with
+    an audit row naming the fields that changed (not their values: an env may hold a token).
+    ``values`` are already validated (the API's ``ProfileSerializer``). A running deployment
+    keeps its engines until its next deploy, which starts them from the profile as it is then."""
+    created = profile is None
+    target = DeploymentProfile() if profile is None else profile
+    changed = sorted(k for k, v in values.items() if created or getattr(target, k) != v)
+    for field, value in values.items():
+        setattr(target, field, value)
+    with transaction.atomic():
+        target.save()
+        audit.record(
+            "profile.created" if created else "profile.updated",
+            target,
+            acting_user=acting_user,
+            detail={"name": target.name, "fields": changed},
+        )
+    return target
+
+
 def delete_profile(profile: DeploymentProfile, *, acting_user: Any) -> None:
     """Delete the profile, with an audit row. One a deployment uses is refused by its
     protected key (ProtectedError: the API's 409 naming them), so no running engines lose it."""
@@ -580,4 +603,5 @@ __all__ = [
     "request_deploy",
     "request_restart",
     "request_stop",
+    "save_profile",
 ]

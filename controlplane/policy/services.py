@@ -6,7 +6,7 @@ from typing import Any
 
 from django.db import transaction
 
-from common.policy_schema import PolicyError, validate_knobs
+from common.policy_schema import PolicyError, knob_errors, validate_knobs
 from controlplane.core import audit
 from controlplane.core.services import checked_delete
 from controlplane.policy.models import KNOB_NAMES, PolicyRevision, SchedulingPolicy
@@ -67,6 +67,22 @@ def record_created(policy: SchedulingPolicy, *, acting_user: Any, reason: str) -
     return revision
 
 
+def _missing_reason(reason: str | None) -> PolicyError | None:
+    if not reason or not reason.strip():
+        return PolicyError("reason", "a reason is required for every policy change")
+    return None
+
+
+def change_errors(
+    policy: SchedulingPolicy, *, changes: dict[str, Any], reason: str | None
+) -> list[PolicyError]:
+    """Every reason :func:`update_policy` would refuse this change, found at once (empty
+    when it would save it): a missing reason and each bad knob, for a form to show together.
+    A change that alters nothing is only found by saving it."""
+    missing = _missing_reason(reason)
+    return ([missing] if missing else []) + knob_errors({**policy.knobs(), **changes})
+
+
 def update_policy(
     policy: SchedulingPolicy,
     *,
@@ -76,8 +92,8 @@ def update_policy(
     rolled_back_to: int | None = None,
 ) -> PolicyRevision:
     """Apply knob changes as a new revision. Raises PolicyError naming the bad knob."""
-    if not reason or not reason.strip():
-        raise PolicyError("reason", "a reason is required for every policy change")
+    if missing := _missing_reason(reason):
+        raise missing
     with transaction.atomic():
         locked = SchedulingPolicy.objects.select_for_update().get(pk=policy.pk)
         current = locked.knobs()

@@ -63,6 +63,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # With DEBUG (the laptop default): the friendly 404/500 pages, not Django's debug pages.
+    "controlplane.dashboard.views.common.FriendlyErrorPages",
 ]
 
 DEFAULT_EXCEPTION_REPORTER_FILTER = "controlplane.core.middleware.SecretSettingsFilter"

@@ -46,7 +46,13 @@ pytestmark = [
 ]
 
 GIB = 1024**3
-EXPECTED_4XX = ("/no/such/page/", "/deployments/new/", "/benchmarks/new/")
+EXPECTED_4XX = (
+    "/no/such/page/",
+    "/deployments/new/",
+    "/benchmarks/new/",
+    "/profiles/new/",
+    "/edit/",
+)
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +199,8 @@ def test_walk_every_page(page: Any, live_server: Any, fleet: dict[str, Any]) -> 
     assert page.locator("figure.socket").count() == 2
     save_screenshot(page, "node", for_docs=True)
 
+    walk_profiles(page, fleet)
+
     for label, heading in [
         ("Deployments", "Deployments"),
         ("Policy", "Policy default"),
@@ -218,6 +226,45 @@ def test_walk_every_page(page: Any, live_server: Any, fleet: dict[str, Any]) -> 
     assert overflow <= 1, f"page is {overflow}px wider than a phone screen"
     save_screenshot(page, "overview-narrow")
     page.set_viewport_size({"width": 1280, "height": 900})
+
+
+def walk_profiles(page: Any, fleet: dict[str, Any]) -> None:
+    """The profile list, a profile's page and its edit form, errors first, then a save."""
+    profile = fleet["profile"]
+    page.click("nav >> text=Profiles")
+    assert page.locator("h1").inner_text() == "Profiles"
+    assert page.locator("nav a[aria-current=page]").inner_text() == "Profiles"
+    save_screenshot(page, "profiles", for_docs=True)
+
+    page.click(f"table >> text={profile.name}")
+    assert page.locator("h1").inner_text() == f"Profile {profile.name}"
+    # Its own running deployment holds cores on kunpeng-a100: that is no reason not to fit.
+    assert page.locator('tr[data-node="kunpeng-a100"]').get_attribute("data-fits") == "yes"
+    assert page.locator('tr[data-node="cpu-box-2"]').get_attribute("data-fits") == "no"
+    assert page.locator(".errors").count() == 0
+    assert page.locator("#setting-tensor_parallel_size").inner_text() == "1"
+    assert "docker run" in page.locator("#render-docker").inner_text()
+    # The long command lines scroll inside their card, not the page.
+    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 1, f"the profile page is {overflow}px wider than the window"
+    save_screenshot(page, "profile", for_docs=True)
+
+    page.click("text=Edit the settings")
+    page.fill("#id_tensor_parallel_size", "0")
+    page.fill("#id_gpu_memory_utilization", "1.5")
+    page.fill("#id_cpu_env", "OMP_DISPLAY_ENV=true\nnot a variable")
+    page.click("button:text('Save profile')")
+    assert page.locator("#form-errors li").count() == 3
+    assert page.locator(".field.invalid").count() == 3
+    save_screenshot(page, "profile-edit", for_docs=True)
+
+    page.fill("#id_tensor_parallel_size", "1")
+    page.fill("#id_gpu_memory_utilization", "0.85")
+    page.fill("#id_cpu_env", "OMP_DISPLAY_ENV=true")
+    page.click("button:text('Save profile')")
+    page.wait_for_selector(f"text=profile {profile.name} saved")
+    assert page.locator("#setting-gpu_memory_utilization").inner_text() == "0.85"
+    assert page.locator("#setting-cpu_env").inner_text() == "OMP_DISPLAY_ENV=true"
 
 
 def test_create_a_deployment_and_watch_it_become_running(

@@ -47,13 +47,18 @@ def advisor_context(request: HttpRequest) -> dict[str, Any]:
     }
 
 
+def form_context(form: BenchmarkRunForm) -> dict[str, Any]:
+    """The start form and how long the run it describes would take."""
+    fields = form.estimate_fields()
+    return {"form": form, "estimate": reads.run_estimate(**fields) if fields else None}
+
+
 @login_required
 def benchmark_list(request: HttpRequest) -> HttpResponse:
     runs = BenchmarkRun.objects.select_related("scenario", "deployment")[:50]
-    form = BenchmarkRunForm(initial={"scenario": "short"})
     context = {
         "runs": runs,
-        "form": form,
+        **form_context(BenchmarkRunForm(initial={"scenario": "short"})),
         "advisor": advisor_context(request),
         "schedules": reads.benchmark_schedules(),
     }
@@ -62,17 +67,21 @@ def benchmark_list(request: HttpRequest) -> HttpResponse:
 
 @require_perm("benchmarks.add_benchmarkrun")
 def benchmark_create(request: HttpRequest) -> HttpResponse:
-    form = BenchmarkRunForm(request.POST or None)
+    form = BenchmarkRunForm(request.POST or None, initial={"scenario": "short"})
+    if form.is_bound:
+        # The target and the run's own rules are judged with the form, all in one round.
+        unread = set(form.errors)  # the form converts its fields first
+        form.add_model_errors(services.run_errors(exclude=unread, **form.run_fields()))
     if request.method == "POST" and form.is_valid():
         try:
             run = services.create_run(acting_user=request.user, **form.run_fields())
         except ValidationError as exc:
-            form.add_model_errors(exc)
+            form.add_model_errors(exc.message_dict)
         else:
             messages.success(request, f"benchmark run {run.pk} started")
             return redirect("dashboard:benchmark", pk=run.pk)
     status = 400 if request.method == "POST" else 200
-    return render(request, "dashboard/benchmark_form.html", {"form": form}, status=status)
+    return render(request, "dashboard/benchmark_form.html", form_context(form), status=status)
 
 
 def sweep_context(run: BenchmarkRun) -> dict[str, Any]:

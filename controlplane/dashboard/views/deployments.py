@@ -34,6 +34,12 @@ def deployment_list(request: HttpRequest) -> HttpResponse:
 @require_perm("deployments.add_deployment")
 def deployment_create(request: HttpRequest) -> HttpResponse:
     form = DeploymentCreateForm(request.POST or None)
+    data = form.cleaned_data if form.is_bound and not form.is_valid() else {}
+    if data.get("profile") and "node" in data and (data["node"] or "node_selector" in data):
+        # The form refused a field: placement is judged too, so one round shows every problem.
+        node, labels = data["node"], data.get("node_selector") or {}
+        for problem in reads.placement_problems(data["profile"], node, labels):
+            form.add_service_error(problem.field, problem.message)
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
         try:

@@ -21,11 +21,16 @@ def node_detail(request: HttpRequest, name: str) -> HttpResponse:
     node = get_object_or_404(Node.objects.select_related("cpu"), name=name)
     heartbeats = list(node.heartbeats.all()[:HEARTBEAT_HISTORY])
     oldest_first = list(reversed(heartbeats))
+    topology = services.node_topology(node)
+    accelerators = list(node.accelerators.all())
+    total = getattr(getattr(node, "cpu", None), "memory_total_bytes", 0) or 0
     context = {
         "node": node,
         "alive": node.is_alive(),
-        "topology": services.node_topology(node),
-        "accelerators": list(node.accelerators.all()),
+        "topology": topology,
+        "memory_unaccounted_gb": topology.memory_unaccounted_gb(total),
+        "accelerators": accelerators,
+        "simulated_cards": any(acc.simulated for acc in accelerators),
         "deployments": list(node.deployments.select_related("profile")),
         "heartbeats": heartbeats[:15],
         "heartbeat_count": len(heartbeats),

@@ -10,6 +10,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from common.policy_schema import PolicyError
+from controlplane.dashboard import services as reads
 from controlplane.dashboard.forms import PolicyForm
 from controlplane.dashboard.views.common import require_perm
 from controlplane.policy import services
@@ -38,7 +39,13 @@ def _page(
 ) -> HttpResponse:
     revisions = list(policy.revisions.select_related("created_by")[:30])
     diffs = {rev.pk: ordered_diff(rev.changed) for rev in revisions}
-    context = {"policy": policy, "form": form, "revisions": revisions, "diffs": diffs}
+    context = {
+        "policy": policy,
+        "form": form,
+        "revisions": revisions,
+        "diffs": diffs,
+        "rollout": reads.policy_rollout(policy),
+    }
     return render(request, "dashboard/policy_detail.html", context, status=status)
 
 
@@ -50,6 +57,11 @@ def policy_detail(request: HttpRequest, name: str) -> HttpResponse:
     if not request.user.has_perm("policy.change_schedulingpolicy"):
         raise PermissionDenied("needs policy.change_schedulingpolicy")
     form = PolicyForm(request.POST)
+    # The reason and every knob that converted are judged together, so one round shows all.
+    form.full_clean()
+    reason = form.cleaned_data.get("reason")
+    for error in services.change_errors(policy, changes=form.knob_values(), reason=reason):
+        form.add_problem(error.field, error.message)
     if form.is_valid():
         try:
             revision = services.update_policy(
@@ -59,7 +71,7 @@ def policy_detail(request: HttpRequest, name: str) -> HttpResponse:
                 reason=form.cleaned_data["reason"],
             )
         except PolicyError as exc:
-            form.add_error(exc.field if exc.field in form.fields else None, exc.message)
+            form.add_problem(exc.field, exc.message)
         else:
             messages.success(request, f"policy {policy.name} saved as v{revision.version}")
             return redirect("dashboard:policy", name=policy.name)

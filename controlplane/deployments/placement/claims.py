@@ -41,8 +41,12 @@ def constraints_for(deployment: Deployment) -> Constraints:
     )
 
 
-def node_views(deployment: Deployment, nodes: list[Node] | None = None) -> list[NodeView]:
-    """Each node as the scheduler sees it, leaving out what ``deployment`` itself holds."""
+def node_views(
+    deployment: Deployment, nodes: list[Node] | None = None, *, free_of_profile: bool = False
+) -> list[NodeView]:
+    """Each node as the scheduler sees it, leaving out what ``deployment`` itself holds, and
+    with ``free_of_profile`` what every deployment of its profile holds (a profile's own fit:
+    could a deployment of it run here, were its own deployments not there)."""
     if nodes is None:
         nodes = list(
             Node.objects.select_related("cpu").prefetch_related("accelerators", "numa_nodes")
@@ -52,6 +56,9 @@ def node_views(deployment: Deployment, nodes: list[Node] | None = None) -> list[
     if deployment.pk is not None:  # a draft being created holds nothing yet
         others_qs = others_qs.exclude(pk=deployment.pk)
         claims = claims.exclude(deployment=deployment)
+    if free_of_profile:
+        others_qs = others_qs.exclude(profile=deployment.profile)
+        claims = claims.exclude(deployment__profile=deployment.profile)
     others = list(others_qs.select_related("profile"))
     claimed = set(claims.values_list("accelerator_id", flat=True))
     ports: dict[int, set[int]] = defaultdict(set)

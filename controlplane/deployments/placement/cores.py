@@ -33,12 +33,20 @@ def node_topology(node: Node, exclude: set[int] | None = None) -> Topology:
     )
 
 
-def held_cpus(node: Node, *, excluding: Deployment | None = None) -> dict[int, str]:
-    """CPU -> the name of the active deployment on the node whose CPU engine holds it."""
+def held_cpus(
+    node: Node,
+    *,
+    excluding: Deployment | None = None,
+    excluding_profile: DeploymentProfile | None = None,
+) -> dict[int, str]:
+    """CPU -> the name of the active deployment on the node whose CPU engine holds it, leaving
+    out ``excluding`` and every deployment of ``excluding_profile``."""
     held: dict[int, str] = {}
     others = Deployment.objects.filter(node=node, state__in=ACTIVE)
     if excluding is not None and excluding.pk is not None:
         others = others.exclude(pk=excluding.pk)
+    if excluding_profile is not None and excluding_profile.pk is not None:
+        others = others.exclude(profile=excluding_profile)
     for other in others:
         for cpu in parse_cpu_list(str((other.affinity_plan or {}).get("cpuset", ""))):
             held[cpu] = other.name
@@ -54,8 +62,14 @@ def plan_for(
     numa_nodes: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """The CPU engine's cpuset, OMP_NUM_THREADS and CUSTOM_CPU_AFFINITY, as stored on the
-    deployment. Raises PlacementError naming the field when it cannot be placed."""
-    held = held_cpus(node, excluding=deployment)
+    deployment. Raises PlacementError naming the field when it cannot be placed.
+
+    Without a ``deployment`` the question is the profile's own (its page, ``syshax profile
+    render``): what a deployment of it would get here, so the cores its own active deployments
+    hold count as free. A deployment being created passes its draft, and then they count."""
+    held = held_cpus(
+        node, excluding=deployment, excluding_profile=profile if deployment is None else None
+    )
     explicit = profile.cpu_affinity_mode == AffinityMode.EXPLICIT
     if explicit:
         clash = sorted(set(parse_cpu_list(profile.cpu_affinity)) & set(held))
