@@ -40,6 +40,10 @@ KV_ARENA_SHM_RESERVE_MIB = 512
 port_validators = [MinValueValidator(1), MaxValueValidator(65535)]
 
 
+# Names the dashboard's profile pages use for themselves (/profiles/new/).
+RESERVED_PROFILE_NAMES = frozenset({"new"})
+
+
 class DeploymentProfile(TimeStampedModel):
     """Every knob of a GPU + CPU engine pair, independent of the node it lands on."""
 
@@ -199,6 +203,8 @@ class DeploymentProfile(TimeStampedModel):
 
     def clean(self) -> None:
         errors: dict[str, str] = {}
+        if self.name in RESERVED_PROFILE_NAMES:
+            errors["name"] = f"{self.name!r} is reserved (the dashboard's /profiles/{self.name}/)"
         if not 0 < self.gpu_memory_utilization <= 1:
             errors["gpu_memory_utilization"] = (
                 f"must be in (0, 1]; got {self.gpu_memory_utilization:g}"

@@ -43,6 +43,16 @@ class ProfileViewSet(ScopedModelViewSet):
     filterset_fields = ["engine", "quantization", "pd_protocol"]
     search_fields = ["name", "model", "served_model_name"]
 
+    def perform_create(self, serializer: BaseSerializer[DeploymentProfile]) -> None:
+        serializer.instance = services.save_profile(
+            None, dict(serializer.validated_data), acting_user=self.request.user
+        )
+
+    def perform_update(self, serializer: BaseSerializer[DeploymentProfile]) -> None:
+        serializer.instance = services.save_profile(
+            serializer.instance, dict(serializer.validated_data), acting_user=self.request.user
+        )
+
     def perform_destroy(self, instance: DeploymentProfile) -> None:
         services.delete_profile(instance, acting_user=self.request.user)
 
