@@ -12,8 +12,8 @@ starts; every other test is in the fast tier, the one `make check` runs in paral
 - ``slow``: starts nothing but runs for more than about ten seconds.
 
 A module says so with ``pytestmark``, or a fixture that starts processes marks the tests that use
-it (``FIXTURE_MARKS``); modules this file marks by path are in ``MODULE_MARKS``. The guard below
-fails a test that starts a child process without one of the first five markers.
+it (``FIXTURE_MARKS``); whole directories of one tier are marked by path (``MODULE_MARKS``).
+The guard below fails a test that starts a child process without one of the first five markers.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # Markers of tests that start something; the fast tier is every test with none of these.
 STARTS = ("process", "engine", "container", "netns", "browser")
-FAST = "not (process or engine or container or netns or browser or slow)"
 
 # Fixtures that start processes, by the directory whose tests see them: a test using one gets
 # the marker.
@@ -64,21 +63,6 @@ MODULE_MARKS = {
     "tests/chaos/": "process",
     "tests/system/": "process",
     "tests/broker/": "process",
-    "tests/testbed/test_stall_probe.py": "process",
-    "tests/router/test_router_managed.py": "process",
-    "tests/router/test_router_workers.py": "process",
-    # Hypothesis and schemathesis: a minute of CPU in one test.
-    "tests/controlplane/test_api_fuzz.py": "slow",
-}
-# Single tests marked from here, in modules this file marks for (by node id from tests/).
-TEST_MARKS = {
-    f"tests/router/{name}": "process"
-    for name in (
-        "test_router_failures.py::test_everything_down_is_503_and_health_says_so",
-        "test_router_access.py::test_a_request_moved_to_another_replica_carries_no_router_field",
-        "test_router_access.py::test_a_forced_mode_is_refused_past_the_temperature_and_memory_guards",
-        "test_router_replicas.py::test_when_every_replica_fails_the_client_gets_one_openai_error",
-    )
 }
 
 
@@ -100,8 +84,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for prefix, marks in FIXTURE_MARKS.items():
             if relpath.startswith(prefix):
                 wanted.update(mark for name, mark in marks.items() if name in fixtures)
-        if mark := TEST_MARKS.get(f"{relpath}::{item.name.split('[')[0]}"):
-            wanted.add(mark)
         for name in sorted(wanted):
             if item.get_closest_marker(name) is None:
                 item.add_marker(name)

@@ -36,6 +36,8 @@ from controlplane.routers.models import RouterInstance
 from controlplane.wsgi import application
 from testbed.factories import build_deployment, build_node, build_profile
 
+pytestmark = pytest.mark.slow  # hypothesis and schemathesis: a minute of CPU in one test
+
 FUZZ_EXAMPLES = int(os.environ.get("SYSHAX_FUZZ_EXAMPLES", "15"))
 schema = schemathesis.openapi.from_dict(SchemaGenerator().get_schema(request=None, public=True))
 schema.app = application

@@ -143,6 +143,7 @@ def test_empty_router_fields_are_stripped_before_any_engine_sees_them(
     assert any(r.path == "/tokenize" for r in gpu_seen)
 
 
+@pytest.mark.process
 def test_a_request_moved_to_another_replica_carries_no_router_field(
     workdir: Path, stubs: tuple[RecordingEngine, RecordingEngine]
 ) -> None:
@@ -312,6 +313,7 @@ def held_stream(router: Proc, body: dict[str, Any], mode: str) -> Iterator[Itera
         yield rest
 
 
+@pytest.mark.process
 def test_a_forced_mode_is_refused_past_the_temperature_and_memory_guards(
     workdir: Path, stubs: tuple[RecordingEngine, RecordingEngine]
 ) -> None:

@@ -176,6 +176,7 @@ def test_gpu_down_in_gpu_only_mode_is_503_with_retry_after(
     assert info.value.body["code"] == "backend_unavailable"  # type: ignore[index]
 
 
+@pytest.mark.process
 def test_everything_down_is_503_and_health_says_so(router_factory: Callable[..., Proc]) -> None:
     router = router_factory(dead_url(), dead_url())
     wait_for(lambda: router.get("/health").status_code == 503)

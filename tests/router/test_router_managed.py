@@ -11,10 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from router_procs import MODEL, ROOT, Proc, metric, wait_for
 from test_router_paths import stream_chat
 
 from tests.support.controlplane import free_port, running, syshax, wait_until
+
+pytestmark = pytest.mark.process  # routers and stand-in engines as processes
 
 
 def start_managed(
@@ -139,6 +142,7 @@ print("ok")
 ROUTER_ROW = """
 import json
 from controlplane.routers.models import RouterInstance
+
 row = RouterInstance.objects.filter(name="router-a").first()
 print(json.dumps(row and {"stats": row.stats, "policy_version": row.policy_version,
                           "listen_url": row.listen_url}))

@@ -93,6 +93,7 @@ def test_requests_fail_over_to_a_healthy_replica(
         assert broken.posts == failovers
 
 
+@pytest.mark.process
 def test_when_every_replica_fails_the_client_gets_one_openai_error(
     workdir: Path, standins: list[Any]
 ) -> None:

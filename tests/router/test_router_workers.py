@@ -9,10 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 from router_procs import MODEL, ROOT, SYSHAX, Proc, wait_for
 from test_router_paths import assert_one_continuous_stream, stream_chat
 
 from router.workers import worker_argv
+
+pytestmark = pytest.mark.process  # routers with --workers
 
 
 def test_worker_argv_replaces_the_supervisor_flags() -> None:

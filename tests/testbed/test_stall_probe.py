@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from testbed import stall_probe
+
+pytestmark = pytest.mark.process  # the probe as a child process
 
 PROBE = [sys.executable, "-m", "testbed.stall_probe"]
 
