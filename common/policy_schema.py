@@ -30,6 +30,93 @@ class Knob:
     meaning: str = ""
 
 
+# The SLO classes a request may ask for (docs/tenants.md). Each is a group of policy knobs
+# named ``<class>_<field>``, so a class's targets are versioned, diffed and rolled back with
+# the rest of the policy. The set is fixed: OpenAI's ``service_tier`` names three (priority,
+# default, flex) and these are their classes (docs/decisions/0049-slo-classes-as-knobs.md).
+SLO_CLASSES = ("interactive", "standard", "batch")
+
+
+@dataclass(frozen=True)
+class SloClass:
+    """A request class: its latency targets, its priority (lower is served first, as vLLM's
+    ``priority`` field), whether the router may shed it when its queues fill, and whether
+    its decode goes to the CPU first whenever the CPU meets its TPOT target."""
+
+    name: str
+    ttft_ms: float
+    tpot_ms: float
+    priority: int
+    sheddable: bool
+    cpu_first: bool
+
+
+DEFAULT_SLO_CLASSES = (
+    SloClass(
+        "interactive", ttft_ms=1000.0, tpot_ms=50.0, priority=0, sheddable=False, cpu_first=False
+    ),
+    SloClass(
+        "standard", ttft_ms=3000.0, tpot_ms=100.0, priority=1, sheddable=False, cpu_first=False
+    ),
+    SloClass("batch", ttft_ms=60000.0, tpot_ms=300.0, priority=2, sheddable=True, cpu_first=True),
+)
+
+
+def class_knobs(slo: SloClass) -> tuple[Knob, ...]:
+    c = slo.name
+    # The standard class's TPOT target is ``cpu_decode_slo_ms``: a request without a class
+    # of its own is judged as before classes existed, by one knob.
+    tpot = (
+        ()
+        if c == "standard"
+        else (
+            Knob(
+                f"{c}_tpot_ms",
+                float,
+                slo.tpot_ms,
+                1.0,
+                60000.0,
+                meaning=f"SLO class {c}: time-per-output-token target (ms); with class_aware "
+                "the CPU takes this class's decode only while its token latency meets it",
+            ),
+        )
+    )
+    return (
+        Knob(
+            f"{c}_ttft_ms",
+            float,
+            slo.ttft_ms,
+            1.0,
+            3600000.0,
+            meaning=f"SLO class {c}: time-to-first-token target (ms)",
+        ),
+        *tpot,
+        Knob(
+            f"{c}_priority",
+            int,
+            slo.priority,
+            0,
+            1000,
+            meaning=f"SLO class {c}: priority (lower first) in the router's queues and "
+            "vLLM's priority scheduling",
+        ),
+        Knob(
+            f"{c}_sheddable",
+            bool,
+            slo.sheddable,
+            meaning=f"SLO class {c}: the router may turn these requests away (429) first "
+            "when its queues fill",
+        ),
+        Knob(
+            f"{c}_cpu_first",
+            bool,
+            slo.cpu_first,
+            meaning=f"SLO class {c}: with class_aware, decode on the CPU whenever it meets "
+            "this class's TPOT target, keeping the GPU for the other classes",
+        ),
+    )
+
+
 # Defaults follow sysHAX's example configuration where it has one (MISSION.md).
 KNOBS: tuple[Knob, ...] = (
     Knob(
@@ -166,6 +253,15 @@ KNOBS: tuple[Knob, ...] = (
         60.0,
         meaning="how often the router scrapes each engine's /metrics (sysHAX: 5 s)",
     ),
+    Knob(
+        "class_aware",
+        bool,
+        True,
+        meaning="capacity decider: judge the CPU against each request's SLO class (its TPOT "
+        "target, and whether the class decodes on the CPU first); off: every request is judged "
+        "against cpu_decode_slo_ms alike",
+    ),
+    *(knob for slo in DEFAULT_SLO_CLASSES for knob in class_knobs(slo)),
 )
 KNOBS_BY_NAME = {knob.name: knob for knob in KNOBS}
 
@@ -189,9 +285,42 @@ class PolicyKnobs:
     max_queue_size: int = 200
     request_timeout_seconds: float = 600.0
     metrics_interval_seconds: float = 1.0
+    class_aware: bool = True
+    interactive_ttft_ms: float = 1000.0
+    interactive_tpot_ms: float = 50.0
+    interactive_priority: int = 0
+    interactive_sheddable: bool = False
+    interactive_cpu_first: bool = False
+    standard_ttft_ms: float = 3000.0
+    standard_priority: int = 1
+    standard_sheddable: bool = False
+    standard_cpu_first: bool = False
+    batch_ttft_ms: float = 60000.0
+    batch_tpot_ms: float = 300.0
+    batch_priority: int = 2
+    batch_sheddable: bool = True
+    batch_cpu_first: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def slo_class(self, name: str) -> SloClass:
+        """The SLO class ``name`` (one of ``SLO_CLASSES``) with this policy's targets."""
+        if name not in SLO_CLASSES:
+            raise KeyError(name)
+        return SloClass(
+            name,
+            ttft_ms=getattr(self, f"{name}_ttft_ms"),
+            tpot_ms=self.cpu_decode_slo_ms
+            if name == "standard"
+            else getattr(self, f"{name}_tpot_ms"),
+            priority=getattr(self, f"{name}_priority"),
+            sheddable=getattr(self, f"{name}_sheddable"),
+            cpu_first=getattr(self, f"{name}_cpu_first"),
+        )
+
+    def slo_classes(self) -> dict[str, SloClass]:
+        return {name: self.slo_class(name) for name in SLO_CLASSES}
 
 
 def coerce_value(name: str, raw: Any) -> Any:

@@ -7,6 +7,7 @@ that is wrong. Both sides use these definitions, so a field added here reaches b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,9 @@ class DeploymentSpec:
     host_memory_percent: float | None = None
     generation: int = 0
     state: str = "running"
+    # Every engine of the deployment runs vLLM's --scheduling-policy priority: the router
+    # sends each request's SLO class priority (vLLM refuses a non-zero one otherwise).
+    priority_scheduling: bool = False
 
     @classmethod
     def from_api(cls, data: dict[str, Any]) -> DeploymentSpec:
@@ -76,6 +80,9 @@ class DeploymentSpec:
                 raise ValueError(f"deployment telemetry {key!r} must be a number")
             return float(value)
 
+        priority_scheduling = data.get("priority_scheduling", False)
+        if not isinstance(priority_scheduling, bool):
+            raise ValueError("deployment field 'priority_scheduling' must be a boolean")
         return cls(
             id=ident,
             name=text("name") or "",
@@ -89,6 +96,7 @@ class DeploymentSpec:
             host_memory_percent=reading("host_memory_percent"),
             generation=generation,
             state=text("state", required=False) or "running",
+            priority_scheduling=priority_scheduling,
         )
 
     def as_api(self) -> dict[str, Any]:
@@ -103,11 +111,25 @@ class DeploymentSpec:
             "gpu_url": self.gpu_url,
             "cpu_url": self.cpu_url,
             "cpu_max_num_seqs": self.cpu_max_num_seqs,
+            "priority_scheduling": self.priority_scheduling,
             "telemetry": {
                 "gpu_temperature_c": self.gpu_temperature_c,
                 "host_memory_percent": self.host_memory_percent,
             },
         }
+
+
+def schedules_by_priority(args: Sequence[str]) -> bool:
+    """Whether an engine's command line (``--scheduling-policy priority`` or
+    ``--scheduling-policy=priority``, the last one given wins) makes it schedule by the
+    requests' ``priority`` field."""
+    policy = None
+    for i, arg in enumerate(args):
+        if arg == "--scheduling-policy" and i + 1 < len(args):
+            policy = args[i + 1]
+        elif arg.startswith("--scheduling-policy="):
+            policy = arg.partition("=")[2]
+    return policy == "priority"
 
 
 def parse_deployments(data: Any) -> list[DeploymentSpec]:

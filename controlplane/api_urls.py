@@ -27,6 +27,7 @@ from controlplane.routers.api.views import (
     RouterStatsView,
     RoutingDeploymentsView,
 )
+from controlplane.tenants.api.views import RouterUsageView, RoutingTenantsView, TenantViewSet
 
 router = DefaultRouter()
 router.trailing_slash = "/?"  # machines and people may write either form
@@ -41,6 +42,7 @@ router.register("policies", PolicyViewSet)
 router.register("routers", RouterInstanceViewSet)
 router.register("scenarios", ScenarioViewSet)
 router.register("benchmark-runs", BenchmarkRunViewSet)
+router.register("tenants", TenantViewSet)
 
 urlpatterns = [
     path("health", health, name="api-health"),
@@ -50,8 +52,10 @@ urlpatterns = [
     path("commands/<uuid:dispatch_id>/result", CommandResultView.as_view(), name="command-result"),
     path("routers/register", RouterRegisterView.as_view(), name="router-register"),
     path("routers/<int:pk>/stats", RouterStatsView.as_view(), name="router-stats"),
+    path("routers/<int:pk>/usage", RouterUsageView.as_view(), name="router-usage"),
     path("routing/policies/<slug:name>", RoutingPolicyView.as_view(), name="routing-policy"),
     path("routing/deployments", RoutingDeploymentsView.as_view(), name="routing-deployments"),
+    path("routing/tenants", RoutingTenantsView.as_view(), name="routing-tenants"),
     path("advisor", AdvisorView.as_view(), name="advisor"),
     path("metrics", MetricsView.as_view(), name="metrics"),
     path("schema/", SpectacularAPIView.as_view(), name="api-schema"),

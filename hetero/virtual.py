@@ -20,22 +20,43 @@ What the live path does, modelled the same way here:
   ``token_limit`` tokens; then ``decide_next_chunk`` keeps the sequence on the CPU (its KV
   stays there) or moves it back to the GPU, which recomputes the context (no KV goes back).
 - cpu-only: the CPU engine prefills and decodes.
-- rejected: the request fails (a 429 or 503 to the client).
+- rejected: a 503 fails the request; a 429 (saturated) fails a request without a class, and
+  sends a request with one to the router's flow control (below).
+
+Flow control is the router's own (``router.flow.FlowControl``, driven by the virtual clock):
+a request of an SLO class that the decider answers with a 429 waits in its class's queue, as
+does an arrival of a class while requests of its priority or a higher one wait (no
+overtaking); the queues are planned again, in priority order and first come first served
+within a class, until the first request that still cannot be routed, whenever a sequence
+ends on an engine and every ``router.flow.TICK_SECONDS`` while anything waits (the router
+plans again when a request ends and on the same tick). A request that waits past its limit
+(a sheddable class: its TTFT target; the others: ``request_timeout_seconds``) is shed and
+fails, and the queues hold at most ``max_queue_size`` requests together, a sheddable one
+shed to make room for an arrival that may not be. One tenant: fairness between tenants is
+not modelled. A request without a class is the benchmark's (``syshax benchmark`` forces its
+mode with ``X-Syshax-Mode``), which never waits in the live router either: its 429 fails it.
+
+A request may carry an SLO class (``common.policy_schema.SLO_CLASSES``): the deciders then
+judge it by that class (``knobs.slo_class``), as the router does, and an engine configured
+with ``scheduling_policy="priority"`` schedules it at the class's priority, as the router's
+engine request carries it to vLLM.
 
 Not modelled: network and HTTP time, and the router's own CPU cost
-(``scripts/bench/router_overhead.py`` measures those), and clients that give up.
+(``scripts/bench/router_overhead.py`` measures those), clients that give up, and tenants.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from common.policy_schema import PolicyKnobs
+from common.policy_schema import PolicyKnobs, SloClass
 from loadgen.workload import arrival_offsets
 from router.decide import Decision, Loads, Route, decide, decide_next_chunk
 from router.engines.load import UNAVAILABLE, DeviceLoad, EngineSample, LoadTracker
+from router.flow import TICK_SECONDS, FlowControl, Outcome, Waiter, must_wait
 from sim.engine import EngineConfig, build_scheduler, plan_capacity
 from sim.perfmodel import effective_hardware, kv_copy_time
 from sim.scheduler import BatchScheduler, FinishReason, Sequence, Step
@@ -43,6 +64,9 @@ from sim.stats import ITL_BUCKETS, Histogram
 from sim.tokens import TokenModel
 
 INF = math.inf
+# The virtual router serves one deployment, for one tenant.
+DEPLOYMENT = 0
+TENANT = "virtual"
 
 
 @dataclass
@@ -57,6 +81,10 @@ class Request:
     error: str | None = None
     route: str = ""
     cpu_tokens: int = 0  # tokens the CPU engine decoded
+    slo_class: str | None = None  # an SLO class name; None: judged without a class
+    queued_s: float = 0.0  # how long it waited in the router's flow control
+    # Tokens it received within the deployment's measuring window (``VirtualDeployment.window``).
+    window_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -162,10 +190,17 @@ class VirtualDeployment:
         gpu: EngineConfig | None,
         cpu: EngineConfig | None,
         knobs: PolicyKnobs,
+        *,
+        window: tuple[float, float] | None = None,
     ) -> None:
         if gpu is None and cpu is None:
             raise ValueError("a deployment needs at least one engine")
         self.knobs = knobs
+        # Each request counts the tokens it receives from ``window[0]`` to before ``window[1]``.
+        self.window = window
+        self.now = 0.0
+        self.flow = FlowControl(clock=lambda: self.now)
+        self.next_tick = INF
         self.gpu = VirtualEngine(gpu, "gpu") if gpu is not None else None
         self.cpu = VirtualEngine(cpu, "cpu") if cpu is not None else None
         self.decisions: Counter[str] = Counter()
@@ -184,10 +219,23 @@ class VirtualDeployment:
             cpu_max_num_seqs=self.cpu.config.max_num_seqs if self.cpu else None,
         )
 
-    def _count(self, decision: Decision) -> None:
+    def _count(self, decision: Decision, slo: SloClass | None = None) -> None:
         self.decisions[decision.route.value] += 1
         if decision.code:
             self.decisions[f"{decision.route.value}:{decision.code}"] += 1
+        if slo is not None:
+            self.decisions[f"{slo.name}:{decision.route.value}:{decision.code}"] += 1
+
+    def _slo(self, req: Request) -> SloClass | None:
+        return self.knobs.slo_class(req.slo_class) if req.slo_class else None
+
+    def _priority(self, engine: VirtualEngine, req: Request) -> int:
+        """The engine request's ``priority``: the class's, where the engine schedules by
+        priority (elsewhere vLLM refuses a non-zero one)."""
+        slo = self._slo(req)
+        if slo is None or engine.config.scheduling_policy != "priority":
+            return 0
+        return slo.priority
 
     def _submit(
         self,
@@ -218,6 +266,7 @@ class VirtualDeployment:
             load_seconds=load_seconds,
             export_stall_seconds=export_stall_seconds,
             arrival=now,
+            priority=self._priority(engine, req),
             sink=leg,
         )
         engine.sched.add(seq)
@@ -225,8 +274,55 @@ class VirtualDeployment:
             engine.inflight += 1
 
     def arrive(self, req: Request, now: float) -> None:
-        decision = decide(self.knobs, self._loads())
-        self._count(decision)
+        """Route a new request, or queue it as the router's flow control does
+        (``router.request._route``)."""
+        slo = self._slo(req)
+        decision = decide(self.knobs, self._loads(), slo)
+        if slo is None or self.knobs.max_queue_size <= 0:
+            self._route(req, decision, slo, now)
+            return
+        flow = self.flow
+        queued_ahead = flow.ahead(DEPLOYMENT, slo)
+        if not (must_wait(decision) or queued_ahead):
+            flow.served(DEPLOYMENT, slo.name, TENANT)
+            self._route(req, decision, slo, now)
+            return
+        if decision.route is Route.REJECTED and not must_wait(decision):
+            self._route(req, decision, slo, now)  # no engine can serve it: a 503
+            return
+        knobs = self.knobs
+        waiter = flow.enqueue(
+            DEPLOYMENT,
+            slo,
+            TENANT,
+            lambda: decide(self.knobs, self._loads(), slo),
+            bound=knobs.max_queue_size,
+            max_wait=max_wait_seconds(slo, knobs),
+        )
+        self.decisions[f"{slo.name}:queued"] += 1
+        if not waiter.waiting:  # shed at once: the queues were full
+            self._left(req, waiter, slo)
+            return
+        waiter.wake = lambda: self._left(req, waiter, slo)
+        if self.next_tick == INF:
+            self.next_tick = now + TICK_SECONDS
+        if queued_ahead:
+            flow.pump(DEPLOYMENT)
+
+    def _left(self, req: Request, waiter: Waiter, slo: SloClass) -> None:
+        """``req`` left the queues: routed on the decision it was planned with, or shed."""
+        req.queued_s = self.now - waiter.arrived
+        if waiter.outcome is Outcome.ROUTED:
+            assert waiter.decision is not None
+            self._route(req, waiter.decision, slo, self.now)
+            return
+        reason = waiter.reason or (waiter.outcome.value if waiter.outcome else "")
+        shed = Decision(Route.REJECTED, reason=reason, status=429, code=reason)
+        self._route(req, shed, slo, self.now)
+
+    def _route(self, req: Request, decision: Decision, slo: SloClass | None, now: float) -> None:
+        """Act on ``req``'s final decision (counted here, as the router counts it)."""
+        self._count(decision, slo)
         req.route = decision.route.value
         if decision.route is Route.GPU_ONLY and self.gpu is not None:
             self._submit(self.gpu, Leg(req, "whole"), now)
@@ -248,6 +344,12 @@ class VirtualDeployment:
             )
         else:
             req.error = f"{decision.status or 503}: {decision.reason}"
+
+    def _tick(self, now: float) -> None:
+        """The router's tick while requests wait: waits that ran out are shed, then the
+        queues are planned again."""
+        self.flow.tick()
+        self.next_tick = now + TICK_SECONDS if self.flow.queued else INF
 
     def _to_cpu(
         self, req: Request, now: float, export_bw: float | None, chunk: int, *, reserved: bool
@@ -288,8 +390,11 @@ class VirtualDeployment:
             return
         # A CPU chunk ended: decide where the rest goes.
         assert self.cpu is not None
-        nxt = decide_next_chunk(self.knobs, self._loads())
+        slo = self._slo(req)
+        nxt = decide_next_chunk(self.knobs, self._loads(), slo)
         self.decisions[f"next:{nxt.route.value}:{nxt.code}"] += 1
+        if slo is not None:
+            self.decisions[f"{slo.name}:next:{nxt.route.value}:{nxt.code}"] += 1
         if nxt.route is Route.PD:
             self._to_cpu(req, now, None, nxt.token_limit, reserved=False)
         else:
@@ -310,6 +415,12 @@ class VirtualDeployment:
     ) -> RunStats:
         offsets = arrival_offsets(requests, rate, burstiness, seed)
         reqs = [Request(i, prompt_tokens, output_tokens, at) for i, at in enumerate(offsets)]
+        return self.run_requests(reqs)
+
+    def run_requests(self, reqs: list[Request]) -> RunStats:
+        """Serve ``reqs`` (in arrival order, each of its own shape and class) to the end."""
+        if any(b.arrival < a.arrival for a, b in itertools.pairwise(reqs)):
+            raise ValueError("requests must be in arrival order")
         engines = [e for e in (self.gpu, self.cpu) if e is not None]
         interval = self.knobs.metrics_interval_seconds
         next_scrape = 0.0
@@ -319,10 +430,12 @@ class VirtualDeployment:
             engine.scrape(now)
         while True:
             busy = any(e.sched.has_work() or e.step is not None for e in engines)
+            busy = busy or self.flow.queued > 0
             next_arrival = reqs[i].arrival if i < len(reqs) else INF
             if not busy and next_arrival == INF:
                 break
-            now = min(next_arrival, next_scrape, *(e.next_event() for e in engines))
+            now = min(next_arrival, next_scrape, self.next_tick, *(e.next_event() for e in engines))
+            self.now = now
             for engine in engines:
                 if engine.step is not None and engine.step_end <= now:
                     self._complete(engine, now)
@@ -332,6 +445,8 @@ class VirtualDeployment:
                 for engine in engines:
                     engine.scrape(now)
                 next_scrape = now + interval
+            if self.next_tick <= now:
+                self._tick(now)
             while i < len(reqs) and reqs[i].arrival <= now:
                 self.arrive(reqs[i], now)
                 i += 1
@@ -360,6 +475,8 @@ class VirtualDeployment:
             if len(times) > 1:
                 engine.itl_histogram.observe(at - times[-2])
             req.tokens += 1
+            if self.window is not None and self.window[0] <= at < self.window[1]:
+                req.window_tokens += 1
             if engine.role == "cpu":
                 req.cpu_tokens += 1
             if req.first_token_at is None:
@@ -368,3 +485,13 @@ class VirtualDeployment:
         engine.generation_tokens += len(result.emitted)
         for seq in result.finished:
             self._finished(engine, seq, now)
+        if result.finished and self.flow.queued:
+            # A sequence ended: the engines may have room for those waiting.
+            self.flow.pump(DEPLOYMENT)
+
+
+def max_wait_seconds(slo: SloClass, knobs: PolicyKnobs) -> float:
+    """How long a request of class ``slo`` may wait in the router's queues, by the
+    router's rule (``router.request._max_wait``): a sheddable class its TTFT target, the
+    others the whole request deadline."""
+    return slo.ttft_ms / 1000.0 if slo.sheddable else knobs.request_timeout_seconds

@@ -97,6 +97,8 @@ class StreamClient:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if spec.service_tier is not None:
+            body["service_tier"] = spec.service_tier  # the router's SLO class
         if self.api == "chat":
             body["messages"] = [{"role": "user", "content": spec.prompt}]
         else:

@@ -63,6 +63,81 @@ SCENARIOS: dict[str, Scenario] = {
 
 MAX_CONCURRENCY = 4096
 
+# OpenAI's ``service_tier`` of each SLO class (docs/tenants.md): what a client sends to ask
+# the router for the class.
+SERVICE_TIERS = {"interactive": "priority", "standard": "default", "batch": "flex"}
+
+
+@dataclass(frozen=True)
+class ClassShare:
+    """One SLO class of a mixed workload: its request shape and its share of the requests."""
+
+    slo_class: str
+    scenario: Scenario
+    share: float
+
+    def __post_init__(self) -> None:
+        if self.slo_class not in SERVICE_TIERS:
+            known = ", ".join(SERVICE_TIERS)
+            raise ValueError(f"unknown SLO class {self.slo_class!r} (known: {known})")
+        if not 0 < self.share <= 1:
+            raise ValueError(f"share of {self.slo_class} must be in (0, 1], got {self.share:g}")
+
+    @property
+    def service_tier(self) -> str:
+        return SERVICE_TIERS[self.slo_class]
+
+
+@dataclass(frozen=True)
+class MixedScenario:
+    """Requests of several SLO classes, each of its own shape (docs/benchmarks.md, "Mixed
+    traffic"). The shares say how a closed or single-rate run draws each request's class;
+    the mixed-traffic benchmark instead offers each class at a rate of its own."""
+
+    name: str
+    classes: tuple[ClassShare, ...]
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        names = [c.slo_class for c in self.classes]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"mixed scenario {self.name!r} needs distinct classes, got {names}")
+        total = sum(c.share for c in self.classes)
+        if abs(total - 1.0) > 1e-9:
+            raise ValueError(
+                f"the shares of mixed scenario {self.name!r} add up to {total:g}, not 1"
+            )
+
+    def for_class(self, slo_class: str) -> Scenario:
+        for share in self.classes:
+            if share.slo_class == slo_class:
+                return share.scenario
+        raise KeyError(slo_class)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "classes": [
+                {"slo_class": c.slo_class, "share": c.share, "scenario": c.scenario.to_dict()}
+                for c in self.classes
+            ],
+        }
+
+
+# People chatting (MISSION.md's short scenario, as interactive) beside generation work that
+# can wait (its medium scenario, as batch: evaluations, summaries, synthetic data).
+MIXED_SCENARIOS: dict[str, MixedScenario] = {
+    "chat-and-batch": MixedScenario(
+        "chat-and-batch",
+        (
+            ClassShare("interactive", SCENARIOS["short"], 0.5),
+            ClassShare("batch", SCENARIOS["medium"], 0.5),
+        ),
+        "interactive chat (128 -> 256) beside batch generation (512 -> 1024)",
+    ),
+}
+
 
 def custom_scenario(input_tokens: int, output_tokens: int) -> Scenario:
     """A scenario of the operator's own shape; it has no concurrency range of its own."""

@@ -11,6 +11,8 @@ import math
 import random
 from dataclasses import dataclass
 
+from loadgen.scenarios import MixedScenario
+
 # Ordinary short words: most real tokenizers also map each to a single token.
 _VOCABULARY = (
     "the",
@@ -114,12 +116,14 @@ _VOCABULARY = (
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request to send: its prompt and exact lengths."""
+    """One request to send: its prompt and exact lengths, and (in a mixed workload) the
+    OpenAI ``service_tier`` that asks the router for its SLO class."""
 
     index: int
     prompt: str
     prompt_tokens: int
     max_tokens: int
+    service_tier: str | None = None
 
 
 def make_prompt(words: int, rng: random.Random) -> str:
@@ -147,6 +151,29 @@ def build_requests(
         )
         for offset in range(count)
     ]
+
+
+def build_mixed_requests(
+    count: int, mix: MixedScenario, seed: int, first_index: int = 0
+) -> list[RequestSpec]:
+    """``count`` requests whose classes are drawn by ``mix``'s shares, each of its class's
+    shape and carrying its class's ``service_tier``; the same seed gives the same requests."""
+    rng = random.Random(seed)
+    weights = [c.share for c in mix.classes]
+    specs = []
+    for offset in range(count):
+        share = rng.choices(mix.classes, weights)[0]
+        shape = share.scenario
+        specs.append(
+            RequestSpec(
+                first_index + offset,
+                make_prompt(shape.input_tokens, rng),
+                shape.input_tokens,
+                shape.output_tokens,
+                share.service_tier,
+            )
+        )
+    return specs
 
 
 def arrival_offsets(count: int, rate: float, burstiness: float, seed: int) -> list[float]:

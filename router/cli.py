@@ -22,13 +22,14 @@ from aiohttp import web
 from common.files import write_ready_file
 from common.policy_schema import KNOBS, PolicyError
 from common.routing import PD_PROTOCOLS, DeploymentSpec
+from common.tenants import TenantError
 from router.api.app import build_app
 from router.client.access import MODE_HEADER_OFF, MODE_HEADER_POLICIES
 from router.engines.backends import Timeouts
 from router.engines.scrape import scrape_forever
 from router.policy.managed import ControlPlaneClient
 from router.policy.source import PolicySource
-from router.policy.standalone import StandalonePolicy
+from router.policy.standalone import StandalonePolicy, load_tenants_file
 from router.state import Router, ServerConfig
 from router.workers import supervise
 
@@ -126,7 +127,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="vllm",
         help="vllm: upstream vLLM with the KV connector; syshax: sysHAX's patched V0 engines",
     )
+    alone.add_argument(
+        "--priority-scheduling",
+        action="store_true",
+        help="the engines run with --scheduling-policy priority: each request carries its SLO "
+        "class's priority (docs/slo-classes.md)",
+    )
     alone.add_argument("--policy", help="policy file (JSON or YAML); reloaded on change or SIGHUP")
+    alone.add_argument(
+        "--tenants-file",
+        help="tenants and their keys' SHA-256 (the control plane's routing/tenants document, "
+        "JSON or YAML); reloaded on change or SIGHUP. Managed routers pull theirs",
+    )
     knobs = parser.add_argument_group("policy knobs (override the policy file)")
     for knob in KNOBS:
         flag = "--" + knob.name.replace("_", "-")
@@ -201,6 +213,8 @@ async def _policy_source(router: Router, args: argparse.Namespace) -> PolicySour
             raise StartupError("--control-plane needs --token (or SYSHAX_ROUTER_TOKEN)")
         if _flag_knobs(args):
             log.warning("knob flags are ignored in managed mode; the control plane owns policy")
+        if args.tenants_file:
+            log.warning("--tenants-file is ignored in managed mode; the control plane owns tenants")
         return ControlPlaneClient(
             router,
             base_url=args.control_plane,
@@ -215,13 +229,19 @@ async def _policy_source(router: Router, args: argparse.Namespace) -> PolicySour
             "standalone mode needs --gpu-url (and usually --cpu-url), or use "
             "--control-plane URL --token TOKEN"
         )
-    standalone = StandalonePolicy(router, args.policy, _flag_knobs(args))
+    standalone = StandalonePolicy(router, args.policy, _flag_knobs(args), args.tenants_file)
     try:
         router.state.set_policy(standalone.load())
     except (PolicyError, OSError, ValueError) as exc:
         raise StartupError(f"invalid policy: {exc}") from None
     if args.policy:
         standalone.mtime = os.stat(args.policy).st_mtime_ns
+    if args.tenants_file:
+        try:
+            router.tenants.set_records(load_tenants_file(args.tenants_file))
+        except (TenantError, OSError, ValueError) as exc:
+            raise StartupError(f"invalid tenants file {args.tenants_file}: {exc}") from None
+        standalone.tenants_mtime = os.stat(args.tenants_file).st_mtime_ns
     model = args.model or await discover_model(args.gpu_url or args.cpu_url)
     if model is None:
         raise StartupError("could not ask the GPU engine for its model name; pass --model")
@@ -235,6 +255,7 @@ async def _policy_source(router: Router, args: argparse.Namespace) -> PolicySour
                 pd_protocol=args.pd_protocol,
                 gpu_url=args.gpu_url or args.cpu_url,
                 cpu_url=args.cpu_url,
+                priority_scheduling=args.priority_scheduling,
             )
         ]
     )

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from common.policy_schema import PolicyKnobs
+from common.policy_schema import PolicyKnobs, SloClass
 from router.engines.load import DeviceLoad
 
 
@@ -89,6 +89,18 @@ CPU_PROBE_BATCH = 4
 # meet its latency SLO with this much to spare: the GPU would have served the request
 # within its SLO, so the CPU must too, under its own noise (docs/router.md).
 KNEE_CPU_MARGIN = 0.8
+# A request of a ``cpu_first`` class (batch) that the CPU has no room for takes the GPU only
+# while the GPU has clear spare room: its projected decode step within this fraction of the
+# knee (and below every other GPU limit). Such a request decodes for a long time, and the
+# GPU's room now is no promise for the minutes it stays; below this margin the GPU is far
+# enough from its knee for the load of the classes that need it to grow first. Otherwise
+# the request waits in the router's queue for the CPU (docs/slo-classes.md).
+GPU_SPARE_MARGIN = 0.8
+# A request of a ``cpu_first`` class takes a CPU seat only while one more sequence still
+# adds at least this share of a sequence's throughput to the CPU (``cpu_seat_gain``): past
+# the CPU's throughput knee (compute-bound) a seat serves the class no faster, and only
+# lengthens every step, closing the CPU to the classes that need its latency.
+CPU_FIRST_MIN_GAIN = 0.5
 
 
 def cpu_batch_limit(knobs: PolicyKnobs, loads: Loads) -> tuple[int, str]:
@@ -100,9 +112,24 @@ def cpu_batch_limit(knobs: PolicyKnobs, loads: Loads) -> tuple[int, str]:
     return knobs.cpu_max_batch_size, "cpu_max_batch_size"
 
 
-def cpu_slo_batch(knobs: PolicyKnobs, loads: Loads) -> int | None:
-    """The largest CPU batch whose projected ITL stays within ``cpu_decode_slo_ms``, from the
-    measured ITL and its slope against batch size; None when the CPU was never measured."""
+def cpu_slo_ms(knobs: PolicyKnobs, slo: SloClass | None) -> float:
+    """The token latency the CPU must meet for a request: its class's TPOT target when the
+    policy is ``class_aware`` and the request has a class, else ``cpu_decode_slo_ms``."""
+    if slo is not None and knobs.class_aware:
+        return slo.tpot_ms
+    return knobs.cpu_decode_slo_ms
+
+
+def cpu_first(knobs: PolicyKnobs, slo: SloClass | None) -> bool:
+    """Whether the request's class decodes on the CPU first (``<class>_cpu_first``)."""
+    return slo is not None and knobs.class_aware and slo.cpu_first
+
+
+def cpu_slo_batch(knobs: PolicyKnobs, loads: Loads, slo: SloClass | None = None) -> int | None:
+    """The largest CPU batch whose projected ITL stays within the request's CPU latency
+    target (``cpu_slo_ms``), from the measured ITL and its slope against batch size; None
+    when the CPU was never measured."""
+    target = cpu_slo_ms(knobs, slo)
     cpu = loads.cpu
     if cpu.itl_ms is None:
         return None
@@ -112,8 +139,8 @@ def cpu_slo_batch(knobs: PolicyKnobs, loads: Loads) -> int | None:
     batch = cpu.itl_batch if cpu.itl_batch is not None else float(cpu.running)
     if slope <= 0:
         # A flat slope: the SLO sets no batch limit while the ITL meets it (the caps bind).
-        return 1_000_000 if cpu.itl_ms <= knobs.cpu_decode_slo_ms else int(batch)
-    return max(0, int(batch + (knobs.cpu_decode_slo_ms - cpu.itl_ms) / slope))
+        return 1_000_000 if cpu.itl_ms <= target else int(batch)
+    return max(0, int(batch + (target - cpu.itl_ms) / slope))
 
 
 def gpu_saturation(knobs: PolicyKnobs, loads: Loads) -> tuple[str, str]:
@@ -145,9 +172,28 @@ def gpu_saturation(knobs: PolicyKnobs, loads: Loads) -> tuple[str, str]:
     return "", "GPU below its limits"
 
 
-def cpu_room(knobs: PolicyKnobs, loads: Loads) -> tuple[bool, str]:
+def gpu_spare(knobs: PolicyKnobs, loads: Loads) -> tuple[bool, str]:
+    """Whether the GPU has clear spare room for one more sequence: below all its limits
+    (``gpu_saturation``) and its projected decode step within ``GPU_SPARE_MARGIN`` of the
+    knee; a GPU whose decode steps were never measured only while it runs nothing."""
+    code, why = gpu_saturation(knobs, loads)
+    if code:
+        return False, why
+    gpu = loads.gpu
+    itl = projected_itl_ms(gpu, loads.gpu_itl_slope_ms, decode_steps=True)
+    if itl is None:
+        if gpu.running > 0:
+            return False, f"GPU not yet measured and running {gpu.running}"
+        return True, "GPU idle"
+    limit = GPU_SPARE_MARGIN * knobs.gpu_decode_slo_ms
+    if itl > limit:
+        return False, f"GPU decode step would be {itl:.1f} ms > {limit:g} ms (knee with margin)"
+    return True, f"GPU decode step would be {itl:.1f} ms, within its knee with margin"
+
+
+def cpu_room(knobs: PolicyKnobs, loads: Loads, slo: SloClass | None = None) -> tuple[bool, str]:
     """Whether the CPU takes one more decode: below its batch caps, and the resulting batch
-    within ``cpu_decode_slo_ms`` by the CPU's measured latency."""
+    within the request's CPU latency target (``cpu_slo_ms``) by the CPU's measured latency."""
     cpu = loads.cpu
     if not cpu.available:
         return False, "CPU engine unavailable"
@@ -157,22 +203,38 @@ def cpu_room(knobs: PolicyKnobs, loads: Loads) -> tuple[bool, str]:
     limit, name = cpu_batch_limit(knobs, loads)
     if cpu.running >= limit:
         return False, f"CPU running {cpu.running} >= {name} {limit}"
-    slo_batch = cpu_slo_batch(knobs, loads)
+    slo_batch = cpu_slo_batch(knobs, loads, slo)
     if slo_batch is None:
         if cpu.running >= CPU_PROBE_BATCH:
             return False, f"CPU not yet measured, running its probe batch of {CPU_PROBE_BATCH}"
     elif cpu.running + 1 > slo_batch:
         itl = projected_itl_ms(cpu, loads.cpu_itl_slope_ms)
         shown = f"{itl:.1f}" if itl is not None else "?"
-        return False, f"CPU ITL would be {shown} ms > SLO {knobs.cpu_decode_slo_ms:g} ms"
+        return False, f"CPU ITL would be {shown} ms > SLO {cpu_slo_ms(knobs, slo):g} ms"
     return True, "CPU within its batch caps and its latency SLO"
 
 
-def cpu_meets_with_margin(knobs: PolicyKnobs, loads: Loads) -> tuple[bool, str]:
+def cpu_seat_gain(loads: Loads) -> float | None:
+    """How many sequences' worth of throughput one more sequence adds to the CPU, by its
+    measured ITL and the ITL's slope against batch size: ``(b + 1) * itl(b) / itl(b + 1) -
+    b`` at its batch ``b`` now; 1 where decode is memory-bound (a step costs the same), 0
+    where it is compute-bound (a step grows with the batch). None when never measured."""
+    cpu = loads.cpu
+    now = projected_itl_ms(cpu, loads.cpu_itl_slope_ms, extra=0)
+    after = projected_itl_ms(cpu, loads.cpu_itl_slope_ms, extra=1)
+    if now is None or after is None or after <= 0:
+        return None
+    batch = cpu.running
+    return (batch + 1) * now / after - batch
+
+
+def cpu_meets_with_margin(
+    knobs: PolicyKnobs, loads: Loads, slo: SloClass | None = None
+) -> tuple[bool, str]:
     """Whether the CPU, measured, would decode one more sequence within
-    ``KNEE_CPU_MARGIN`` of ``cpu_decode_slo_ms``: the test for an offload the GPU's knee
-    asks for, when the GPU itself still has room."""
-    limit = KNEE_CPU_MARGIN * knobs.cpu_decode_slo_ms
+    ``KNEE_CPU_MARGIN`` of the request's CPU latency target: the test for an offload the
+    GPU's knee asks for, when the GPU itself still has room."""
+    limit = KNEE_CPU_MARGIN * cpu_slo_ms(knobs, slo)
     itl = projected_itl_ms(loads.cpu, loads.cpu_itl_slope_ms)
     if itl is None:
         return False, "CPU not yet measured (an offload at the knee needs its latency)"
@@ -190,8 +252,8 @@ def cpu_allowed(knobs: PolicyKnobs) -> bool:
     return knobs.cpu_max_batch_size > 0 or knobs.mode == "cpu-only"
 
 
-def decide(knobs: PolicyKnobs, loads: Loads) -> Decision:
-    """Route a new request."""
+def decide(knobs: PolicyKnobs, loads: Loads, slo: SloClass | None = None) -> Decision:
+    """Route a new request of SLO class ``slo`` (None: a request judged without a class)."""
     gpu, cpu = loads.gpu, loads.cpu
     if knobs.mode == "cpu-only":
         if cpu.available:
@@ -224,7 +286,7 @@ def decide(knobs: PolicyKnobs, loads: Loads) -> Decision:
         )
     if knobs.algorithm == "syshax-threshold":
         return syshax_threshold(knobs, loads)
-    return capacity(knobs, loads, chunk)
+    return capacity(knobs, loads, chunk, slo)
 
 
 def hold_to_limits(decision: Decision, knobs: PolicyKnobs, loads: Loads) -> Decision:
@@ -303,7 +365,7 @@ def syshax_threshold(knobs: PolicyKnobs, loads: Loads) -> Decision:
     )
 
 
-def capacity(knobs: PolicyKnobs, loads: Loads, chunk: int) -> Decision:
+def capacity(knobs: PolicyKnobs, loads: Loads, chunk: int, slo: SloClass | None = None) -> Decision:
     """Capacity-aware: the GPU serves while it has room; past any of its limits the decode
     goes to the CPU while the CPU's resulting batch meets its latency SLO (with a margin, and
     measured, when the only limit is the GPU's latency knee).
@@ -312,14 +374,53 @@ def capacity(knobs: PolicyKnobs, loads: Loads, chunk: int) -> Decision:
     GPU KV for the queue. A GPU whose KV is full with requests already waiting for blocks
     cannot even prefill soon, so the request is served whole on the CPU. With neither device
     free, the request waits in the GPU's queue up to ``max_queue_size``.
+
+    With ``class_aware`` the CPU is judged against the request's class: its TPOT target
+    replaces ``cpu_decode_slo_ms``, and a ``cpu_first`` class (batch) decodes on the CPU
+    whenever the CPU meets that target, even while the GPU has room, keeping the GPU for the
+    classes that need it. When the CPU is up but has no room for it, such a request takes
+    the GPU only while the GPU has clear spare room (``gpu_spare``); otherwise it is refused
+    with a 429 (``class-wait``), so it waits in the router's queue for the CPU. Where there
+    is no queue to wait in (``max_queue_size`` 0) it is judged as any other request.
     """
+    if cpu_first(knobs, slo):
+        assert slo is not None
+        first_ok, first_why = cpu_room(knobs, loads, slo)
+        gain = cpu_seat_gain(loads)
+        if first_ok and gain is not None and gain < CPU_FIRST_MIN_GAIN:
+            first_ok = False
+            first_why = (
+                f"CPU past its throughput knee: one more sequence adds {gain:.2f} of a "
+                f"sequence's throughput < {CPU_FIRST_MIN_GAIN:g}"
+            )
+        if first_ok:
+            return Decision(
+                Route.PD,
+                token_limit=chunk,
+                reason=f"class {slo.name} decodes on the CPU first: {first_why}",
+                code="class-cpu-first",
+            )
+        if loads.cpu.available and knobs.max_queue_size > 0:
+            spare, spare_why = gpu_spare(knobs, loads)
+            if spare:
+                return Decision(
+                    Route.GPU_ONLY,
+                    reason=f"{first_why}; {spare_why}",
+                    code="class-gpu-spare",
+                )
+            return Decision(
+                Route.REJECTED,
+                reason=f"class {slo.name} waits for the CPU: {first_why}; {spare_why}",
+                status=429,
+                code="class-wait",
+            )
     code, gpu_why = gpu_saturation(knobs, loads)
     if not code:
         return Decision(Route.GPU_ONLY, reason=gpu_why, code="gpu-room")
-    cpu_ok, cpu_why = cpu_room(knobs, loads)
+    cpu_ok, cpu_why = cpu_room(knobs, loads, slo)
     if cpu_ok and code == "gpu-knee":
         # The GPU is not full, only slower: the move must not cost this request its SLO.
-        cpu_ok, cpu_why = cpu_meets_with_margin(knobs, loads)
+        cpu_ok, cpu_why = cpu_meets_with_margin(knobs, loads, slo)
     if cpu_ok:
         if code == "gpu-kv-full" and loads.gpu.waiting > 0:
             # The GPU cannot even admit a prefill: its KV is full and requests already wait
@@ -342,14 +443,14 @@ def capacity(knobs: PolicyKnobs, loads: Loads, chunk: int) -> Decision:
     )
 
 
-def decide_next_chunk(knobs: PolicyKnobs, loads: Loads) -> Decision:
+def decide_next_chunk(knobs: PolicyKnobs, loads: Loads, slo: SloClass | None = None) -> Decision:
     """After a CPU chunk: keep decoding on the CPU (PD) or move the sequence to the GPU.
 
     ``loads.cpu`` must not count this sequence (its chunk just ended). Under the capacity
     algorithm a sequence moves back only to an idle GPU (nothing running or waiting): the move
     costs the GPU a prefill of the whole context (no KV goes back), which delays every other
     sequence on a busy GPU and measured worse than staying there (docs/benchmarks.md,
-    "Goodput at SLO").
+    "Goodput at SLO"). A ``cpu_first`` class (with ``class_aware``) stays on the CPU.
     """
     chunk = token_limit(knobs, loads.cpu.throughput_tps)
     if not loads.cpu.available:
@@ -363,6 +464,11 @@ def decide_next_chunk(knobs: PolicyKnobs, loads: Loads) -> Decision:
             Route.GPU_ONLY,
             reason=f"policy now {knobs.mode}, CPU offload off",
             code="offload-off",
+        )
+    if cpu_first(knobs, slo):
+        assert slo is not None
+        return Decision(
+            Route.PD, token_limit=chunk, reason=f"class {slo.name} stays on the CPU", code="stay"
         )
     gpu = loads.gpu
     if gpu.running == 0 and gpu.waiting == 0 and not gpu_saturation(knobs, loads)[0]:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from common.policy_schema import SLO_CLASSES
+from common.serving import bucket_key, histogram_from_cumulative
+from router.engines.load import EngineSample
 from router.engines.transport import FAILURE_REASONS
 
 _LATENCY_BUCKETS = (
@@ -30,6 +35,12 @@ _LATENCY_BUCKETS = (
     10.0,
     30.0,
 )
+
+
+# Queue waits run from milliseconds (a scrape tick) to a batch class's TTFT target.
+_QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Why flow control turned a request away (the shed counter's label; router/flow.py).
+SHED_REASONS = ("queue-full", "evicted", "fair-share", "timeout")
 
 
 # Why a request was refused before any engine saw it (the refusals counter's label).
@@ -199,6 +210,59 @@ class RouterMetrics:
             ["backend", "role", "kind"],
             registry=r,
         )
+        # Per tenant (names come from the control plane's bounded list; router/client/tenants.py).
+        self.tenant_requests = Counter(
+            "syshax_router_tenant_requests",
+            "Requests that got past the key check, by tenant and outcome (ok, error, rejected)",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "syshax_router_tenant_tokens",
+            "Tokens used by tenant and kind (prompt, completion)",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_rejections = Counter(
+            "syshax_router_tenant_rejections",
+            "Requests of a tenant refused, by reason (rpm, tpm, model, class, shed, queue-timeout)",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        # SLO classes and flow control (docs/slo-classes.md).
+        self.class_decisions = Counter(
+            "syshax_router_class_decisions",
+            "Decisions for new requests by SLO class, route and reason (the decider's code)",
+            ["class", "route", "reason"],
+            registry=r,
+        )
+        self.queue_wait_seconds = Histogram(
+            "syshax_router_queue_wait_seconds",
+            "How long requests waited in the router's class queues, whatever ended the wait",
+            ["class"],
+            buckets=_QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.queue_depths = Gauge(
+            "syshax_router_queue_depth",
+            "Requests waiting in the router's class queues, all deployments together",
+            ["class"],
+            registry=r,
+        )
+        self.sheds = Counter(
+            "syshax_router_shed",
+            "Requests turned away by flow control, by class and reason: queue-full (an "
+            "arrival at full queues), evicted (a queued sheddable request made room for a "
+            "request that may not be shed), fair-share (a queued request of the tenant "
+            "holding the most of the queues made room for another tenant's), timeout (its "
+            "wait passed its limit)",
+            ["class", "reason"],
+            registry=r,
+        )
+        for slo_class in SLO_CLASSES:
+            self.queue_depths.labels(slo_class).set(0)
+            for reason in SHED_REASONS:
+                self.sheds.labels(slo_class, reason)  # exported at 0 from the start
         self.started = time.time()
         # Rolling figures for the stats report (the histograms cannot give exact quantiles).
         self.recent_ttft: deque[float] = deque(maxlen=2048)
@@ -208,6 +272,14 @@ class RouterMetrics:
         self.fallback_count = 0
         self.kv_counts: dict[str, int] = {}
         self.request_times: deque[float] = deque(maxlen=4096)
+        # Since the previous stats report (its ``serving`` figures, common/serving.py):
+        # decisions by model and route, decision reasons, TTFT histograms by model ('' all).
+        self.reported_at = time.monotonic()
+        self.interval_decisions: dict[str, dict[str, int]] = {}
+        self.interval_reasons: dict[str, int] = {}
+        self.interval_ttft: dict[str, dict[str, int]] = {}
+        # Each engine's cumulative ITL histogram and token count at the previous report.
+        self.reported_engines: dict[str, EngineSample] = {}
         # labels() costs a lock and a dict lookup; the few label sets are resolved once.
         self._children: dict[tuple[str, ...], Any] = {}
 
@@ -218,15 +290,22 @@ class RouterMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def count_request(self, decision: str, outcome: str) -> None:
+    def count_request(self, decision: str, outcome: str, model: str = "") -> None:
         self._child(self.requests, decision, outcome).inc()
         self.decisions[decision] = self.decisions.get(decision, 0) + 1
+        for key in {"", model}:
+            routes = self.interval_decisions.setdefault(key, {})
+            routes[decision] = routes.get(decision, 0) + 1
         self.outcomes["ok" if outcome == "ok" else "error"] += 1
         self.request_times.append(time.monotonic())
 
-    def observe_ttft(self, decision: str, seconds: float) -> None:
+    def observe_ttft(self, decision: str, seconds: float, model: str = "") -> None:
         self._child(self.ttft, decision).observe(seconds)
         self.recent_ttft.append(seconds)
+        key = _TTFT_KEYS[bisect.bisect_left(_LATENCY_BUCKETS, seconds)]
+        for name in {"", model}:
+            histogram = self.interval_ttft.setdefault(name, {})
+            histogram[key] = histogram.get(key, 0) + 1
 
     def observe_itl(self, decision: str, seconds: float) -> None:
         self._child(self.itl, decision).observe(seconds)
@@ -240,6 +319,9 @@ class RouterMetrics:
 
     def decision(self, stage: str, route: str, reason: str) -> None:
         self._child(self.decision_reasons, stage, route, reason or "other").inc()
+        if stage == "new":
+            key = f"{route}:{reason or 'other'}"
+            self.interval_reasons[key] = self.interval_reasons.get(key, 0) + 1
 
     def refusal(self, reason: str) -> None:
         self._child(self.refusals, reason).inc()
@@ -254,11 +336,84 @@ class RouterMetrics:
     def failover(self, reason: str) -> None:
         self._child(self.failovers, reason).inc()
 
+    def tenant_request(self, tenant: str, outcome: str) -> None:
+        self._child(self.tenant_requests, tenant, outcome).inc()
+
+    def tenant_token_count(self, tenant: str, kind: str, tokens: int) -> None:
+        self._child(self.tenant_tokens, tenant, kind).inc(tokens)
+
+    def tenant_rejection(self, tenant: str, reason: str) -> None:
+        self._child(self.tenant_rejections, tenant, reason).inc()
+
+    def class_decision(self, slo_class: str, route: str, reason: str) -> None:
+        self._child(self.class_decisions, slo_class, route, reason or "other").inc()
+
+    def queue_wait(self, slo_class: str, seconds: float) -> None:
+        self._child(self.queue_wait_seconds, slo_class).observe(seconds)
+
+    def queue_depth(self, slo_class: str, depth: int) -> None:
+        self._child(self.queue_depths, slo_class).set(depth)
+
+    def shed(self, slo_class: str, reason: str) -> None:
+        self._child(self.sheds, slo_class, reason).inc()
+
     def fallback(self, kind: str) -> None:
         self._child(self.fallbacks, kind).inc()
         self.fallback_count += 1
 
-    def stats(self, policy_version: int) -> dict[str, object]:
+    def serving(self, deployments: Sequence[ServedDeployment] = ()) -> dict[str, object]:
+        """What happened since the previous call (common/serving.py's shape): the decisions
+        and their reasons, the TTFT and TPOT histograms, and each deployment's engines as last
+        scraped. Starts the next interval."""
+        now = time.monotonic()
+        interval = max(0.0, now - self.reported_at)
+        previous, self.reported_engines = self.reported_engines, {}
+        tpot_all: dict[str, int] = {}
+        seen: set[str] = set()
+        entries = []
+        for d in deployments:
+            engines: list[dict[str, object]] = []
+            tpot: dict[str, int] = {}
+            for engine in (d.gpu, d.cpu):
+                if engine is None:
+                    continue
+                figures, histogram = _engine_figures(engine, previous.get(engine.url), now)
+                if engine.sample is not None:
+                    self.reported_engines[engine.url] = engine.sample
+                engines.append(figures)
+                first = engine.url not in seen
+                seen.add(engine.url)
+                for key, count in histogram.items():
+                    tpot[key] = tpot.get(key, 0) + count
+                    if first:  # an engine two deployments name counts once in the total
+                        tpot_all[key] = tpot_all.get(key, 0) + count
+            model = d.spec.model
+            entries.append(
+                {
+                    "id": d.spec.id,
+                    "name": d.spec.name,
+                    "model": model,
+                    "decisions": dict(self.interval_decisions.get(model, {})),
+                    "ttft_ms": dict(self.interval_ttft.get(model, {})),
+                    "tpot_ms": tpot,
+                    "engines": engines,
+                }
+            )
+        body: dict[str, object] = {
+            "interval_seconds": round(interval, 3),
+            "decisions": dict(self.interval_decisions.get("", {})),
+            "reasons": dict(self.interval_reasons),
+            "ttft_ms": dict(self.interval_ttft.get("", {})),
+            "tpot_ms": tpot_all,
+            "deployments": entries,
+        }
+        self.reported_at = now
+        self.interval_decisions, self.interval_reasons, self.interval_ttft = {}, {}, {}
+        return body
+
+    def stats(
+        self, policy_version: int, deployments: Sequence[ServedDeployment] = ()
+    ) -> dict[str, object]:
         ttfts = sorted(self.recent_ttft)
 
         def pct(q: float) -> float:
@@ -280,4 +435,87 @@ class RouterMetrics:
             "backend_errors": self.backend_error_count,
             "fallbacks": self.fallback_count,
             "kv_transfers": dict(self.kv_counts),
+            "serving": self.serving(deployments),
         }
+
+
+# The router's TTFT histogram bounds as serving keys (ms), the last one past every bound.
+_TTFT_KEYS = (*(bucket_key(1000.0 * b) for b in _LATENCY_BUCKETS), "+Inf")
+
+
+class ServedEngine(Protocol):
+    """An engine as the stats report reads it (``router.engines.backends.Backend``)."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def sample(self) -> EngineSample | None: ...
+    @property
+    def throughput_tps(self) -> float: ...
+    @property
+    def itl_ms(self) -> float | None: ...
+    def available(self, now: float) -> bool: ...
+
+
+class ServedSpec(Protocol):
+    @property
+    def id(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+
+
+class ServedDeployment(Protocol):
+    """A deployment as the stats report reads it (``router.state.Deployment``)."""
+
+    @property
+    def spec(self) -> ServedSpec: ...
+    @property
+    def gpu(self) -> ServedEngine: ...
+    @property
+    def cpu(self) -> ServedEngine | None: ...
+
+
+def _engine_figures(
+    engine: ServedEngine, before: EngineSample | None, now: float
+) -> tuple[dict[str, object], dict[str, int]]:
+    """One engine's figures as last scraped, and its ITL histogram since ``before`` (the
+    sample at the previous report; None: the engine is new to the report, no histogram).
+    Tokens/s is the generated tokens between the two samples over their time apart, else
+    the rate between the last two scrapes."""
+    sample = engine.sample
+    figures: dict[str, object] = {
+        "role": engine.role,
+        "url": engine.url,
+        "up": engine.available(now),
+        "running": None,
+        "waiting": None,
+        "kv_usage_perc": None,
+        "tokens_per_second": None,
+        "itl_ms": None,
+    }
+    if sample is None:
+        return figures, {}
+    tps: float | None = engine.throughput_tps
+    if (
+        before is not None
+        and sample.generation_tokens is not None
+        and before.generation_tokens is not None
+        and sample.at > before.at
+        and sample.generation_tokens >= before.generation_tokens
+    ):
+        tps = (sample.generation_tokens - before.generation_tokens) / (sample.at - before.at)
+    itl = engine.itl_ms
+    figures.update(
+        running=int(sample.running),
+        waiting=int(sample.waiting),
+        kv_usage_perc=round(100.0 * sample.kv_usage, 3),
+        tokens_per_second=round(tps, 3) if tps is not None else None,
+        itl_ms=round(itl, 3) if itl is not None else None,
+    )
+    if before is None:  # the first report after the engine appeared sets the baseline
+        return figures, {}
+    return figures, histogram_from_cumulative(sample.itl_buckets, before.itl_buckets)

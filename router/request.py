@@ -5,7 +5,9 @@ Read top to bottom, this module is a request's path through the router:
 1. ``serve``: the request arrives (``/v1/completions`` or ``/v1/chat/completions``). Its
    body is read and checked before any engine sees it (``_read_request``), its model picks
    the least-loaded replica (``_replica``) and the decider picks a route (``_plan``):
-   gpu-only, PD, cpu-only, or turned away (``_rejected``).
+   gpu-only, PD, cpu-only, or turned away (``_rejected``). A request its deployment is too
+   saturated to take waits in its SLO class's queue (``_route``, ``router.flow``) until
+   it can be routed, is shed, or its wait runs out.
 2. ``Serving.serve``: the route is served under the request's deadline, and whatever
    happens the outcome is counted.
 3. ``Serving._until_served``: the route is tried (``_try``): gpu-only and cpu-only relay the
@@ -34,15 +36,19 @@ from typing import Any
 
 from aiohttp import web
 
-from common.policy_schema import MODES, PolicyKnobs
+from common.policy_schema import MODES, PolicyKnobs, SloClass
+from common.sse import event_data, split_events
 from router.client.access import MODE_HEADER, allowed_mode_header
+from router.client.classes import choose_class, strip_class_fields, with_priority
 from router.client.errors import RouterError, saturated, unavailable
 from router.client.stream import ClientGone, ClientRequest, ClientStream
+from router.client.tenants import ANONYMOUS, REQUEST_TENANT, Admission, estimate_tokens
 from router.client.validate import check_request, parse_body, strip_router_fields
 from router.decide import Decision, Route, cpu_allowed, decide, hold_to_limits, retry_after_seconds
 from router.engines.backends import Backend
 from router.engines.deadlines import DEADLINES
 from router.engines.transport import BackendRemoved, UpstreamFailed, request
+from router.flow import Outcome, must_wait
 from router.pd.registry import PROTOCOLS, PdProtocol
 from router.pd.sequence import PdSequence
 from router.state import Deployment, Router
@@ -56,11 +62,23 @@ MAX_REPLICA_FAILOVERS = 2
 async def serve(router: Router, http: web.Request) -> web.StreamResponse:
     """A completions request (chat or not), from its arrival to its last byte."""
     req = await _read_request(router, http)
-    deployment = _replica(router, req.model)
-    decision, knobs = _plan(router, req, deployment)
-    if decision.route is Route.REJECTED:
-        raise _rejected(router, decision)
-    return await Serving(router, http, req, deployment).serve(decision, knobs)
+    tenant = req.tenant or ANONYMOUS
+    estimate = estimate_tokens(len(req.raw), req.max_tokens)
+    admission = router.tenants.admit(tenant, req.model, estimate)
+    try:
+        deployment = _replica(router, req.model)
+        decision, knobs = await _route(router, req, deployment)
+    except RouterError as err:
+        reason = TENANT_REJECTIONS.get(err.code or "")
+        if reason is not None:
+            router.tenants.reject(tenant, reason, admission)
+        else:
+            router.tenants.settle(admission, 0, 0, ok=False)
+        raise
+    except BaseException:
+        router.tenants.settle(admission, 0, 0, ok=False)
+        raise
+    return await Serving(router, http, req, deployment, admission).serve(decision, knobs)
 
 
 # -- 1. arrival: the request checked, its replica and its route ------------------------------
@@ -68,7 +86,8 @@ async def serve(router: Router, http: web.Request) -> web.StreamResponse:
 
 async def _read_request(router: Router, http: web.Request) -> ClientRequest:
     """The client's request, checked before any engine sees it: who may force a mode, the
-    body's size, JSON and fields, and the fields only the router sets."""
+    body's size, JSON and fields, the fields only the router sets, and its SLO class (a
+    class its tenant may not use is refused and counted)."""
     received = time.perf_counter()
     chat = http.path.endswith("/chat/completions")
     config = router.config
@@ -79,18 +98,31 @@ async def _read_request(router: Router, http: web.Request) -> ClientRequest:
     raw = await read_body(http, config.max_body_bytes)
     body = parse_body(raw)
     model, stream, include_usage, max_tokens = check_request(body, chat=chat)
+    tenant = http.get(REQUEST_TENANT) or ANONYMOUS
+    try:
+        slo_class = choose_class(tenant, body, http.headers)
+    except RouterError as err:
+        if err.code == "class_not_allowed":
+            router.tenants.reject(tenant, "class")
+        raise
+    # Every path sends these bytes (passthrough) or this body (PD, fallbacks, failover);
+    # the engine's priority is added per deployment (``Serving._set_priority``).
+    raw = without_router_fields(router, body, raw)
+    if strip_class_fields(body):
+        raw = json.dumps(body).encode()
     return ClientRequest(
         path=http.path,
         chat=chat,
         body=body,
-        # Every path sends these bytes (passthrough) or this body (PD, fallbacks, failover).
-        raw=without_router_fields(router, body, raw),
+        raw=raw,
         model=model,
         stream=stream,
         include_usage=include_usage,
         max_tokens=max_tokens,
         received_at=received,
         mode_header=mode_header,
+        slo_class=slo_class,
+        tenant=tenant,
     )
 
 
@@ -141,14 +173,15 @@ def _replica(router: Router, model: str) -> Deployment:
 
 
 def _plan(
-    router: Router, req: ClientRequest, deployment: Deployment
+    router: Router, req: ClientRequest, deployment: Deployment, *, count: bool = True
 ) -> tuple[Decision, PolicyKnobs]:
-    """The route for ``req`` on ``deployment``, and the knobs it was decided with."""
+    """The route for ``req`` on ``deployment``, and the knobs it was decided with; counted
+    unless ``count`` is false (``_route`` counts the decision a request is finally given)."""
     base = router.state.policy_for(deployment).knobs
     req.knobs = forced_knobs(base, req.mode_header)
     knobs = req.knobs or base
     loads = deployment.loads(time.monotonic())
-    decision = decide(knobs, loads)
+    decision = decide(knobs, loads, knobs.slo_class(req.slo_class))
     if decision.route is Route.PD and (req.body.get("n") or 1) > 1:
         # Splicing several choices across engines is not worth it; the GPU serves n > 1.
         decision = Decision(Route.GPU_ONLY, reason="n > 1", code="n-above-1")
@@ -161,8 +194,109 @@ def _plan(
     if _forced(req):
         # A forced mode picks the device, never past the policy's hard limits.
         decision = hold_to_limits(decision, knobs, loads)
-    router.metrics.decision("new", decision.route.value, decision.code)
+    if count:
+        _count_decision(router, req, decision)
     return decision, knobs
+
+
+def _count_decision(router: Router, req: ClientRequest, decision: Decision) -> None:
+    router.metrics.decision("new", decision.route.value, decision.code)
+    router.metrics.class_decision(req.slo_class, decision.route.value, decision.code)
+
+
+# The flow control's refusals, by error code, as a tenant's usage counts them.
+TENANT_REJECTIONS = {"shed": "shed", "queue_full": "shed", "queue_timeout": "queue-timeout"}
+
+
+async def _route(
+    router: Router, req: ClientRequest, deployment: Deployment
+) -> tuple[Decision, PolicyKnobs]:
+    """The route for ``req`` on ``deployment``, after a wait in its class's queue where the
+    deployment is saturated (a 429 from the decider) or requests of its class or a higher
+    one already wait there (docs/slo-classes.md, "Flow control"). A request that sets its
+    mode (``X-Syshax-Mode``, benchmarks), or a policy with ``max_queue_size`` 0, never
+    waits: it gets the decider's 429 at once, as before flow control."""
+    decision, knobs = _plan(router, req, deployment, count=False)
+    flow, key = router.flow, deployment.spec.id
+    slo = knobs.slo_class(req.slo_class)
+    tenant = (req.tenant or ANONYMOUS).name
+    may_wait = req.mode_header is None and knobs.max_queue_size > 0
+    queued_ahead = may_wait and flow.ahead(key, slo)
+    if not (may_wait and (must_wait(decision) or queued_ahead)):
+        _count_decision(router, req, decision)
+        if decision.route is Route.REJECTED:
+            raise _rejected(router, decision)
+        flow.served(key, req.slo_class, tenant)
+        return decision, knobs
+    if decision.route is Route.REJECTED and not must_wait(decision):
+        _count_decision(router, req, decision)
+        raise _rejected(router, decision)  # no engine can serve it: waiting will not help
+    waiter = flow.enqueue(
+        key,
+        slo,
+        tenant,
+        lambda: _plan(router, req, deployment, count=False)[0],
+        bound=knobs.max_queue_size,
+        max_wait=_max_wait(slo, knobs),
+    )
+    if queued_ahead:
+        flow.pump(key)  # those ahead first; this one too, if there is room for it
+    await flow.wait(waiter)
+    knobs = router.state.knobs_for(deployment, req.knobs)
+    if waiter.outcome is Outcome.FAILED:
+        assert waiter.error is not None
+        raise waiter.error
+    if waiter.outcome is Outcome.SHED:
+        shed = Decision(Route.REJECTED, reason=waiter.reason, status=429, code=waiter.reason)
+        _count_decision(router, req, shed)
+        router.metrics.count_request(Route.REJECTED.value, "rejected", req.model)
+        raise _shed(waiter.reason, slo, knobs)
+    routed = waiter.decision
+    assert routed is not None
+    _count_decision(router, req, routed)
+    if routed.route is Route.REJECTED:
+        raise _rejected(router, routed)
+    return routed, knobs
+
+
+def _max_wait(slo: SloClass, knobs: PolicyKnobs) -> float:
+    """How long a request of class ``slo`` may wait: a sheddable class its TTFT target
+    (past it the answer is late anyway), the others the whole request deadline."""
+    return slo.ttft_ms / 1000.0 if slo.sheddable else knobs.request_timeout_seconds
+
+
+def _shed(reason: str, slo: SloClass, knobs: PolicyKnobs) -> RouterError:
+    """The 429 of a request flow control turned away (``reason``: router.flow's)."""
+    full = (
+        f"all engines are saturated and the router's queues are full "
+        f"(max_queue_size {knobs.max_queue_size})"
+    )
+    if reason == "timeout":
+        message = (
+            f"the {slo.name} request waited {_max_wait(slo, knobs):g}s in the router's "
+            "queue without an engine free to take it"
+        )
+        code = "queue_timeout"
+    elif reason == "evicted":
+        message = f"the {slo.name} request was shed from the full queue for a higher class"
+        code = "shed"
+    elif reason == "fair-share":
+        message = (
+            f"the {slo.name} request was shed from the full queue, where its tenant held the "
+            "most requests, to make room for another tenant's"
+        )
+        code = "shed"
+    elif slo.sheddable:
+        message, code = f"{full}; the {slo.name} request was shed", "shed"
+    else:
+        message, code = full, "queue_full"
+    return RouterError(
+        429,
+        message,
+        type_="rate_limit_exceeded",
+        code=code,
+        retry_after=retry_after_seconds(knobs),
+    )
 
 
 def forced_knobs(base: PolicyKnobs, header: str | None) -> PolicyKnobs | None:
@@ -224,11 +358,22 @@ class Serving:
     removed_from: Backend | None
 
     def __init__(
-        self, router: Router, http: web.Request, req: ClientRequest, deployment: Deployment
+        self,
+        router: Router,
+        http: web.Request,
+        req: ClientRequest,
+        deployment: Deployment,
+        admission: Admission | None = None,
     ) -> None:
         self.router = router
         self.http = http
         self.req = req
+        # The tenant's admission, settled with the tokens used when the request ends.
+        self.admission = admission
+        # The engine request's bytes before a deployment's priority is added.
+        self.raw = req.raw
+        # Usage a relayed non-streaming answer reported (prompt, completion).
+        self.usage: tuple[int, int] | None = None
         self.metrics = router.metrics
         self.first_byte = router.config.timeouts.first_byte
         # Cancelled when the engine the request waits on leaves the deployment set.
@@ -246,13 +391,32 @@ class Serving:
         self.pd = _protocol(deployment)
         self.out = ClientStream(self.http, self.req, self.metrics)
         self.removed_from = None
+        self._set_priority()
+
+    def _set_priority(self) -> None:
+        """The engine request carries the class's ``priority`` where the deployment's
+        engines schedule by priority, and none elsewhere (vLLM refuses a non-zero one)."""
+        req = self.req
+        if not self.deployment.spec.priority_scheduling:
+            if req.body.pop("priority", None) is not None:
+                req.raw = self.raw
+            return
+        knobs = self.router.state.knobs_for(self.deployment, req.knobs)
+        priority = knobs.slo_class(req.slo_class).priority
+        req.body["priority"] = priority
+        try:
+            req.raw = with_priority(self.raw, priority)
+        except ValueError:
+            req.raw = json.dumps(req.body).encode()
 
     async def serve(self, decision: Decision, knobs: PolicyKnobs) -> web.StreamResponse:
         """Serve within the request deadline (``request_timeout_seconds``); the outcome is
         counted whatever happens: ok, error, client_error or cancelled."""
         self.label = decision.route.value
+        # The deadline counts from the request's arrival: a wait in the queue is part of it.
+        left = knobs.request_timeout_seconds - (time.perf_counter() - self.req.received_at)
         try:
-            async with DEADLINES.cancel_after(knobs.request_timeout_seconds):
+            async with DEADLINES.cancel_after(max(0.001, left)):
                 return await self._until_served(decision, knobs)
         except TimeoutError:
             if self.out.started:
@@ -270,7 +434,22 @@ class Serving:
             self.outcome = "cancelled"
             raise
         finally:
-            self.metrics.count_request(self.label, self.outcome)
+            self.metrics.count_request(self.label, self.outcome, self.req.model)
+            self._settle()
+            # A request that ended may leave room for those waiting on its deployment.
+            self.router.flow.pump(self.deployment.spec.id)
+
+    def _settle(self) -> None:
+        """The tenant's admission settled with the tokens the request used: the engines'
+        usage where it was seen, else what the router counted (and estimated)."""
+        if self.admission is None:
+            return
+        out = self.out
+        if out.prompt_tokens or out.completion_tokens:
+            prompt, completion = out.prompt_tokens, out.completion_tokens
+        else:
+            prompt, completion = self.usage or relayed_usage(out, len(self.raw))
+        self.router.tenants.settle(self.admission, prompt, completion, ok=self.outcome == "ok")
 
     async def _until_served(self, decision: Decision, knobs: PolicyKnobs) -> web.StreamResponse:
         """Try routes until one answers: after a failure before any output, the next route
@@ -291,6 +470,7 @@ class Serving:
         if decision.fallback:
             self.metrics.fallback(f"to-{decision.route.value}")
         self.label = self.out.decision_label = decision.route.value
+        self.out.decision_reason = decision.code
         try:
             if decision.route is Route.PD:
                 response = await self._run_pd(decision)
@@ -326,6 +506,7 @@ class Serving:
                     else:
                         body = await resp.read_all()
                         response = out.whole(body, resp.status, resp.content_type)
+                        self.usage = answer_usage(body)
                 backend.record_success()
                 return response
             except UpstreamFailed as exc:
@@ -469,3 +650,43 @@ class Serving:
         if self.task.cancelling():
             return None
         return BackendRemoved(backend)
+
+
+# -- usage of a relayed answer, for the tenant's token count --------------------------------
+
+
+def _usage_pair(usage: Any) -> tuple[int, int] | None:
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    return prompt, completion
+
+
+def answer_usage(body: bytes) -> tuple[int, int] | None:
+    """(prompt, completion) tokens of an engine's non-streaming answer; None if it has none."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    return _usage_pair(data.get("usage")) if isinstance(data, dict) else None
+
+
+def relayed_usage(out: ClientStream, body_bytes: int) -> tuple[int, int]:
+    """(prompt, completion) tokens of a relayed stream: its usage chunk where the client
+    asked for one, else the text events counted (a token each, as vLLM streams them) and
+    the prompt estimated from the request's size."""
+    for event in reversed(split_events(bytearray(out.tail), final=True)):
+        payload = event_data(event)
+        if payload is None or b'"usage"' not in payload:
+            continue
+        try:
+            pair = _usage_pair(json.loads(payload).get("usage"))
+        except (ValueError, AttributeError):
+            pair = None
+        if pair is not None:
+            return pair
+    events = sum(payload.count(b"data: {") for payload in out.relayed)
+    events += out.tail.count(b"data: {")
+    return max(1, body_bytes // 4), events

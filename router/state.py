@@ -21,9 +21,11 @@ from aiohttp import web
 from common.policy_schema import PolicyError, PolicyKnobs, validate_knobs
 from common.routing import DeploymentSpec
 from router.client.access import MODE_HEADER_BENCHMARK_KEYS
+from router.client.tenants import Tenants
 from router.decide import Loads
 from router.engines.backends import Backend, Timeouts
 from router.engines.load import UNAVAILABLE
+from router.flow import FlowControl
 from router.metrics import RouterMetrics
 
 log = logging.getLogger("syshax.router")
@@ -212,6 +214,15 @@ class ServerConfig:
     mode_header: str = MODE_HEADER_BENCHMARK_KEYS
 
 
+@dataclass(frozen=True)
+class ControlPlaneLink:
+    """A managed router's control plane: its base URL and the router's token there (the
+    Batch API's paths are forwarded to it, router/api/batches.py)."""
+
+    base_url: str
+    token: str
+
+
 class Router:
     """Everything a request reads: configuration, live state and metrics."""
 
@@ -219,6 +230,12 @@ class Router:
         self.config = config
         self.state = RouterState(config.timeouts)
         self.metrics = RouterMetrics()
+        # Who may call, as what tenant, within which limits; the policy source loads the table.
+        self.tenants = Tenants(config.api_key, config.benchmark_keys, self.metrics)
+        # The class queues requests wait in while their deployment is saturated.
+        self.flow = FlowControl(self.metrics)
+        # Set by the managed policy source; None for a standalone router.
+        self.control_plane: ControlPlaneLink | None = None
 
 
 # Where the aiohttp app keeps its ``Router`` for the handlers.

@@ -94,6 +94,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["swap", "recompute"],
         help="with --syshax-compat only (vLLM V1 has no such flag and always recomputes)",
     )
+    _flag(
+        parser,
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="fcfs, or priority: the waiting queue in (priority, arrival) order and the "
+        "lowest priority preempted first; a request's non-zero priority is a 400 under fcfs",
+    )
     _flag(parser, "--swap-space", type=float, default=4.0, help="GiB of KV swap space")
     _flag(
         parser,
@@ -231,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_space_gb=_kv_space(args),
         swap_space_gb=args.swap_space,
         preemption_mode=args.preemption_mode or "recompute",
+        scheduling_policy=args.scheduling_policy,
         syshax_compat=args.syshax_compat,
         block_size=args.block_size,
     )

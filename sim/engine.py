@@ -61,6 +61,8 @@ class EngineConfig:
     kv_cache_space_gb: float = 4.0
     swap_space_gb: float = 4.0
     preemption_mode: str = "recompute"
+    # vLLM's --scheduling-policy: "fcfs", or "priority" (requests carry a ``priority``).
+    scheduling_policy: str = "fcfs"
     # sysHAX-compatible mode (--syshax-compat): the patched V0 engine's flags and request fields.
     syshax_compat: bool = False
     block_size: int = 16
@@ -114,6 +116,7 @@ def build_scheduler(
             num_swap_blocks=swap_blocks,
             block_size=config.block_size,
             preemption_mode=config.preemption_mode,
+            policy=config.scheduling_policy,
             output_token_s=config.output_token_overhead_s,
         ),
         hw,

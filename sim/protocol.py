@@ -72,6 +72,7 @@ class ParsedRequest:
     kv_transfer_params: dict[str, Any] | None
     max_tokens_param: str = "max_tokens"  # or max_completion_tokens, for error messages
     min_tokens: int = 0
+    priority: int = 0  # vLLM's field: lower first under --scheduling-policy priority
     syshax: SyshaxFields = field(default_factory=SyshaxFields)
     resumed_ids: list[int] = field(default_factory=list)  # sysHAX: generated_text's ids
 
@@ -365,6 +366,7 @@ def parse_request(
     ):  # fmt: skip
         _float(body, name)
     _int(body, "seed")
+    priority = _int(body, "priority") or 0
     n = _int(body, "n")
     if n is not None and n != 1:
         raise request_error("this engine supports n=1 only", "n", n)
@@ -390,9 +392,16 @@ def parse_request(
         return_token_ids=bool(_bool(body, "return_token_ids")),
         kv_transfer_params=_dict(body, "kv_transfer_params"),
         min_tokens=min_tokens,
+        priority=priority,
         syshax=syshax,
         resumed_ids=resumed,
     )
+
+
+def check_priority(req: ParsedRequest, scheduling_policy: str) -> None:
+    """vLLM refuses a non-zero ``priority`` unless it schedules by priority."""
+    if req.priority != 0 and scheduling_policy != "priority":
+        raise ApiError(400, f"Got priority {req.priority} but Priority scheduling is not enabled.")
 
 
 def check_length(req: ParsedRequest, max_model_len: int) -> int:

@@ -11,11 +11,18 @@ token budget) when it is new, one token per step while it decodes. When ``comput
 the context the step samples a token, as vLLM does: the token model's function of the last
 token ids and the position (``tokens.TokenModel``), so the tokens do not depend on how the
 context got into the cache.
+
+Two scheduling policies, as vLLM's ``--scheduling-policy``: ``fcfs`` (the default) admits the
+waiting queue in arrival order and preempts the sequence admitted last; ``priority`` orders
+the waiting queue by (priority, arrival) (a lower value is served first, vLLM's request
+field ``priority``) and preempts the running sequence of the largest (priority, arrival)
+first, handing back the budget of one this step had already scheduled.
 """
 
 from __future__ import annotations
 
 import enum
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +67,7 @@ class Sequence:
     # the prompt (the share of the copy that does not overlap the forward).
     export_stall_seconds: float = 0.0
     arrival: float = 0.0
+    priority: int = 0  # lower first, under the priority policy (vLLM's request field)
     sink: Any = None  # the engine's emission target
     # scheduler state
     status: SeqStatus = SeqStatus.WAITING
@@ -103,6 +111,15 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # or "swap"
     watermark: float = 0.01  # keep this share of blocks free when admitting
     output_token_s: float = 0.0  # frontend cost per emitted token (serialises a step's outputs)
+    policy: str = "fcfs"  # or "priority" (SCHEDULING_POLICIES)
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def priority_key(seq: Sequence) -> tuple[int, float]:
+    """The priority policy's order: lower priority value first, then earlier arrival."""
+    return (seq.priority, seq.arrival)
 
 
 class BatchScheduler:
@@ -127,6 +144,12 @@ class BatchScheduler:
         self.preemptions_total = 0
         self.frontend_free_at = 0.0  # sim time the output frontend finishes its backlog
         self._watermark_blocks = int(config.num_blocks * config.watermark)
+        if config.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {config.policy!r}"
+            )
+        self._by_priority = config.policy == "priority"
 
     # -- queries -----------------------------------------------------------------------
 
@@ -153,7 +176,15 @@ class BatchScheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        if self._by_priority:
+            self._enqueue_by_priority(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _enqueue_by_priority(self, seq: Sequence) -> None:
+        """Into the waiting queue at its (priority, arrival) place, after its equals."""
+        at = bisect_right(self.waiting, priority_key(seq), key=priority_key)
+        self.waiting.insert(at, seq)
 
     def abort(self, seq: Sequence) -> None:
         if seq.status == SeqStatus.FINISHED:
@@ -193,7 +224,10 @@ class BatchScheduler:
         victim.computed = 0
         victim.imported_tokens = 0  # the handed-over KV is gone too
         victim.status = SeqStatus.WAITING
-        self.waiting.appendleft(victim)
+        if self._by_priority:
+            self._enqueue_by_priority(victim)
+        else:
+            self.waiting.appendleft(victim)
         return 0.0
 
     # -- one step --------------------------------------------------------------------------
@@ -208,9 +242,22 @@ class BatchScheduler:
             seq = self.running[i]
             chunk = min(seq.context - seq.computed, budget)
             need = self.blocks_for(seq.computed + chunk) - seq.blocks
-            while need > self.free_blocks and self.running[-1] is not seq:
-                extra += self._preempt(self.running[-1])
-                preempted += 1
+            if self._by_priority:
+                while need > self.free_blocks:
+                    victim = max(self.running, key=priority_key)
+                    if victim is seq:
+                        break
+                    if self.running.index(victim) < i:
+                        # Scheduled earlier in this step: its chunk and budget come back.
+                        scheduled = [(s, c) for s, c in scheduled if s is not victim]
+                        budget = self._budget_left(scheduled)
+                        i -= 1
+                    extra += self._preempt(victim)
+                    preempted += 1
+            else:
+                while need > self.free_blocks and self.running[-1] is not seq:
+                    extra += self._preempt(self.running[-1])
+                    preempted += 1
             if need > self.free_blocks:
                 extra += self._preempt(seq)
                 preempted += 1

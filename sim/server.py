@@ -29,6 +29,7 @@ from sim.protocol import (
     ApiError,
     ParsedRequest,
     check_length,
+    check_priority,
     decode_json,
     parse_detokenize,
     parse_request,
@@ -270,6 +271,7 @@ class SimServer:
                 "kv_lease_seconds": self.settings.kv_lease_seconds,
                 "kv_connector": self.connector.describe() if self.connector else None,
                 "syshax_compat": cfg.syshax_compat,
+                "scheduling_policy": cfg.scheduling_policy,
                 "enable_prompt_tokens_details": self.settings.enable_prompt_tokens_details,
                 "segments_reclaimed": self.reclaimed,
                 "late_steps": self.engine.late_steps,
@@ -293,6 +295,7 @@ class SimServer:
         body = decode_json(await request.read())
         req = parse_request(kind, body, self.tokenizer, syshax_compat=compat)
         self._check_model(req.model)
+        check_priority(req, self.engine.config.scheduling_policy)
         max_new = check_length(req, self.max_model_len)
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         response_id = req.syshax.request_id_inference or f"{prefix}{uuid.uuid4().hex[:16]}"
@@ -345,6 +348,7 @@ class SimServer:
             new_token_limit=plan.new_token_limit,
             natural_stop=req.max_tokens is None and not req.ignore_eos,
             min_tokens=req.min_tokens,
+            priority=req.priority,
             imported_tokens=plan.imported_tokens,
             connector_queried=plan.connector_queried,
             connector_hits=plan.connector_hits,

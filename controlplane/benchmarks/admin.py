@@ -5,6 +5,7 @@ from typing import Any
 from django.contrib import admin
 
 from controlplane.benchmarks import services
+from controlplane.benchmarks.choices import DEFAULT_CONCURRENCY, DEFAULT_ITERATIONS
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
 from controlplane.core.admin import RecordAdmin, ServiceDeleteAdmin
 from controlplane.deployments.admin import DeploymentAdmin
@@ -20,8 +21,8 @@ def run_benchmark(modeladmin, request, queryset):  # type: ignore[no-untyped-def
             scenario=scenario,
             deployment=deployment,
             mode="hetero",
-            concurrency=[8],
-            iterations=100,
+            concurrency=list(DEFAULT_CONCURRENCY),
+            iterations=DEFAULT_ITERATIONS,
         )
         modeladmin.message_user(request, f"{deployment}: benchmark run {run.pk} queued")
 

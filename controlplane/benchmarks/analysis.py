@@ -90,6 +90,13 @@ class Recommendation:
     policy: dict[str, Any] = field(default_factory=dict)
     figures: dict[str, dict[str, float | None]] = field(default_factory=dict)
     considered: list[str] = field(default_factory=list)
+    # What the operator must know before acting on it: partial runs among the figures,
+    # figures measured under different policy revisions, modes compared at different levels.
+    caveats: list[str] = field(default_factory=list)
+    # Per mode, the run its figures come from: {"run", "policy", "partial"}.
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # sysHAX's guidance for the goal and whether these measurements agree with it.
+    guidance: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -194,17 +201,121 @@ def _goodput_advice(
     )
 
 
-def best_rows(summaries: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """For each mode, the figures at its highest measured concurrency (the most recent
-    summary wins), which is where throughput differences between modes show."""
-    best: dict[str, tuple[int, dict[str, float | None]]] = {}
+# sysHAX's guidance table (MISSION.md), which the advisor checks against measurements.
+GUIDANCE = {"latency": "gpu", "throughput": "hetero"}
+GOAL_WORDS = {"latency": "the lowest latency", "throughput": "the highest throughput"}
+
+
+def run_meta(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """Who measured a summary's rows: ``{"id", "partial", "label", "policy", "versions"}``
+    from the ``run`` entry ``services.advisor_summaries`` adds and the policy the runner
+    records in its config (``recorded_under``); empty values where unknown."""
+    meta = summary.get("run")
+    meta = dict(meta) if isinstance(meta, Mapping) else {}
+    config = summary.get("config")
+    under = meta.get("recorded_under")
+    if not isinstance(under, Mapping) and isinstance(config, Mapping):
+        under = config.get("recorded_under")
+    policy = under.get("policy") if isinstance(under, Mapping) else None
+    if isinstance(policy, Mapping) and policy.get("name"):
+        seen = [v for v in policy.get("versions_seen") or [] if isinstance(v, int)]
+        meta["policy"] = f"{policy['name']} v{policy.get('version')}"
+        meta["versions"] = seen or [policy.get("version")]
+    else:
+        meta.setdefault("policy", "")
+        meta.setdefault("versions", [])
+    meta["partial"] = bool(meta.get("partial") or summary.get("partial"))
+    return meta
+
+
+def _best(
+    summaries: Sequence[Mapping[str, Any]],
+) -> tuple[dict[str, dict[str, float | None]], dict[str, dict[str, Any]], bool]:
+    """For each mode, the figures at the highest concurrency every mode measured (the
+    most recent summary wins), which is where throughput differences between modes show
+    and where they compare like for like; without a level all modes share, each mode's
+    highest. Also each mode's source run and whether the levels were shared."""
+    found: dict[str, dict[int, tuple[dict[str, float | None], dict[str, Any]]]] = {}
     for summary in summaries:
+        meta = run_meta(summary)
         for (mode, concurrency), figures in rows_by_key(summary).items():
             if figures.get("throughput_tok_s") is None:
                 continue
-            if mode not in best or concurrency > best[mode][0]:
-                best[mode] = (concurrency, {**figures, "concurrency": float(concurrency)})
-    return {mode: figures for mode, (_, figures) in best.items()}
+            found.setdefault(mode, {})[concurrency] = (figures, meta)
+    if not found:
+        return {}, {}, True
+    shared = set.intersection(*(set(levels) for levels in found.values()))
+    best: dict[str, dict[str, float | None]] = {}
+    sources: dict[str, dict[str, Any]] = {}
+    for mode, levels in found.items():
+        level = max(shared) if shared else max(levels)
+        figures, meta = levels[level]
+        best[mode] = {**figures, "concurrency": float(level)}
+        sources[mode] = {
+            "run": meta.get("id"),
+            "policy": meta.get("policy", ""),
+            "versions": meta.get("versions", []),
+            "partial": meta.get("partial", False),
+            "label": meta.get("label", ""),
+        }
+    return best, sources, bool(shared)
+
+
+def best_rows(summaries: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """For each mode, the figures the advisor compares (see ``_best``)."""
+    return _best(list(summaries))[0]
+
+
+def caveats_for(sources: Mapping[str, Mapping[str, Any]], shared_level: bool) -> list[str]:
+    """What the figures of ``sources`` (per mode, the run they come from) must be read with."""
+    out: list[str] = []
+    policies = {src.get("policy") or "unrecorded" for src in sources.values()}
+    if len(policies) > 1:
+        by_mode = ", ".join(
+            f"{mode} under {src.get('policy') or 'an unrecorded policy'}"
+            + (f" (run #{src['run']})" if src.get("run") else "")
+            for mode, src in sorted(sources.items(), key=lambda item: _mode_order(item[0]))
+        )
+        out.append(
+            f"the modes were measured under different policy revisions ({by_mode}); "
+            "rerun them under one revision before acting on this"
+        )
+    for mode, src in sorted(sources.items(), key=lambda item: _mode_order(item[0])):
+        versions = [v for v in src.get("versions") or [] if v is not None]
+        if len(versions) > 1:
+            out.append(
+                f"the policy changed while {mode} was measured (run #{src.get('run')}: "
+                f"versions {', '.join(f'v{v}' for v in versions)})"
+            )
+    partial = sorted(
+        {(src.get("run"), src.get("label") or "partial") for src in sources.values()
+         if src.get("partial")},
+        key=lambda item: item[0] or 0,
+    )  # fmt: skip
+    for run, label in partial:
+        out.append(f"run #{run} is partial ({label}): only its finished points count")
+    if not shared_level and len(sources) > 1:
+        out.append("the modes share no measured concurrency level: each is at its highest")
+    return out
+
+
+def _mode_order(mode: str) -> int:
+    return MODES.index(mode) if mode in MODES else len(MODES)
+
+
+def guidance_note(goal: str, mode: str | None) -> str:
+    """sysHAX's guidance for the goal beside what the measurements recommend, so the page
+    never states the table's answer as if it were the measured one."""
+    expected = GUIDANCE.get(goal)
+    if expected is None or mode is None:
+        return ""
+    words = GOAL_WORDS[goal]
+    if mode == expected:
+        return f"This agrees with sysHAX's guidance: {expected} mode for {words}."
+    return (
+        f"sysHAX's guidance says {expected} mode for {words}; these measurements say "
+        f"{mode} mode, and the advice follows the measurements."
+    )
 
 
 def advise(
@@ -230,10 +341,11 @@ def advise(
         sweeps = sweeps_at_slo(summaries, ttft_slo_ms, tpot_slo_ms)
         if sweeps is not None:
             return _goodput_advice(sweeps, goal, cpu_max_batch_size)
-    figures = best_rows(summaries)
+    figures, sources, shared = _best(summaries)
     considered = sorted(figures, key=MODES.index) if figures else []
     if not figures:
         return Recommendation(None, goal, "no measured runs yet: run a benchmark in each mode")
+    caveats = caveats_for(sources, shared)
     if set(figures) == {"cpu"}:
         return _recommend(
             "cpu",
@@ -242,6 +354,8 @@ def advise(
             figures,
             considered,
             cpu_max_batch_size,
+            caveats=caveats,
+            sources=sources,
         )
 
     def value(mode: str, name: str, missing: float) -> float:
@@ -280,14 +394,31 @@ def advise(
             why = "no measured mode meets the SLO at p99; relax it or add capacity"
             if meeting:
                 why = "only hetero meets the SLO at p99 in these runs" + unswept
-            return Recommendation(None, goal, why, figures=figures, considered=considered)
+            return Recommendation(
+                None,
+                goal,
+                why,
+                figures=figures,
+                considered=considered,
+                caveats=caveats,
+                sources=sources,
+            )
         mode = max(offered, key=lambda m: value(m, "throughput_tok_s", 0.0))
         reason = (
             f"meets the SLO at p99 ({', '.join(meeting)} do) with the highest throughput: "
             f"{value(mode, 'throughput_tok_s', 0):.1f} tok/s"
             + (unswept if "hetero" in meeting else "")
         )
-    return _recommend(mode, goal, reason, figures, considered, cpu_max_batch_size)
+    return _recommend(
+        mode,
+        goal,
+        reason,
+        figures,
+        considered,
+        cpu_max_batch_size,
+        caveats=caveats,
+        sources=sources,
+    )
 
 
 def _recommend(
@@ -297,8 +428,21 @@ def _recommend(
     figures: dict[str, dict[str, float | None]],
     considered: list[str],
     cpu_max_batch_size: int | None,
+    *,
+    caveats: list[str] | None = None,
+    sources: dict[str, dict[str, Any]] | None = None,
 ) -> Recommendation:
     policy = dict(POLICY_FOR_MODE.get(mode, {}))
     if mode == "hetero" and cpu_max_batch_size:
         policy["cpu_max_batch_size"] = cpu_max_batch_size
-    return Recommendation(mode, goal, reason, policy, figures, considered)
+    return Recommendation(
+        mode,
+        goal,
+        reason,
+        policy,
+        figures,
+        considered,
+        caveats=list(caveats or []),
+        sources=dict(sources or {}),
+        guidance=guidance_note(goal, mode),
+    )

@@ -20,6 +20,18 @@ class RunStatus(models.TextChoices):
 
 ACTIVE_STATUSES = (RunStatus.QUEUED, RunStatus.RUNNING)
 
+# What a page shows for a run: its status, except that a running run whose cancel was
+# requested shows "cancelling" until the runner stops it (a display state, not a stored one).
+CANCELLING = "cancelling"
+
+# The one definition of a run's defaults, for the dashboard's form, the admin's action, the
+# API and scheduled runs alike: a first run that ends in about a minute on the simulated
+# engines ``make up`` starts (a simulated A100 decoding a 32B model at about 12 ms a token):
+# 8 + 4 + 2 + 1 rounds of about 3.2 s a request of the short scenario in hetero mode.
+# 100 iterations took about 10 minutes.
+DEFAULT_CONCURRENCY = (1, 2, 4, 8)
+DEFAULT_ITERATIONS = 8
+
 _R = RunStatus
 # docs/lifecycles.md#benchmark-run shows this table; test_lifecycles.py checks they agree.
 # The moves are compare-and-set updates (runner.claim, runner._finish, services.request_cancel)

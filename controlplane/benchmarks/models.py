@@ -5,7 +5,14 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
-from controlplane.benchmarks.choices import BenchmarkMode, RunStatus
+from controlplane.benchmarks.choices import (
+    ACTIVE_STATUSES,
+    CANCELLING,
+    DEFAULT_CONCURRENCY,
+    DEFAULT_ITERATIONS,
+    BenchmarkMode,
+    RunStatus,
+)
 from controlplane.deployments.models import Deployment
 
 MAX_CONCURRENCY = 1024
@@ -48,7 +55,7 @@ class Scenario(models.Model):
 
 
 def default_concurrency() -> list[int]:
-    return [1]
+    return list(DEFAULT_CONCURRENCY)
 
 
 class BenchmarkRun(models.Model):
@@ -80,7 +87,7 @@ class BenchmarkRun(models.Model):
         default=False, help_text="bisect between the last rate meeting the target and the next"
     )
     iterations = models.PositiveIntegerField(
-        default=100, validators=[MinValueValidator(1), MaxValueValidator(100000)]
+        default=DEFAULT_ITERATIONS, validators=[MinValueValidator(1), MaxValueValidator(100000)]
     )
     warmup = models.PositiveIntegerField(default=0, validators=[MaxValueValidator(10000)])
     seed = models.PositiveIntegerField(default=0)
@@ -90,7 +97,20 @@ class BenchmarkRun(models.Model):
     progress = models.FloatField(
         default=0.0, validators=[MinValueValidator(0), MaxValueValidator(1)]
     )
+    # What the run does now and how far it got, written by the runner as it goes: a point is
+    # one (mode, concurrency) row, or one (mode, rate) row of a sweep.
+    phase = models.CharField(max_length=200, blank=True)
+    points_done = models.PositiveIntegerField(default=0)
+    points_total = models.PositiveIntegerField(default=0)
+    eta_at = models.DateTimeField(
+        null=True, blank=True, help_text="when the run should end, from its points so far"
+    )
+    # The load generator's JSON; while the run is active (and after a cancel or failure) it
+    # holds the points finished so far, with "partial": true.
     summary = models.JSONField(default=dict, blank=True)
+    # What the run ran under: the deployment's policy (name, version at start, every version
+    # seen while it ran), its profile (name, fingerprint, updated_at) and the engines.
+    recorded_under = models.JSONField(default=dict, blank=True)
     error = models.TextField(blank=True)
     cancel_requested = models.BooleanField(default=False)
     is_baseline = models.BooleanField(default=False)
@@ -127,6 +147,26 @@ class BenchmarkRun(models.Model):
 
     def __str__(self) -> str:
         return self.name or f"run {self.pk} ({self.scenario.name}, {self.mode})"
+
+    @property
+    def state(self) -> str:
+        """The one state every page shows (badge, banner, Cancel button): the status, or
+        "cancelling" while a running run's cancel has been requested."""
+        if self.status == RunStatus.RUNNING and self.cancel_requested:
+            return CANCELLING
+        return str(self.status)
+
+    @property
+    def cancellable(self) -> bool:
+        return self.status in ACTIVE_STATUSES and not self.cancel_requested
+
+    @property
+    def partial(self) -> bool:
+        """A run that ended before all its points and kept the finished ones (the runner
+        marks such a summary "partial")."""
+        return self.status not in ACTIVE_STATUSES and bool(
+            isinstance(self.summary, dict) and self.summary.get("partial")
+        )
 
     def clean(self) -> None:
         errors: dict[str, str] = {}

@@ -7,9 +7,15 @@ from urllib.parse import urlsplit
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Q
 
 from controlplane.benchmarks.analysis import compare_to_baseline
-from controlplane.benchmarks.choices import ACTIVE_STATUSES, EXECUTE_RUN_TASK, RunStatus
+from controlplane.benchmarks.choices import (
+    ACTIVE_STATUSES,
+    CANCELLING,
+    EXECUTE_RUN_TASK,
+    RunStatus,
+)
 from controlplane.benchmarks.models import BenchmarkRun, Scenario
 from controlplane.core import audit, dispatch
 from controlplane.core.services import checked_delete
@@ -165,12 +171,36 @@ def flag_regression(run: BenchmarkRun, threshold_percent: float) -> bool:
 def advisor_summaries(
     deployment_id: int | None = None, limit: int = ADVISOR_RUNS
 ) -> list[dict[str, Any]]:
-    """The summaries the mode advisor decides from: the newest ``limit`` successful runs
-    (of one deployment if given), oldest first."""
-    runs = BenchmarkRun.objects.filter(status=RunStatus.SUCCEEDED).order_by("-finished_at")
+    """The summaries the mode advisor decides from: the newest ``limit`` runs that measured
+    something (of one deployment if given), oldest first: the successful ones, and those
+    cancelled or failed after finishing some points, marked partial. Each carries a ``run``
+    entry (``id``, ``partial``, ``label``, ``recorded_under``) for the advisor's caveats."""
+    runs = BenchmarkRun.objects.filter(
+        Q(status=RunStatus.SUCCEEDED)
+        | Q(status__in=(RunStatus.CANCELLED, RunStatus.FAILED), points_done__gt=0)
+    ).order_by("-finished_at")
     if deployment_id is not None:
         runs = runs.filter(deployment_id=deployment_id)
-    return [run.summary for run in reversed(list(runs[:limit]))]
+    out = []
+    for run in reversed(list(runs[:limit])):
+        summary = dict(run.summary) if isinstance(run.summary, dict) else {}
+        summary["run"] = {
+            "id": run.pk,
+            "partial": run.partial,
+            "label": run.phase if run.partial else "",
+            "recorded_under": run.recorded_under,
+        }
+        out.append(summary)
+    return out
+
+
+def cancel_message(run: BenchmarkRun) -> str:
+    """What an operator is told after pressing Cancel, from the run's one state."""
+    if run.state == CANCELLING:
+        return (
+            f"run {run.pk} is cancelling: it stops within a second and keeps the points it finished"
+        )
+    return f"run {run.pk} is {run.state}"
 
 
 def scenario_delete_refusal(scenario: Scenario) -> str:

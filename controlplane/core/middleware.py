@@ -18,13 +18,18 @@ def _api_error(status: int, code: str, message: str) -> JsonResponse:
 
 
 class BodySizeLimitMiddleware:
-    """Refuse a body over MAX_REQUEST_BODY_BYTES with a JSON 413 before anything reads it."""
+    """Refuse a body over MAX_REQUEST_BODY_BYTES (or a path's own limit,
+    ``BODY_LIMITS_BY_PATH``: the Batch API's uploads) with a JSON 413 before anything reads
+    it."""
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        limit = settings.MAX_REQUEST_BODY_BYTES
+        limit = next(
+            (n for prefix, n in settings.BODY_LIMITS_BY_PATH.items() if request.path == prefix),
+            settings.MAX_REQUEST_BODY_BYTES,
+        )
         raw = request.META.get("CONTENT_LENGTH") or "0"
         try:
             length = int(raw)

@@ -149,3 +149,95 @@ def percentile_series(
             if any(dist.get(p) is not None for p in PERCENTILES):
                 series[f.mode] = [dist.get(p) for p in PERCENTILES]
     return series
+
+
+def eta_text(seconds: float | None) -> str:
+    """An ETA as people say it: "about 40 s", "about 3 min"; "" when unknown."""
+    if seconds is None:
+        return ""
+    if seconds < 60:
+        return f"about {max(round(seconds), 1)} s"
+    return f"about {round(seconds / 60)} min"
+
+
+def run_banner(
+    pk: int,
+    state: str,
+    phase: str,
+    points_done: int,
+    points_total: int,
+    eta_seconds: float | None,
+) -> str:
+    """The one sentence a run's page says about where the run is, from its one state (the
+    badge and the Cancel button derive from the same state)."""
+    if state == "queued":
+        return f"Run {pk} is queued: a worker starts it shortly."
+    if state == "running":
+        where = f": {phase}" if phase else ""
+        if eta_seconds is not None:
+            return f"Run {pk} is running{where}; {eta_text(eta_seconds)} left."
+        return f"Run {pk} is running{where}; the ETA follows the first finished point."
+    if state == "cancelling":
+        kept = f" ({points_done} of {points_total} points finished)" if points_total else ""
+        return (
+            f"Run {pk} is cancelling: it stops within a second and keeps the points it "
+            f"finished{kept}."
+        )
+    if state == "cancelled":
+        if points_done:
+            return f"Run {pk} was cancelled after {points_done} of {points_total} points."
+        return f"Run {pk} was cancelled before it measured a point."
+    if state == "failed":
+        if points_done:
+            return f"Run {pk} failed after {points_done} of {points_total} points."
+        return f"Run {pk} failed."
+    return f"Run {pk} finished: {points_done} point{'s' if points_done != 1 else ''} measured."
+
+
+def recorded_facts(recorded: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """(label, text) of what a run ran under: its policy revision (and every revision seen
+    while it ran), its profile and fingerprint, its engines. Empty for a run that recorded
+    nothing (runs from before it was recorded)."""
+    recorded = recorded if isinstance(recorded, Mapping) else {}
+    out: list[tuple[str, str]] = []
+    policy = recorded.get("policy")
+    if isinstance(policy, Mapping):
+        text = f"{policy.get('name')} v{policy.get('version')}"
+        seen = [v for v in policy.get("versions_seen") or [] if v != policy.get("version")]
+        if seen:
+            versions = ", ".join(f"v{v}" for v in policy.get("versions_seen") or [])
+            text += f" (changed while it ran: {versions})"
+        out.append(("Policy", text))
+    profile = recorded.get("profile")
+    if isinstance(profile, Mapping):
+        text = f"{profile.get('name')} · fingerprint {profile.get('fingerprint')}"
+        if profile.get("updated_at"):
+            text += f" · updated {str(profile['updated_at'])[:19].replace('T', ' ')}"
+        out.append(("Profile", text))
+    engines = recorded.get("engines")
+    if isinstance(engines, Mapping):
+        parts = []
+        if engines.get("kind"):
+            parts.append(str(engines["kind"]))
+        if engines.get("sim_devices"):
+            parts.append(" + ".join(str(d) for d in engines["sim_devices"]))
+        for key, label in (("gpu_image", "GPU image"), ("cpu_image", "CPU image")):
+            if engines.get(key) and engines.get("kind") != "simulator":
+                parts.append(f"{label} {engines[key]}")
+        if engines.get("agent_version"):
+            parts.append(f"agent {engines['agent_version']}")
+        if engines.get("generation") is not None:
+            parts.append(f"generation {engines['generation']}")
+        if engines.get("target"):
+            parts.append(f"target {engines['target']}")
+        if parts:
+            out.append(("Engines", " · ".join(parts)))
+    return out
+
+
+def policy_label(recorded: Mapping[str, Any] | None) -> str:
+    """ "default v3", or "" when the run recorded no policy."""
+    policy = recorded.get("policy") if isinstance(recorded, Mapping) else None
+    if not isinstance(policy, Mapping):
+        return ""
+    return f"{policy.get('name')} v{policy.get('version')}"

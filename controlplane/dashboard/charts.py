@@ -305,3 +305,64 @@ def sparkline(values: Sequence[float], *, title: str, maximum: float = 100.0) ->
         title,
         escape(coords),
     )
+
+
+def time_chart(
+    series: Mapping[str, Sequence[tuple[float, float | None]]],
+    *,
+    title: str,
+    y_label: str,
+    span: float,
+    x_label: str = "minutes ago",
+) -> SafeString:
+    """Lines over a time window: x is seconds before now (``-span`` .. 0), labelled in
+    minutes (or hours past two hours); a None value breaks its line. Five ticks, not one a
+    point, since a window holds dozens of points."""
+    points = [(x, y) for values in series.values() for x, y in values if y is not None]
+    if not points:
+        return SafeString("")
+    frame = Frame(-span, 0.0, nice_ceiling(max(y for _, y in points)))
+    hours = span > 2 * 3600
+    unit = 3600.0 if hours else 60.0
+    parts = _open(title)
+    _axes(parts, frame, "hours ago" if hours and x_label == "minutes ago" else x_label, y_label)
+    for i in range(5):
+        x = -span + span * i / 4
+        parts.append(
+            _svg(
+                '<text class="tick" x="{}" y="{}" text-anchor="middle">{}</text>',
+                frame.x(x),
+                HEIGHT - BOTTOM + 16,
+                fmt(round(-x / unit, 1)),
+            )
+        )
+    names = list(series)
+    for name, values in series.items():
+        cls = colour_index(name, names)
+        runs: list[list[tuple[float, float]]] = [[]]
+        for x, y in sorted(values, key=lambda p: p[0]):
+            if y is None:
+                runs.append([])
+            else:
+                runs[-1].append((x, y))
+        for run in runs:
+            if len(run) > 1:
+                coords = " ".join(f"{frame.x(x):.1f},{frame.y(y):.1f}" for x, y in run)
+                parts.append(_svg('<polyline class="line s{}" points="{}"/>', cls, coords))
+            for x, y in run[-1:] if len(run) > 1 else run:
+                parts.append(
+                    _svg(
+                        '<circle class="s{}" cx="{}" cy="{}" r="2.5"><title>{}: {} {}'
+                        "</title></circle>",
+                        cls,
+                        frame.x(x),
+                        frame.y(y),
+                        name,
+                        fmt(y),
+                        y_label,
+                    )
+                )
+    _legend(parts, names)
+    parts.append("</svg>")
+    # Every piece above went through format_html, which escaped the data.
+    return mark_safe("".join(parts))

@@ -17,7 +17,7 @@ from rest_framework import serializers
 
 from common.policy_schema import KNOBS, Knob
 from controlplane.benchmarks.api.serializers import ConcurrencyField, RatesField
-from controlplane.benchmarks.choices import BenchmarkMode
+from controlplane.benchmarks.choices import DEFAULT_CONCURRENCY, DEFAULT_ITERATIONS, BenchmarkMode
 from controlplane.benchmarks.models import Scenario
 from controlplane.deployments.models import Deployment, DeploymentProfile
 from controlplane.inventory.models import Node, node_name_validator
@@ -138,11 +138,8 @@ class PolicyForm(AllErrorsForm):
         return [(self[knob.name], knob) for knob in KNOBS]
 
 
-# A first run that ends in about a minute on the simulated engines ``make up`` starts (a
-# simulated A100 decoding a 32B model at about 12 ms a token): 8 + 4 + 2 + 1 rounds of about
-# 3.2 s a request of the short scenario in hetero mode. 100 iterations took about 10 minutes.
-DEFAULT_LEVELS = "1,2,4,8"
-DEFAULT_ITERATIONS = 8
+# The benchmarks app's one definition of a run's defaults (the admin and schedules use it too).
+DEFAULT_LEVELS = ",".join(str(level) for level in DEFAULT_CONCURRENCY)
 
 
 class BenchmarkRunForm(AllErrorsForm):

@@ -7,8 +7,10 @@ from controlplane.dashboard.views import (
     deployments,
     nodes,
     overview,
+    playground,
     policy,
     profiles,
+    tenants,
 )
 
 app_name = "dashboard"
@@ -16,6 +18,7 @@ app_name = "dashboard"
 urlpatterns = [
     path("", overview.overview, name="overview"),
     path("live/accelerators.json", overview.accelerators_json, name="accelerators-json"),
+    path("live/serving.json", overview.serving_json, name="serving-json"),
     path("nodes/", nodes.node_list, name="nodes"),
     path("nodes/<str:name>/", nodes.node_detail, name="node"),
     path("deployments/", deployments.deployment_list, name="deployments"),
@@ -25,6 +28,11 @@ urlpatterns = [
         "deployments/<int:pk>/timeline.json",
         deployments.deployment_timeline,
         name="deployment-timeline",
+    ),
+    path(
+        "deployments/<int:pk>/playground/",
+        playground.playground,
+        name="deployment-playground",
     ),
     path(
         "deployments/<int:pk>/<slug:action>/",
@@ -38,9 +46,20 @@ urlpatterns = [
     path("policy/", policy.policy_index, name="policies"),
     path("policy/<slug:name>/", policy.policy_detail, name="policy"),
     path("policy/<slug:name>/rollback/", policy.policy_rollback, name="policy-rollback"),
+    path("tenants/", tenants.tenant_list, name="tenants"),
+    path("tenants/<str:name>/", tenants.tenant_detail, name="tenant"),
+    path("tenants/<str:name>/keys/", tenants.tenant_issue_key, name="tenant-issue-key"),
+    path(
+        "tenants/<str:name>/keys/<int:key_id>/revoke/",
+        tenants.tenant_revoke_key,
+        name="tenant-revoke-key",
+    ),
+    path("tenants/<str:name>/delete/", tenants.tenant_delete, name="tenant-delete"),
     path("benchmarks/", benchmarks.benchmark_list, name="benchmarks"),
     path("benchmarks/new/", benchmarks.benchmark_create, name="benchmark-create"),
     path("benchmarks/compare/", benchmarks.benchmark_compare, name="benchmark-compare"),
+    path("benchmarks/schedules/new/", benchmarks.schedule_create, name="schedule-create"),
+    path("benchmarks/schedules/<int:pk>/", benchmarks.schedule_edit, name="schedule-edit"),
     path("benchmarks/<int:pk>/", benchmarks.benchmark_detail, name="benchmark"),
     path("benchmarks/<int:pk>/charts/", benchmarks.benchmark_charts, name="benchmark-charts"),
     path(

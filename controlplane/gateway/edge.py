@@ -62,6 +62,17 @@ class EdgeLimits:
     max_head: int = 64 * 1024  # bytes of a request's head (its line and fields)
     max_fields: int = 100  # fields in a request's head
     max_connections: int = 16_384  # open client connections
+    # Larger bodies allowed on these exact paths (the Batch API's file uploads, which routers
+    # forward here): (path, bytes).
+    body_limits_by_path: tuple[tuple[bytes, int], ...] = ()
+
+    def body_limit(self, target: bytes) -> int:
+        """The body limit of a request for ``target`` (its path, before any query)."""
+        path = target.split(b"?", 1)[0]
+        for prefix, limit in self.body_limits_by_path:
+            if path == prefix:
+                return limit
+        return self.max_body
 
 
 @dataclass
@@ -119,6 +130,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._head_open = True  # between requests, or reading a head
         self._head_bytes = 0
         self._body_bytes = 0
+        self._max_body = self.limits.max_body  # the request being read's body limit
         self._reading: asyncio.TimerHandle | None = None
         self._refused = False
         self._refusal: bytes | None = None  # to send once the answer under way is out
@@ -234,9 +246,10 @@ class EdgeProtocol(HttpToolsProtocol):
             self.edge.counts.target_refused += 1
             self._refuse(400, "bad_request", "the request target must be a path (origin-form)")
             raise _Refused
+        self._max_body = self.limits.body_limit(self.url)
         for name, value in self.headers:
             if name == b"content-length":
-                if len(value) > 18 or int(value) > self.limits.max_body:
+                if len(value) > 18 or int(value) > self._max_body:
                     self._refuse_body()
                     raise _Refused
                 break
@@ -245,7 +258,7 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
-        if self._body_bytes > self.limits.max_body:  # a chunked body; a sized one was checked
+        if self._body_bytes > self._max_body:  # a chunked body; a sized one was checked
             self._refuse_body(own=self.cycle)
             raise _Refused
         super().on_body(body)
@@ -275,7 +288,7 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def _refuse_body(self, own: Any = None) -> None:
         self.edge.counts.body_refused += 1
-        limit = self.limits.max_body
+        limit = self._max_body
         self._refuse(413, "payload_too_large", f"the request body is over {limit} bytes", own=own)
 
     def _refuse(self, status: int, code: str, message: str, own: Any = None) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from django.utils.http import parse_header_parameters
 
+from common.serving import ServingError, clean_serving
 from controlplane.core.parsers import UNSTORABLE, unstorable_text
 from controlplane.inventory.api.serializers import MAX_BYTES
 from controlplane.routers.choices import DECISIONS
@@ -191,6 +192,10 @@ def router_stats(payload: Any) -> dict[str, Any] | None:
     if decisions is None or outcomes is None:
         return None
     stats["decisions"], stats["outcomes"] = decisions, outcomes
+    try:
+        stats["serving"] = clean_serving(payload.get("serving", {}))
+    except ServingError:
+        return None
     return stats
 
 

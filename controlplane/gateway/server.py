@@ -256,6 +256,9 @@ class Gateway:
         self.edge = Edge(
             EdgeLimits(
                 max_body=settings.MAX_REQUEST_BODY_BYTES,
+                body_limits_by_path=tuple(
+                    (path.encode(), limit) for path, limit in settings.BODY_LIMITS_BY_PATH.items()
+                ),
                 read_timeout=read_timeout,
                 idle_timeout=idle_timeout,
                 max_connections=max_connections,

@@ -67,6 +67,28 @@ class SchedulingPolicy(TimeStampedModel):
     metrics_interval_seconds = models.FloatField(
         default=1.0, validators=_range("metrics_interval_seconds")
     )
+    # SLO classes (common.policy_schema.SLO_CLASSES): each a group of knobs.
+    class_aware = models.BooleanField(default=True)
+    interactive_ttft_ms = models.FloatField(
+        default=1000.0, validators=_range("interactive_ttft_ms")
+    )
+    interactive_tpot_ms = models.FloatField(default=50.0, validators=_range("interactive_tpot_ms"))
+    interactive_priority = models.PositiveIntegerField(
+        default=0, validators=_range("interactive_priority")
+    )
+    interactive_sheddable = models.BooleanField(default=False)
+    interactive_cpu_first = models.BooleanField(default=False)
+    standard_ttft_ms = models.FloatField(default=3000.0, validators=_range("standard_ttft_ms"))
+    standard_priority = models.PositiveIntegerField(
+        default=1, validators=_range("standard_priority")
+    )
+    standard_sheddable = models.BooleanField(default=False)
+    standard_cpu_first = models.BooleanField(default=False)
+    batch_ttft_ms = models.FloatField(default=60000.0, validators=_range("batch_ttft_ms"))
+    batch_tpot_ms = models.FloatField(default=300.0, validators=_range("batch_tpot_ms"))
+    batch_priority = models.PositiveIntegerField(default=2, validators=_range("batch_priority"))
+    batch_sheddable = models.BooleanField(default=True)
+    batch_cpu_first = models.BooleanField(default=True)
 
     class Meta:
         ordering = ["name"]

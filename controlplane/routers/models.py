@@ -39,17 +39,28 @@ class RouterInstance(models.Model):
 
 
 class RouterStatsSample(models.Model):
-    """One stats report: the history behind the dashboard's request-rate and decision charts."""
+    """One stats report: the history behind the dashboard's serving panels; pruned after
+    ROUTER_STATS_RETENTION_HOURS (``routers.prune_samples``)."""
 
     router = models.ForeignKey(RouterInstance, on_delete=models.CASCADE, related_name="samples")
     received_at = models.DateTimeField(default=timezone.now)
     request_rate = models.FloatField(default=0.0)
     decisions = models.JSONField(default=dict, blank=True)
     policy_version = models.PositiveIntegerField(null=True, blank=True)
+    serving = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="what happened since the router's previous report (common/serving.py): "
+        "decisions and reasons, TTFT and TPOT histograms, each deployment's engines",
+    )
 
     class Meta:
         ordering = ["-received_at"]
-        indexes = [models.Index(fields=["router", "-received_at"], name="router_sample_time_idx")]
+        indexes = [
+            models.Index(fields=["router", "-received_at"], name="router_sample_time_idx"),
+            # The dashboard's windows over every router, and the prune.
+            models.Index(fields=["received_at"], name="router_sample_received_idx"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.router} @ {self.received_at:%H:%M:%S}"

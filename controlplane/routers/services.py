@@ -4,7 +4,7 @@ import functools
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection, transaction
@@ -13,10 +13,10 @@ from django.utils import timezone
 
 from common.errors import FieldError
 from common.hosts import is_http_url
-from common.routing import DeploymentSpec
+from common.routing import DeploymentSpec, schedules_by_priority
 from controlplane.access.models import MachineCredential
 from controlplane.deployments.choices import DeploymentState
-from controlplane.deployments.models import Deployment
+from controlplane.deployments.models import Deployment, DeploymentProfile
 from controlplane.inventory.models import Heartbeat
 from controlplane.routers.models import RouterInstance, RouterStatsSample
 
@@ -60,6 +60,7 @@ def record_stats(
             request_rate=router.request_rate,
             decisions=stats.get("decisions", {}),
             policy_version=router.policy_version,
+            serving=stats.get("serving", {}),
         )
 
 
@@ -156,8 +157,10 @@ def _stats_statement() -> str:
         f"  {router}.{col(RouterInstance, 'credential')} AS credential),"
         f" samples AS (INSERT INTO {sample} ({col(RouterStatsSample, 'router')},"
         f"  {col(RouterStatsSample, 'received_at')}, {col(RouterStatsSample, 'request_rate')},"
-        f"  {col(RouterStatsSample, 'decisions')}, {col(RouterStatsSample, 'policy_version')})"
-        f"  SELECT x.router, %(now)s, {rate}, x.stats->'decisions', {version}"
+        f"  {col(RouterStatsSample, 'decisions')}, {col(RouterStatsSample, 'policy_version')},"
+        f"  {col(RouterStatsSample, 'serving')})"
+        f"  SELECT x.router, %(now)s, {rate}, x.stats->'decisions', {version},"
+        "  COALESCE(x.stats->'serving', CAST('{}' AS jsonb))"
         "  FROM s x JOIN seen USING (router, credential) ORDER BY x.n)"
         " SELECT router, credential FROM seen"
     )
@@ -208,6 +211,7 @@ def routable_deployments() -> list[dict[str, Any]]:
             cpu_url=d.cpu_endpoint or None,
             # The CPU engine's own --max-num-seqs: the router admits no more CPU decodes.
             cpu_max_num_seqs=d.profile.cpu_max_num_seqs if d.profile.enable_cpu_engine else None,
+            priority_scheduling=_priority_scheduling(d.profile),
             **_telemetry(d),
         ).as_api()
         for d in rows
@@ -217,6 +221,33 @@ def routable_deployments() -> list[dict[str, Any]]:
     ]
 
 
+def _priority_scheduling(profile: DeploymentProfile) -> bool:
+    """Whether every engine of the profile schedules by priority (its extra arguments say
+    ``--scheduling-policy priority``): only then may the router send a request's class
+    priority, which an engine scheduling first come, first served refuses."""
+    engines = [profile.gpu_extra_args]
+    if profile.enable_cpu_engine:
+        engines.append(profile.cpu_extra_args)
+    return all(schedules_by_priority(list(args)) for args in engines)
+
+
 def deployments_etag(payload: list[dict[str, Any]]) -> str:
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
     return f'"deployments-{digest}"'
+
+
+# Rows deleted per statement by the prune (a router reports every 10 s: 8,640 rows a day).
+PRUNE_BATCH = 10_000
+
+
+def prune_samples(retention_hours: int, batch: int = PRUNE_BATCH) -> int:
+    """Delete stats samples older than the retention, ``batch`` rows per transaction."""
+    cutoff = timezone.now() - timedelta(hours=retention_hours)
+    expired = RouterStatsSample.objects.filter(received_at__lt=cutoff).order_by()
+    total = 0
+    while True:
+        ids = list(expired.values_list("pk", flat=True)[:batch])
+        if not ids:
+            return total
+        deleted, _ = RouterStatsSample.objects.filter(pk__in=ids).delete()
+        total += deleted

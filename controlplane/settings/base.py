@@ -47,6 +47,8 @@ INSTALLED_APPS = [
     "controlplane.policy",
     "controlplane.deployments",
     "controlplane.routers",
+    "controlplane.tenants",
+    "controlplane.batches",
     "controlplane.benchmarks",
     "controlplane.dashboard",
 ]
@@ -127,6 +129,25 @@ LOGIN_REDIRECT_URL = "/"
 # Bodies larger than this are refused with a JSON 413 before any view reads them.
 MAX_REQUEST_BODY_BYTES = env_int("MAX_REQUEST_BODY_BYTES", 2 * 1024 * 1024, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
+
+# --- The Batch API (docs/batches.md) ------------------------------------------------------
+# An uploaded batch input file's bytes (they are stored in the database) and its requests.
+BATCH_MAX_FILE_BYTES = env_int("BATCH_MAX_FILE_BYTES", 50 * 1024 * 1024, minimum=1024)
+BATCH_MAX_LINES = env_int("BATCH_MAX_LINES", 50_000, minimum=1)
+# Lines of one batch sent to the router at once.
+BATCH_CONCURRENCY = env_int("BATCH_CONCURRENCY", 4, minimum=1)
+# Where batch lines go; empty: the live router seen last (its registered listen URL).
+BATCH_ROUTER_URL = env_str("BATCH_ROUTER_URL", "") or ""
+# A running batch's worker renews its lease this often (a third of it); a batch whose lease
+# ran out is queued again by the sweep. A queued batch's task has BATCH_QUEUED_SECONDS to start.
+BATCH_LEASE_SECONDS = env_float("BATCH_LEASE_SECONDS", 60.0, minimum=3.0)
+BATCH_QUEUED_SECONDS = env_float("BATCH_QUEUED_SECONDS", 600.0, minimum=3.0)
+BATCH_REQUEST_TIMEOUT_SECONDS = env_float("BATCH_REQUEST_TIMEOUT_SECONDS", 600.0, minimum=1.0)
+# Tries of a line the router answers 429 or 502-504 (or does not answer) before it fails.
+BATCH_MAX_ATTEMPTS = env_int("BATCH_MAX_ATTEMPTS", 8, minimum=1)
+# Bodies larger than MAX_REQUEST_BODY_BYTES accepted on these paths (a multipart upload's
+# framing on top of the file's bytes).
+BODY_LIMITS_BY_PATH = {"/v1/files": BATCH_MAX_FILE_BYTES + 1024 * 1024}
 
 REST_FRAMEWORK = {
     "DEFAULT_PARSER_CLASSES": [
@@ -246,9 +267,12 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Benchmarks run for minutes on a queue and worker of their own, so they never hold up a
 # deploy step (`syshax worker --queues benchmarks`; docs/deployment.md).
 BENCHMARK_QUEUE = "benchmarks"
+# Batches run for hours on a queue of their own (`syshax worker --queues batches`).
+BATCH_QUEUE = env_str("BATCH_QUEUE", "batches") or "batches"
 CELERY_TASK_ROUTES = {
     "syshax.agent.*": {"queue": "agents"},
     "benchmarks.*": {"queue": BENCHMARK_QUEUE},
+    "batches.run_batch": {"queue": BATCH_QUEUE},
 }
 # Housekeeping; beat writes these into django-celery-beat's tables, where admins can see them.
 CELERY_BEAT_SCHEDULE = {
@@ -257,9 +281,11 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": env_float("HEARTBEAT_INTERVAL_SECONDS", 5.0, minimum=0.1),
     },
     "prune-heartbeats": {"task": "inventory.prune_heartbeats", "schedule": 3600.0},
+    "prune-router-samples": {"task": "routers.prune_samples", "schedule": 3600.0},
     "expire-stale-commands": {"task": "deployments.expire_stale_commands", "schedule": 30.0},
     "reschedule-stranded": {"task": "deployments.reschedule_stranded", "schedule": 30.0},
     "resume-in-flight-deployments": {"task": "deployments.resume_in_flight", "schedule": 60.0},
+    "sweep-batches": {"task": "batches.sweep", "schedule": 30.0},
 }
 
 # --- Fleet behaviour ----------------------------------------------------------------------
@@ -271,6 +297,8 @@ AGENT_COMMAND_WAIT_SECONDS = env_float("AGENT_COMMAND_WAIT_SECONDS", 20.0, minim
 HEARTBEAT_TOLERANCE = env_float("HEARTBEAT_TOLERANCE", 3.0, minimum=1.0)
 HEARTBEAT_RETENTION_HOURS = env_int("HEARTBEAT_RETENTION_HOURS", 24, minimum=1)
 ROUTER_GRACE_SECONDS = env_float("ROUTER_GRACE_SECONDS", 30.0, minimum=1.0)
+# Routers' stats samples kept; the dashboard's longest window is 24 h.
+ROUTER_STATS_RETENTION_HOURS = env_int("ROUTER_STATS_RETENTION_HOURS", 24, minimum=24)
 # A token's last_used_at is written at most this often (a write per request would double the
 # fleet's write load; docs/decisions/0024-heartbeat-seven-statements.md).
 TOKEN_LAST_USED_SECONDS = env_float("TOKEN_LAST_USED_SECONDS", 300.0, minimum=1.0)

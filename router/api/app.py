@@ -1,5 +1,9 @@
 """The aiohttp application: its routes, the API key check and the error shaping.
 
+Every request but ``/health`` and ``/metrics`` is served as a tenant: the middleware finds it
+from the request's key (a 401 in OpenAI's shape otherwise) and keeps it in
+``http[REQUEST_TENANT]`` (router/client/tenants.py).
+
 Every answer a client gets goes through ``errors_middleware``: a ``RouterError`` becomes
 OpenAI's error shape, anything unexpected a 500 in that shape (never a stack trace). The
 completions endpoints are ``router.request.serve``; the others are in ``endpoints`` and
@@ -14,10 +18,12 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from common.tenants import TenantRecord
+from router.api.batches import add_routes as add_batch_routes
 from router.api.endpoints import health, metrics_endpoint, models
 from router.api.proxy import proxy
-from router.client.access import bearer, key_matches
 from router.client.errors import RouterError, error_response
+from router.client.tenants import REQUEST_TENANT, TENANT_HEADER
 from router.request import serve
 from router.state import ROUTER_KEY, Router
 
@@ -31,18 +37,9 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
-    config = router.config
     try:
-        if config.api_key is not None and request.path not in OPEN_PATHS:
-            # A benchmark key gets in as the API key does.
-            keys = (config.api_key, *config.benchmark_keys)
-            if not key_matches(bearer(request.headers.get("Authorization", "")), keys):
-                raise RouterError(
-                    401,
-                    "Incorrect or missing API key",
-                    type_="invalid_request_error",
-                    code="invalid_api_key",
-                )
+        if request.path not in OPEN_PATHS:
+            request[REQUEST_TENANT] = tenant_of(router, request)
         return await handler(request)
     except RouterError as err:
         return error_response(err)
@@ -62,6 +59,17 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         )
 
 
+def tenant_of(router: Router, request: web.Request) -> TenantRecord:
+    """The tenant a request is served as: its key's (a 401 for none or an unknown one), or
+    the one the router's own key names with X-Syshax-Tenant (router/client/tenants.py)."""
+    tenants = router.tenants
+    tenant = tenants.authenticate(request.headers.get("Authorization", ""))
+    acting_for = request.headers.get(TENANT_HEADER)
+    if acting_for is not None:
+        tenant = tenants.act_as(tenant, acting_for)
+    return tenant
+
+
 async def completions(http: web.Request) -> web.StreamResponse:
     """``/v1/completions`` and ``/v1/chat/completions``: ``router.request`` serves them."""
     return await serve(http.app[ROUTER_KEY], http)
@@ -77,5 +85,6 @@ def build_app(router: Router) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_endpoint)
+    add_batch_routes(app)  # /v1/files*, /v1/batches*: to the control plane
     app.router.add_route("*", "/{tail:.*}", proxy)
     return app

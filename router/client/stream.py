@@ -21,12 +21,15 @@ from typing import Any, Protocol, cast
 from aiohttp import web
 
 from common.policy_schema import PolicyKnobs
+from common.tenants import TenantRecord
 from router.client.errors import RouterError
 from router.client.sse import DONE, ChunkBuilder, full_response
 from router.metrics import RouterMetrics
 
 # Which path served the request (gpu-only, pd, cpu-only): for operators and tests.
 ROUTE_HEADER = "X-Syshax-Route"
+# Why the decider chose that route: its short ASCII code (docs/router.md), e.g. ``short-prompt``.
+REASON_HEADER = "X-Syshax-Reason"
 
 # Client socket buffer above which the engine's bytes wait instead of piling up.
 HIGH_WATER = 1 << 16
@@ -51,6 +54,9 @@ class ClientRequest:
     knobs: PolicyKnobs | None = None
     # That header's value, for planning the request again on another replica.
     mode_header: str | None = None
+    # Its SLO class (router/client/classes.py) and who sent it (None: nobody authenticated).
+    slo_class: str = "standard"
+    tenant: TenantRecord | None = None
 
 
 class Relayed(Protocol):
@@ -107,6 +113,7 @@ class ClientStream:
         self.req = req
         self.metrics = metrics
         self.decision_label = "gpu-only"
+        self.decision_reason = ""  # the decider's code, sent as REASON_HEADER when set
         self.response: web.StreamResponse | None = None
         self.pieces: list[str] = []
         self.completion_tokens = 0
@@ -118,6 +125,8 @@ class ClientStream:
         # The SSE payloads a passthrough stream relayed so far.
         self.relayed: list[bytes] = []
         self.prompt_token_ids: list[int] | None = None
+        # A relayed stream's last bytes (its usage chunk, if the client asked for one).
+        self.tail = b""
         self.created = int(time.time())
 
     # The id and the chunk builder are only needed when the router writes its own chunks
@@ -153,12 +162,19 @@ class ClientStream:
         except (ConnectionError, RuntimeError) as exc:
             raise ClientGone() from exc
 
+    def route_headers(self) -> dict[str, str]:
+        """The route that served the answer and, when known, the decider's reason code."""
+        headers = {ROUTE_HEADER: self.decision_label}
+        if self.decision_reason:
+            headers[REASON_HEADER] = self.decision_reason
+        return headers
+
     async def open(self) -> None:
         response = CoalescedStreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
-                ROUTE_HEADER: self.decision_label,
+                **self.route_headers(),
             }
         )
         try:
@@ -178,7 +194,9 @@ class ClientStream:
         """A token reached the client: TTFT for the first, ITL for every later one."""
         now = time.perf_counter()
         if self.last_token_at is None:
-            self.metrics.observe_ttft(self.decision_label, now - self.req.received_at)
+            self.metrics.observe_ttft(
+                self.decision_label, now - self.req.received_at, self.req.model
+            )
         else:
             self.metrics.observe_itl(self.decision_label, now - self.last_token_at)
         self.last_token_at = now
@@ -223,7 +241,7 @@ class ClientStream:
             return web.Response(
                 body=json.dumps(body).encode(),
                 content_type="application/json",
-                headers={ROUTE_HEADER: self.decision_label},
+                headers=self.route_headers(),
             )
         await self._ensure_open()
         tail = self.builder.finish(self.finish_reason)
@@ -255,7 +273,7 @@ class ClientStream:
             body=body,
             status=status,
             content_type=content_type,
-            headers={ROUTE_HEADER: self.decision_label},
+            headers=self.route_headers(),
         )
 
     async def pump(self, resp: Relayed) -> web.StreamResponse:
@@ -297,8 +315,9 @@ class ClientStream:
         if self.response is None:
             await self.open()
         assert self.response is not None
+        self.tail = held + data
         try:
-            await self.response.write_eof(held + data)
+            await self.response.write_eof(self.tail)
         except (ConnectionError, RuntimeError) as exc:
             raise ClientGone() from exc
         return self.response

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from common.policy_schema import PolicyKnobs
+from common.policy_schema import PolicyKnobs, SloClass
 from router.client.stream import ClientRequest, ClientStream
 from router.decide import Loads, cpu_allowed
 from router.engines.backends import Backend, InFlight
@@ -58,6 +58,10 @@ class PdSequence:
         if cpu is None or not cpu.available(time.monotonic()) or not cpu_allowed(self.knobs()):
             return None
         return cpu
+
+    def slo(self, knobs: PolicyKnobs) -> SloClass:
+        """The request's SLO class under ``knobs`` (the live policy's targets)."""
+        return knobs.slo_class(self.req.slo_class)
 
     def base_body(self) -> dict[str, Any]:
         """The client's request without the fields the router sets itself for an engine."""

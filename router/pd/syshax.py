@@ -85,7 +85,8 @@ class SyshaxPd:
             if not on_cpu:
                 continue
             # Read anew per chunk: a live policy change lands mid-request.
-            nxt = decide_next_chunk(seq.knobs(), seq.loads())
+            knobs = seq.knobs()
+            nxt = decide_next_chunk(knobs, seq.loads(), seq.slo(knobs))
             seq.metrics.decision("chunk", nxt.route.value, nxt.code)
             if nxt.route is Route.PD:
                 limit = nxt.token_limit

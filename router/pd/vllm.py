@@ -38,7 +38,8 @@ log = logging.getLogger("syshax.router")
 
 COMPLETIONS = "/v1/completions"
 # Request fields that only shape the client's answer or its prompt: not sent to a decode
-# engine, which gets the prompt as token ids on the completions endpoint.
+# engine, which gets the prompt as token ids on the completions endpoint. (``priority`` is
+# sent: the router sets it from the request's SLO class, only to engines that schedule by it.)
 PROMPT_FIELDS = frozenset(
     {
         "messages",
@@ -70,7 +71,6 @@ PROMPT_FIELDS = frozenset(
         "top_logprobs",
         "prompt_logprobs",
         "request_id",
-        "priority",
         "mm_processor_kwargs",
     }
 )
@@ -315,7 +315,7 @@ class VllmPd:
                         since_decision = 0
                         knobs = seq.knobs()
                         with target.uncounted():  # the decider must not count this one
-                            nxt = decide_next_chunk(knobs, seq.loads())
+                            nxt = decide_next_chunk(knobs, seq.loads(), seq.slo(knobs))
                         seq.metrics.decision("chunk", nxt.route.value, nxt.code)
                         if nxt.route is Route.PD:
                             limit = nxt.token_limit

@@ -4,6 +4,9 @@ Pulls are conditional GETs (``If-None-Match``) every ``poll_interval`` seconds, 
 change lands within one interval and an idle poll costs a 304. Whatever was last applied is
 kept on disk; when the control plane is down - even across a router restart - the router
 keeps serving from that copy. A policy that fails validation is logged and never applied.
+The tenant table (``routing/tenants``) is pulled, validated and kept the same way, and the
+tenants' usage is reported on the stats interval: deltas kept until the control plane
+accepts them, so an outage loses none.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from common import __version__
 from common.files import write_json_atomic
 from common.policy_schema import PolicyError
 from common.routing import parse_deployments
-from router.state import PolicyRecord, Router, parse_policy
+from common.tenants import TenantError, TenantRecord, parse_tenants
+from router.client.tenants import merge_usage
+from router.state import ControlPlaneLink, PolicyRecord, Router, parse_policy
 
 log = logging.getLogger("syshax.router")
 
@@ -65,6 +70,7 @@ class ControlPlaneClient:
         stats_interval: float = 10.0,
     ) -> None:
         self.router = router
+        router.control_plane = ControlPlaneLink(base_url.rstrip("/"), token)
         self.base = base_url.rstrip("/") + "/api/v1/"
         self.headers = {"Authorization": f"Bearer {token}"}
         self.name = name
@@ -80,6 +86,12 @@ class ControlPlaneClient:
         self.reachable: bool | None = None
         self.registered = False
         self.last_stats = 0.0
+        # The tenant table as last applied, for the on-disk copy (None: none yet).
+        self.tenants: list[TenantRecord] | None = None
+        # Usage deltas not yet accepted by the control plane, by tenant.
+        self.unsent_usage: dict[str, dict[str, Any]] = {}
+        self.usage_missing = False
+        self.usage_on_disk = False  # the state file holds unsent usage
 
     # -- as the router's policy source (router/policy/source.py: PolicySource) --------------
 
@@ -112,6 +124,19 @@ class ControlPlaneClient:
             applied = applied or bool(specs)
         except ValueError as exc:
             log.error("cached deployments rejected: %s", exc)
+        if "tenants" in data:
+            try:
+                self.apply_tenants(parse_tenants({"tenants": data["tenants"]}))
+                applied = True
+            except TenantError as exc:
+                log.error("cached tenants rejected: %s", exc)
+        usage = data.get("unsent_usage")
+        if isinstance(usage, dict):
+            try:
+                merge_usage(self.unsent_usage, usage)
+                self.usage_on_disk = bool(usage)
+            except (AttributeError, TypeError, ValueError) as exc:
+                log.error("cached tenant usage dropped: %s", exc)
         if isinstance(data.get("router_id"), int):
             self.router_id = data["router_id"]
         log.info("restored last good state from %s", self.cache.path)
@@ -119,14 +144,18 @@ class ControlPlaneClient:
 
     def persist(self) -> None:
         state = self.router.state
-        self.cache.save(
-            {
-                "router_id": self.router_id,
-                "saved_at": time.time(),
-                "policies": {name: policy_document(r) for name, r in state.policies.items()},
-                "deployments": [d.spec.as_api() for d in state.deployments],
-            }
-        )
+        data: dict[str, Any] = {
+            "router_id": self.router_id,
+            "saved_at": time.time(),
+            "policies": {name: policy_document(r) for name, r in state.policies.items()},
+            "deployments": [d.spec.as_api() for d in state.deployments],
+        }
+        if self.tenants is not None:
+            data["tenants"] = [record.as_document() for record in self.tenants]
+        if self.unsent_usage:
+            data["unsent_usage"] = self.unsent_usage
+        self.cache.save(data)
+        self.usage_on_disk = bool(self.unsent_usage)
 
     # -- HTTP --------------------------------------------------------------------------------
 
@@ -224,9 +253,75 @@ class ControlPlaneClient:
             self.etags[url] = etag
         return True
 
+    def apply_tenants(self, records: list[TenantRecord]) -> None:
+        self.router.tenants.set_records(records)
+        self.tenants = records
+
+    async def pull_tenants(self) -> bool:
+        """The tenant table; True when a new one was applied. A control plane without
+        tenants (404) leaves the router on its own keys; an invalid table is never applied."""
+        url = self.base + "routing/tenants"
+        status, data, etag = await self._get("routing/tenants")
+        if status == 304:
+            return False
+        if status == 404:
+            if url not in self.missing:
+                self.missing.add(url)
+                log.warning(
+                    "the control plane serves no routing/tenants (older than this router): "
+                    "serving %s",
+                    "the last known tenants" if self.tenants else "the router's own key only",
+                )
+            return False
+        self.missing.discard(url)
+        if etag and self.rejected.get(url) == etag:
+            return False
+        try:
+            records = parse_tenants(data)
+        except TenantError as exc:
+            log.error("rejected invalid tenants document, keeping the last good: %s", exc)
+            if etag:
+                self.rejected[url] = etag
+            return False
+        if etag:
+            self.etags[url] = etag
+        if records == self.tenants:
+            return False
+        self.apply_tenants(records)
+        log.info("applied %d tenant(s)", len(records))
+        return True
+
+    async def post_usage(self) -> None:
+        """Send the tenants' usage since the last accepted report. The deltas are kept
+        (and new ones merged in) until a 2xx, and written to the state file meanwhile."""
+        assert self.session is not None and self.router_id is not None
+        merge_usage(self.unsent_usage, self.router.tenants.take_usage())
+        if not self.unsent_usage:
+            return
+        body = {"tenants": self.unsent_usage}
+        try:
+            async with self.session.post(
+                self.base + f"routers/{self.router_id}/usage", json=body, headers=self.headers
+            ) as resp:
+                if resp.status == 404 and not self.usage_missing:
+                    self.usage_missing = True
+                    log.warning("the control plane takes no tenant usage yet; keeping it")
+                resp.raise_for_status()
+        except BaseException:
+            self.persist()
+            raise
+        # Accepted. Nothing was added to unsent_usage meanwhile (this task alone writes it;
+        # new usage waits in router.tenants until the next report).
+        self.unsent_usage = {}
+        self.usage_missing = False
+        if self.usage_on_disk:
+            self.persist()  # a restart must not send it again
+
     async def post_stats(self) -> None:
         assert self.session is not None and self.router_id is not None
-        body = self.router.metrics.stats(self.router.state.default_policy().version)
+        body = self.router.metrics.stats(
+            self.router.state.default_policy().version, self.router.state.deployments
+        )
         async with self.session.post(
             self.base + f"routers/{self.router_id}/stats", json=body, headers=self.headers
         ) as resp:
@@ -240,10 +335,12 @@ class ControlPlaneClient:
         names = {"default"} | {d.spec.policy for d in self.router.state.deployments}
         for name in sorted(names):
             changed = await self.pull_policy(name) or changed
+        changed = await self.pull_tenants() or changed
         if changed:
             self.persist()
         if time.monotonic() - self.last_stats >= self.stats_interval:
             self.last_stats = time.monotonic()
+            await self.post_usage()
             await self.post_stats()
 
     async def run(self) -> None:

@@ -1,9 +1,10 @@
-"""Standalone mode's policy source: a policy file plus flag overrides.
+"""Standalone mode's policy source: a policy file plus flag overrides, and a tenants file.
 
 The file (JSON or YAML: a mapping of knobs, or ``{"version": n, "knobs": {...}}``) is checked
 every 250 ms and reloaded when it changes, and on SIGHUP. It is validated as the control
 plane validates policies; an invalid one is logged and counted, and the last good policy
-stays.
+stays. The tenants file (``--tenants-file``: the control plane's ``{"tenants": [...]}``
+document, keys as SHA-256 hex) is reloaded the same way and kept the same way when invalid.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from common.policy_schema import PolicyError, validate_knobs
+from common.tenants import TenantError, TenantRecord, parse_tenants
 from router.state import PolicyRecord, Router
 
 log = logging.getLogger("syshax.router")
@@ -35,15 +37,40 @@ def load_policy_file(path: str) -> dict[str, Any]:
     return data
 
 
+def _read_document(path: str) -> Any:
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        return yaml.safe_load(text)
+    import json
+
+    return json.loads(text)
+
+
+def load_tenants_file(path: str) -> list[TenantRecord]:
+    """The tenants of a ``{"tenants": [...]}`` file (JSON or YAML); a TenantError naming the
+    first bad field, OSError or ValueError for a file that cannot be read."""
+    return parse_tenants(_read_document(path))
+
+
 class StandalonePolicy:
     """The policy file plus flag overrides; a bad file is rejected and the old policy kept."""
 
-    def __init__(self, router: Router, path: str | None, overrides: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        router: Router,
+        path: str | None,
+        overrides: dict[str, Any],
+        tenants_path: str | None = None,
+    ) -> None:
         self.router = router
         self.path = path
         self.overrides = overrides
         self.mtime: float | None = None
         self.version = 0
+        self.tenants_path = tenants_path
+        self.tenants_mtime: float | None = None
 
     def load(self) -> PolicyRecord:
         data: dict[str, Any] = {}
@@ -80,22 +107,53 @@ class StandalonePolicy:
         )
         return True
 
+    def reload_tenants(self) -> bool:
+        """Apply the tenants file; an invalid one is logged (naming the field) and the last
+        good table stays."""
+        if not self.tenants_path:
+            return False
+        try:
+            records = load_tenants_file(self.tenants_path)
+        except (TenantError, OSError, ValueError) as exc:
+            log.error(
+                "rejected tenants file %s, keeping the last good (%d tenants): %s",
+                self.tenants_path,
+                len(self.router.tenants.records),
+                exc,
+            )
+            return False
+        self.router.tenants.set_records(records)
+        log.info("applied %d tenant(s) from %s", len(records), self.tenants_path)
+        return True
+
     def attach(self, listen_url: str) -> None:
         pass  # nothing to announce: the file and the flags are all there is
 
     def hangup(self) -> None:
         self.reload()
+        self.reload_tenants()
 
     async def run(self) -> None:
-        """Reload when the file changes; checked often so a change lands within 1 s."""
-        if not self.path:
+        """Reload a file when it changes; checked often so a change lands within 1 s."""
+        if not self.path and not self.tenants_path:
             return
         while True:
             await asyncio.sleep(0.25)
-            try:
-                mtime = os.stat(self.path).st_mtime_ns
-            except OSError:
-                continue
-            if self.mtime is not None and mtime != self.mtime:
-                self.reload()
-            self.mtime = mtime
+            if self.path:
+                changed, self.mtime = _changed(self.path, self.mtime)
+                if changed:
+                    self.reload()
+            if self.tenants_path:
+                changed, self.tenants_mtime = _changed(self.tenants_path, self.tenants_mtime)
+                if changed:
+                    self.reload_tenants()
+
+
+def _changed(path: str, seen: float | None) -> tuple[bool, float | None]:
+    """Whether the file at ``path`` changed since modification time ``seen``, and its
+    time now (``seen`` while it cannot be read)."""
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except OSError:
+        return False, seen
+    return seen is not None and mtime != seen, mtime

@@ -151,6 +151,13 @@ class Stack:
             python_argv("worker", "--queues", "benchmarks", "--concurrency", "1"),
             {**env, **key},
         )
+        # The Batch API's worker sends each line through the router as its tenant, with the
+        # router's key (docs/batches.md).
+        self.sup.start(
+            "batches",
+            python_argv("worker", "--queues", "batches", "--concurrency", "1"),
+            {**env, **key},
+        )
         self.sup.start("beat", python_argv("beat"), env)
         self.wait_http(f"{self.base}/api/v1/health", "the web app")
         self.wait_http(f"{self.gateway}/api/v1/health", "the machine gateway")

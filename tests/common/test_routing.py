@@ -17,6 +17,7 @@ ENTRY = {
     "gpu_url": "http://10.0.0.2:8000",
     "cpu_url": "http://10.0.0.2:8001",
     "cpu_max_num_seqs": 8,
+    "priority_scheduling": True,
     "telemetry": {"gpu_temperature_c": 65.0, "host_memory_percent": 40.0},
 }
 

@@ -33,6 +33,7 @@ from controlplane.access.models import MachineCredential, PersonalToken
 from controlplane.benchmarks.models import BenchmarkRun, Scenario
 from controlplane.deployments.models import AgentCommand, ContainerInstance
 from controlplane.routers.models import RouterInstance
+from controlplane.tenants.services import save_tenant
 from controlplane.wsgi import application
 from testbed.factories import build_deployment, build_node, build_profile
 
@@ -44,7 +45,12 @@ schema.app = application
 
 AGENT_PATHS = ("/api/v1/agent/", "/api/v1/commands/{dispatch_id}/result")
 AGENT_NODE_PATHS = ("heartbeat", "inventory", "containers")
-ROUTER_PATHS = ("/api/v1/routers/register", "/api/v1/routers/{id}/stats", "/api/v1/routing/")
+ROUTER_PATHS = (
+    "/api/v1/routers/register",
+    "/api/v1/routers/{id}/stats",
+    "/api/v1/routers/{id}/usage",
+    "/api/v1/routing/",
+)
 
 
 @dataclass
@@ -87,6 +93,7 @@ def world(db: Any, admin_user) -> Iterator[World]:
     instance = RouterInstance.objects.create(name="fuzz-router", credential=router_credential)
     scenario = Scenario.objects.order_by("pk").first() or Scenario.objects.create(name="fuzz")
     run = BenchmarkRun.objects.create(scenario=scenario, deployment=deployment)
+    tenant = save_tenant(None, {"name": "fuzz-tenant"}, acting_user=admin_user)
     ids = {
         "/api/v1/nodes/": node.pk,
         "/api/v1/accelerators/": node.accelerators.first().pk,
@@ -100,6 +107,7 @@ def world(db: Any, admin_user) -> Iterator[World]:
         "/api/v1/routing/policies/": "default",
         "/api/v1/scenarios/": scenario.name,
         "/api/v1/benchmark-runs/": run.pk,
+        "/api/v1/tenants/": tenant.name,
     }
     yield World(PersonalToken.issue(admin_user, "fuzz")[1], agent, router, ids)
     request_started.connect(close_old_connections)

@@ -288,6 +288,24 @@ def test_a_body_over_the_limit_is_refused_counted_and_its_connection_closed(
     assert _ask(gw.port, within)[0] == 200
 
 
+def test_the_batch_uploads_path_takes_its_own_larger_body_limit(
+    start_gateway: Callable[..., Running], upstream: Upstream, settings: Any
+) -> None:
+    settings.MAX_REQUEST_BODY_BYTES = 4096
+    settings.BODY_LIMITS_BY_PATH = {"/v1/files": 16384}
+    gw = start_gateway()
+    big = b"x" * 8192
+    upload = b"POST /v1/files?x=1 HTTP/1.1\r\nHost: gw\r\nContent-Length: 8192\r\n\r\n" + big
+    assert _ask(gw.port, upload)[0] == 200
+    elsewhere = b"POST /v1/filesx HTTP/1.1\r\nHost: gw\r\nContent-Length: 8192\r\n\r\n" + big
+    assert _ask(gw.port, elsewhere)[0] == 413
+    over = b"POST /v1/files HTTP/1.1\r\nHost: gw\r\nContent-Length: 16385\r\n\r\n"
+    with _connect(gw.port) as sock:
+        sock.sendall(over)
+        status, _, body = _answer(sock)
+        assert status == 413 and b"16384" in body
+
+
 # --- connections ----------------------------------------------------------------------------
 
 

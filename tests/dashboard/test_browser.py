@@ -19,7 +19,7 @@ from django.contrib.auth.models import User
 from django.db import connections
 
 from controlplane.access.models import MachineCredential
-from controlplane.benchmarks.models import BenchmarkRun
+from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample
 from controlplane.celery import app
 from controlplane.deployments.models import Deployment
 from controlplane.deployments.placement import check_placement
@@ -396,3 +396,65 @@ def test_watch_a_run_progress_and_its_charts_appear(
     assert page.locator("svg.chart").count() == 6
     assert page.evaluate("window.__sameDocument === true"), "the page was reloaded"
     save_screenshot(page, "benchmark", for_docs=True)
+
+
+def test_a_run_draws_its_points_as_they_arrive_and_cancel_keeps_them(
+    page: Any, live_server: Any, scenario: Any
+) -> None:
+    """The page follows a run point by point without a reload: the phase, the charts of the
+    points finished so far while it still runs, then Cancel, after which the banner, badge
+    and button all say cancelling, then cancelled, and the finished points stay charted.
+    The test writes what the runner writes."""
+    run = BenchmarkRun.objects.create(
+        scenario=scenario,
+        target_url="http://127.0.0.1:9/",
+        mode="all",
+        concurrency=[1, 4],
+        status="running",
+        phase="warm-up, cpu c=1 (1 of 6 points)",
+        points_total=6,
+        recorded_under={
+            "policy": {"name": "default", "version": 4, "versions_seen": [4]},
+            "engines": {"target": "http://127.0.0.1:9/"},
+        },
+    )
+    page.goto(f"{live_server.url}/benchmarks/{run.pk}/")
+    assert "No data yet" in page.content()
+    assert "default v4" in page.inner_text('[data-recorded="policy"]')
+    page.evaluate("window.__sameDocument = true")
+    # Two points finish: their rows are stored (the runner's partial summary) and drawn.
+    finish_with_measurements(run)
+    summary = BenchmarkRun.objects.get(pk=run.pk).summary
+    summary["rows"] = [r for r in summary["rows"] if r["mode"] == "cpu"]
+    summary["partial"] = True
+    BenchmarkSample.objects.filter(run=run).exclude(mode="cpu").delete()
+    BenchmarkRun.objects.filter(pk=run.pk).update(
+        status="running",
+        summary=summary,
+        points_done=2,
+        progress=0.33,
+        phase="2 of 6 points measured",
+        finished_at=None,
+    )
+    page.wait_for_selector('[data-field="points"]:text("2 of 6 points")')
+    page.wait_for_selector("svg.chart")
+    assert page.locator('[data-field="status"]').inner_text() == "running"
+    assert "No data yet" not in page.content()
+    # Cancel: the page shows cancelling at once, and the button goes away.
+    page.click('[data-field="cancel"] button')
+    page.wait_for_selector('[data-field="status"].state-cancelling')
+    assert "cancelling" in page.inner_text('[data-field="banner"]')
+    assert not page.locator('[data-field="cancel"]').is_visible()
+    # The runner stops and keeps its two points.
+    BenchmarkRun.objects.filter(pk=run.pk).update(
+        status="cancelled", phase="cancelled after 2 of 6 points"
+    )
+    page.wait_for_selector('[data-field="status"].state-cancelled')
+    assert page.inner_text('[data-field="banner"]') == (
+        f"Run {run.pk} was cancelled after 2 of 6 points."
+    )
+    page.wait_for_selector('[data-field="partial"]')
+    assert page.locator("svg.chart").count() >= 1
+    assert not page.locator('[data-field="cancel"]').is_visible()
+    assert page.evaluate("window.__sameDocument === true"), "the page was reloaded"
+    save_screenshot(page, "benchmark-cancelled", for_docs=True)

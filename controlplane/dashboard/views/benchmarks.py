@@ -7,14 +7,18 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils import timezone
 from django.views.decorators.http import require_POST
+from django_celery_beat.models import PeriodicTask
 
-from controlplane.benchmarks import analysis, services
-from controlplane.benchmarks.choices import ACTIVE_STATUSES
+from controlplane.benchmarks import analysis, schedules, services
+from controlplane.benchmarks.choices import ACTIVE_STATUSES, RunStatus
 from controlplane.benchmarks.models import BenchmarkRun
 from controlplane.dashboard import benchdata, charts
 from controlplane.dashboard import services as reads
-from controlplane.dashboard.forms import BenchmarkRunForm
+from controlplane.dashboard.benchmark_forms import ScheduleForm
+from controlplane.dashboard.forms import DEFAULT_ITERATIONS, DEFAULT_LEVELS, BenchmarkRunForm
 from controlplane.dashboard.views.common import require_perm
 from loadgen.goodput import GoodputSearch
 
@@ -61,6 +65,7 @@ def benchmark_list(request: HttpRequest) -> HttpResponse:
         **form_context(BenchmarkRunForm(initial={"scenario": "short"})),
         "advisor": advisor_context(request),
         "schedules": reads.benchmark_schedules(),
+        "schedule_defaults": f"concurrency {DEFAULT_LEVELS} x {DEFAULT_ITERATIONS} iterations",
     }
     return render(request, "dashboard/benchmark_list.html", context)
 
@@ -78,7 +83,7 @@ def benchmark_create(request: HttpRequest) -> HttpResponse:
         except ValidationError as exc:
             form.add_model_errors(exc.message_dict)
         else:
-            messages.success(request, f"benchmark run {run.pk} started")
+            # No message: the run's page says where the run is, from its one state.
             return redirect("dashboard:benchmark", pk=run.pk)
     status = 400 if request.method == "POST" else 200
     return render(request, "dashboard/benchmark_form.html", form_context(form), status=status)
@@ -166,40 +171,64 @@ def chart_context(run: BenchmarkRun) -> dict[str, Any]:
     }
 
 
+def run_state(run: BenchmarkRun) -> dict[str, Any]:
+    """Where the run is, for its page and its progress JSON alike: every part of the page
+    (banner, badge, Cancel button, charts) derives from this one state."""
+    eta = None
+    if run.status == RunStatus.RUNNING and run.eta_at is not None:
+        eta = max((run.eta_at - timezone.now()).total_seconds(), 0.0)
+    state = run.state
+    return {
+        "id": run.pk,
+        "status": run.status,
+        "state": state,
+        "active": run.status in ACTIVE_STATUSES,
+        "cancellable": run.cancellable,
+        "progress": run.progress,
+        "percent": f"{run.progress * 100:.1f}%",
+        "phase": run.phase,
+        "points_done": run.points_done,
+        "points_total": run.points_total,
+        "eta_seconds": eta,
+        "eta": benchdata.eta_text(eta),
+        "banner": benchdata.run_banner(
+            run.pk, state, run.phase, run.points_done, run.points_total, eta
+        ),
+        "partial": run.partial,
+        "error": run.error,
+    }
+
+
 @login_required
 def benchmark_detail(request: HttpRequest, pk: int) -> HttpResponse:
     run = get_object_or_404(BenchmarkRun.objects.select_related("scenario", "deployment"), pk=pk)
     context = chart_context(run)
     context["active"] = run.status in ACTIVE_STATUSES
+    context["state"] = run_state(run)
+    context["recorded"] = benchdata.recorded_facts(run.recorded_under)
     return render(request, "dashboard/benchmark_detail.html", context)
 
 
 @login_required
 def benchmark_charts(request: HttpRequest, pk: int) -> HttpResponse:
-    """The charts section alone, swapped into the page when a watched run finishes."""
+    """The charts section alone, swapped into the page as a run's points arrive."""
     run = get_object_or_404(BenchmarkRun.objects.select_related("scenario"), pk=pk)
     return render(request, "dashboard/_benchmark_charts.html", chart_context(run))
 
 
 @login_required
 def benchmark_progress(request: HttpRequest, pk: int) -> JsonResponse:
-    run = get_object_or_404(BenchmarkRun, pk=pk)
-    return JsonResponse(
-        {
-            "id": run.pk,
-            "status": run.status,
-            "progress": run.progress,
-            "active": run.status in ACTIVE_STATUSES,
-            "error": run.error,
-        }
-    )
+    return JsonResponse(run_state(get_object_or_404(BenchmarkRun, pk=pk)))
 
 
 @require_POST
 @require_perm("benchmarks.change_benchmarkrun")
 def benchmark_cancel(request: HttpRequest, pk: int) -> HttpResponse:
+    """Cancel; a page's script gets the run's new state as JSON, a plain form the page
+    again (which shows "cancelling", then "cancelled", from the same state)."""
     run = services.request_cancel(get_object_or_404(BenchmarkRun, pk=pk), acting_user=request.user)
-    messages.info(request, f"run {run.pk} is {run.status}; cancel requested")
+    if "application/json" in request.headers.get("Accept", ""):
+        return JsonResponse(run_state(run))
     return redirect("dashboard:benchmark", pk=pk)
 
 
@@ -212,7 +241,7 @@ def benchmark_compare(request: HttpRequest) -> HttpResponse:
     series: dict[str, list[tuple[float, float]]] = {}
     for run in sorted(runs, key=lambda r: ids.index(r.pk)):
         figures, _ = reads.run_figures(run)
-        columns.append((run, figures))
+        columns.append((run, figures, benchdata.recorded_facts(run.recorded_under)))
         for mode, points in benchdata.throughput_series(figures).items():
             series[f"#{run.pk} {mode}"] = points
     chart = charts.line_chart(
@@ -222,5 +251,50 @@ def benchmark_compare(request: HttpRequest) -> HttpResponse:
         y_label="output tokens/s",
     )
     choices = BenchmarkRun.objects.select_related("scenario")[:50]
-    context = {"columns": columns, "chart": chart, "choices": choices, "selected": ids}
+    policies = {benchdata.policy_label(run.recorded_under) for run, _, _ in columns}
+    context = {
+        "columns": columns,
+        "chart": chart,
+        "choices": choices,
+        "selected": ids,
+        # Runs under different policy revisions do not compare like for like: say so.
+        "mixed_policies": sorted(p or "unrecorded" for p in policies) if len(policies) > 1 else [],
+    }
     return render(request, "dashboard/benchmark_compare.html", context)
+
+
+def _schedule_page(
+    request: HttpRequest, form: ScheduleForm, task: PeriodicTask | None
+) -> HttpResponse:
+    if form.is_bound:
+        form.is_valid()
+        problems = schedules.schedule_problems(form.submitted(), task)
+        form.add_problems(problems)
+        if not form.errors:
+            try:
+                saved = schedules.save_schedule(
+                    form.submitted(), task=task, acting_user=request.user
+                )
+            except ValidationError as exc:
+                form.add_problems({k: v[0] for k, v in exc.message_dict.items()})
+            else:
+                state = "saved" if saved.enabled else "saved, disabled"
+                messages.success(request, f"schedule {saved.name!r} {state}")
+                return redirect(f"{reverse('dashboard:benchmarks')}#schedules")
+    status = 400 if form.is_bound else 200
+    context = {"form": form, "task": task}
+    return render(request, "dashboard/benchmark_schedule_form.html", context, status=status)
+
+
+@require_perm("django_celery_beat.add_periodictask")
+def schedule_create(request: HttpRequest) -> HttpResponse:
+    """A new scheduled benchmark (a django-celery-beat periodic task), every error at once."""
+    return _schedule_page(request, ScheduleForm(request.POST or None), None)
+
+
+@require_perm("django_celery_beat.change_periodictask")
+def schedule_edit(request: HttpRequest, pk: int) -> HttpResponse:
+    """Change or disable a scheduled benchmark."""
+    task = get_object_or_404(PeriodicTask, pk=pk, task=schedules.TASK_NAME)
+    data = request.POST if request.method == "POST" else None
+    return _schedule_page(request, ScheduleForm.for_task(task, data), task)

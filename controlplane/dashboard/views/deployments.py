@@ -9,6 +9,8 @@ from django.views.decorators.http import require_POST
 from controlplane.dashboard import services as reads
 from controlplane.dashboard.forms import DeploymentCreateForm
 from controlplane.dashboard.views.common import int_param, require_perm
+from controlplane.dashboard.views.overview import serving_context
+from controlplane.dashboard.views.playground import PlaygroundForm, live_router
 from controlplane.deployments import services
 from controlplane.deployments.models import Deployment
 from controlplane.deployments.placement import PlacementError, check_placement
@@ -75,6 +77,9 @@ def deployment_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "last_event_id": timeline["events"][-1]["id"] if timeline["events"] else 0,
         "containers": deployment.containers.order_by("-generation", "role")[:6],
         "problems": check_placement(deployment.profile, deployment.node),
+        "playground_form": PlaygroundForm(),
+        "playground_router": live_router(),
+        **serving_context(request, deployment=deployment),
     }
     return render(request, "dashboard/deployment_detail.html", context)
 

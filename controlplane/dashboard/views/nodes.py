@@ -5,6 +5,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 
 from controlplane.dashboard import charts, services
+from controlplane.dashboard.views.overview import serving_context
 from controlplane.inventory.models import Node
 
 HEARTBEAT_HISTORY = 60
@@ -38,5 +39,6 @@ def node_detail(request: HttpRequest, name: str) -> HttpResponse:
             [hb.cpu_percent for hb in oldest_first],
             title=f"CPU use of node {node.name} over its last {len(heartbeats)} heartbeats",
         ),
+        **serving_context(request, node=node),
     }
     return render(request, "dashboard/node_detail.html", context)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
+from common.serving import ServingError, clean_serving
 from controlplane.routers.choices import DECISIONS
 from controlplane.routers.models import RouterInstance, RouterStatsSample
 
@@ -29,7 +30,7 @@ class RouterInstanceSerializer(serializers.ModelSerializer):  # type: ignore[typ
 class RouterSampleSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
     class Meta:
         model = RouterStatsSample
-        fields = ["received_at", "request_rate", "decisions", "policy_version"]
+        fields = ["received_at", "request_rate", "decisions", "policy_version", "serving"]
 
 
 class RegisterSerializer(serializers.Serializer):  # type: ignore[type-arg]
@@ -55,6 +56,14 @@ class StatsSerializer(serializers.Serializer):  # type: ignore[type-arg]
     ttft_p99_ms = serializers.FloatField(min_value=0, required=False, allow_null=True, default=None)
     backend_errors = serializers.IntegerField(min_value=0, required=False, default=0)
     fallbacks = serializers.IntegerField(min_value=0, required=False, default=0)
+    # Since the previous report; common/serving.py holds the shape and its one validator.
+    serving = serializers.JSONField(required=False, default=dict)
+
+    def validate_serving(self, value: object) -> dict[str, object]:
+        try:
+            return clean_serving(value)
+        except ServingError as exc:
+            raise serializers.ValidationError(str(exc)) from None
 
     def validate_decisions(self, value: dict[str, int]) -> dict[str, int]:
         unknown = sorted(set(value) - set(DECISIONS))

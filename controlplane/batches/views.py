@@ -1,0 +1,158 @@
+"""OpenAI's ``/v1/files`` and ``/v1/batches``, as the official client calls them.
+
+Thin: each view authenticates the caller (``auth``), calls a service and answers in OpenAI's
+shapes (``shapes``); every failure is OpenAI's error shape, never a page or a trace.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from controlplane.batches import services
+from controlplane.batches.auth import Caller, authenticate
+from controlplane.batches.choices import FilePurpose
+from controlplane.batches.models import Batch, BatchFile
+from controlplane.batches.shapes import ApiError, batch_object, file_object, list_object
+
+log = logging.getLogger("controlplane.batches")
+
+View = Callable[..., HttpResponse]
+
+
+def openai_view(*methods: str) -> Callable[[Callable[..., HttpResponse]], View]:
+    """Authenticate, allow ``methods`` only, and answer every failure in OpenAI's shape."""
+
+    def decorate(handler: Callable[..., HttpResponse]) -> View:
+        @csrf_exempt
+        @functools.wraps(handler)
+        def view(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            try:
+                if request.method not in methods:
+                    raise ApiError(
+                        405,
+                        f"{request.method} is not allowed here; use {' or '.join(methods)}",
+                        code="method_not_allowed",
+                    )
+                caller = authenticate(request)
+                return handler(request, caller, *args, **kwargs)
+            except ApiError as err:
+                return err.response()
+            except RequestDataTooBig as exc:
+                return ApiError(413, str(exc), code="body_too_large").response()
+            except Exception:
+                log.exception("unhandled error in %s %s", request.method, request.path)
+                return ApiError(
+                    500,
+                    "the control plane could not answer this request; it is logged",
+                    type_="server_error",
+                    code="server_error",
+                ).response()
+
+        return view
+
+    return decorate
+
+
+def _json_body(request: HttpRequest) -> dict[str, Any]:
+    try:
+        data = json.loads(request.body or b"{}")
+    except ValueError as exc:
+        raise ApiError(400, f"the body is not JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return data
+
+
+@openai_view("GET", "POST")
+def files(request: HttpRequest, caller: Caller) -> HttpResponse:
+    if request.method == "POST":
+        upload = request.FILES.get("file")
+        if upload is None:
+            raise ApiError(
+                400, "a multipart field 'file' is required", code="missing_file", param="file"
+            )
+        services.check_file_size(upload.size or 0)
+        created = services.create_file(
+            caller,
+            filename=upload.name or "",
+            purpose=request.POST.get("purpose", ""),
+            content=upload.read(),
+        )
+        return JsonResponse(file_object(created))
+    rows = BatchFile.objects.owned_by(caller.owner).defer("content")
+    purpose = request.GET.get("purpose")
+    if purpose:
+        if purpose not in FilePurpose.values:
+            raise ApiError(
+                400,
+                f"purpose must be one of {', '.join(FilePurpose.values)}",
+                code="invalid_purpose",
+                param="purpose",
+            )
+        rows = rows.filter(purpose=purpose)
+    found, more = services.page(
+        rows, after=request.GET.get("after"), limit=request.GET.get("limit"), kind="file"
+    )
+    return JsonResponse(list_object([file_object(f) for f in found], more))
+
+
+@openai_view("GET", "DELETE")
+def file_detail(request: HttpRequest, caller: Caller, file_id: str) -> HttpResponse:
+    if request.method == "DELETE":
+        services.delete_file(caller, file_id)
+        return JsonResponse({"id": file_id, "object": "file", "deleted": True})
+    return JsonResponse(file_object(services.owned_file(caller, file_id)))
+
+
+@openai_view("GET")
+def file_content(request: HttpRequest, caller: Caller, file_id: str) -> HttpResponse:
+    found = services.file_content(caller, file_id)
+    response = HttpResponse(bytes(found.content), content_type="application/octet-stream")
+    response["Content-Disposition"] = f'attachment; filename="{found.filename}"'
+    return response
+
+
+@openai_view("GET", "POST")
+def batches(request: HttpRequest, caller: Caller) -> HttpResponse:
+    if request.method == "POST":
+        data = _json_body(request)
+        created = services.create_batch(
+            caller,
+            input_file_id=data.get("input_file_id"),
+            endpoint=data.get("endpoint"),
+            completion_window=data.get("completion_window"),
+            metadata=data.get("metadata"),
+        )
+        return JsonResponse(batch_object(created))
+    found, more = services.page(
+        Batch.objects.owned_by(caller.owner),
+        after=request.GET.get("after"),
+        limit=request.GET.get("limit"),
+        kind="batch",
+    )
+    return JsonResponse(list_object([batch_object(b) for b in found], more))
+
+
+@openai_view("GET")
+def batch_detail(request: HttpRequest, caller: Caller, batch_id: str) -> HttpResponse:
+    return JsonResponse(batch_object(services.owned_batch(caller, batch_id)))
+
+
+@openai_view("POST")
+def batch_cancel(request: HttpRequest, caller: Caller, batch_id: str) -> HttpResponse:
+    return JsonResponse(batch_object(services.cancel_batch(caller, batch_id)))
+
+
+@csrf_exempt
+def unknown(request: HttpRequest, rest: str = "") -> HttpResponse:
+    return ApiError(
+        404, f"no endpoint at {request.path} on the control plane", code="not_found"
+    ).response()
