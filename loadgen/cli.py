@@ -2,6 +2,10 @@
 
 Example: ``syshax benchmark --scenario short --concurrency 1-16 --iterations 100
 --target-gpu http://gpu:7001 --target-cpu http://cpu:7002 --json short.json``.
+
+A mixed scenario (``--scenario chat-and-batch``, ``loadgen.scenarios.MIXED_SCENARIOS``) draws
+each request's SLO class by the scenario's shares, sends it as OpenAI's ``service_tier``, and
+reports every class against its own SLO as well (docs/benchmarks.md, "Mixed scenarios, live").
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -36,6 +41,8 @@ from loadgen.goodput import (
 from loadgen.progress import ProgressBar
 from loadgen.report import (
     Row,
+    format_class_slos,
+    format_classes,
     format_errors,
     format_ratios,
     format_resources,
@@ -43,12 +50,28 @@ from loadgen.report import (
     to_json,
 )
 from loadgen.runner import LoadSpec, run_async, run_load, use_realtime_priority
-from loadgen.scenarios import SCENARIOS, Scenario, parse_concurrency, resolve_scenario
-from loadgen.stats import SLO, summarize
+from loadgen.scenarios import (
+    MIXED_SCENARIOS,
+    SCENARIOS,
+    SERVICE_TIERS,
+    MixedScenario,
+    Scenario,
+    parse_concurrency,
+    resolve_scenario,
+)
+from loadgen.stats import (
+    BATCH_TPOT_FACTOR,
+    BATCH_TTFT_MS,
+    SLO,
+    class_slos,
+    combined_goodput,
+    summarize,
+    summarize_classes,
+)
 from loadgen.sweeping import Closer, OnDone, SweepPlan, sweep_target
 from loadgen.targets import BENCHMARK_MODES, MODE_CHOICES, Target, plan_targets
 from loadgen.wire import ConnectionPool
-from loadgen.workload import WARMUP_INDEX, build_requests
+from loadgen.workload import WARMUP_INDEX, RequestSpec, build_mixed_requests, build_requests
 
 CONTROL_PLANE_ENV = "SYSHAX_CONTROL_PLANE_URL"
 API_KEY_ENV = "SYSHAX_ROUTER_API_KEY"
@@ -61,7 +84,14 @@ _SECRET_FLAGS = ("--token", "--api-key")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     shape = parser.add_argument_group("what to send")
-    shape.add_argument("--scenario", default="short", choices=[*SCENARIOS, "custom"])
+    shape.add_argument(
+        "--scenario",
+        default="short",
+        choices=[*SCENARIOS, "custom", *MIXED_SCENARIOS],
+        help="a request shape, or a mixed scenario of SLO classes ("
+        + ", ".join(MIXED_SCENARIOS)
+        + "): each request's class drawn by its shares and sent as service_tier",
+    )
     shape.add_argument("--input-tokens", type=int, help="override the scenario's prompt length")
     shape.add_argument("--output-tokens", type=int, help="override the scenario's output length")
     shape.add_argument(
@@ -115,6 +145,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT bound")
     out.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT bound")
     out.add_argument("--slo-e2e-ms", type=float, help="goodput: end-to-end bound")
+    out.add_argument(
+        "--batch-slo-ttft-ms",
+        type=float,
+        help=f"a mixed scenario's batch class: TTFT bound (default {BATCH_TTFT_MS:g}, the "
+        "policy's batch class; the --slo-* bounds judge the other classes)",
+    )
+    out.add_argument(
+        "--batch-slo-tpot-ms",
+        type=float,
+        help=f"a mixed scenario's batch class: TPOT bound (default {BATCH_TPOT_FACTOR:g} x "
+        "--slo-tpot-ms)",
+    )
     out.add_argument(
         "--slo-attainment",
         type=float,
@@ -176,17 +218,38 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     try:
-        scenario = resolve_scenario(args.scenario, args.input_tokens, args.output_tokens)
+        mix = _mixed_scenario(args)
+        scenario = (
+            resolve_scenario(args.scenario, args.input_tokens, args.output_tokens)
+            if mix is None
+            else _mix_scenario(mix)
+        )
         levels = (
             parse_concurrency(args.concurrency) if args.concurrency else scenario.concurrency_levels
         )
         per_mode = {mode: getattr(args, f"target_{mode}") for mode in BENCHMARK_MODES}
         targets = plan_targets(args.mode, args.target, per_mode)
         slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+        slos = (
+            class_slos(
+                [c.slo_class for c in mix.classes],
+                slo,
+                args.batch_slo_ttft_ms,
+                args.batch_slo_tpot_ms,
+            )
+            if mix is not None
+            else None
+        )
         rates = parse_rates(args.request_rate)
         check_attainment(args.slo_attainment)
         sweeping = len(rates) > 1 or args.find_max_goodput or args.chart is not None
         if sweeping:
+            if mix is not None:
+                raise ValueError(
+                    f"a mixed scenario ({mix.name}) runs concurrency levels or one "
+                    "--request-rate, not a goodput sweep; the mixed-traffic sweep is "
+                    "scripts/bench/goodput_sweep.py --mixed (docs/benchmarks.md)"
+                )
             _check_sweep(args, rates, slo)
         cap = (levels[0] if args.concurrency else None) if sweeping else levels[0]
         LoadSpec(cap, rates[0], args.burstiness, args.seed)
@@ -208,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
         if sweeping:
             rows = run_async(_sweep(args, scenario, rates, cap, targets, slo, sweeps))
         else:
-            rows = run_async(_benchmark(args, scenario, levels, targets, slo))
+            rows = run_async(_benchmark(args, scenario, levels, targets, slo, mix, slos))
     except TargetUnavailable as exc:
         return _fail(f"{exc} (a target must be up before the run starts)")
     if args.deployment:
@@ -220,11 +283,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"syshax benchmark: resource use not read: {exc}", file=sys.stderr)
         finally:
             control.close()
-    print(
-        f"\nscenario {scenario.name}: {scenario.input_tokens} -> {scenario.output_tokens} "
-        f"tokens, {args.iterations} requests per row\n"
-    )
+    if mix is None:
+        print(
+            f"\nscenario {scenario.name}: {scenario.input_tokens} -> {scenario.output_tokens} "
+            f"tokens, {args.iterations} requests per row\n"
+        )
+    else:
+        print(f"\n{_describe_mix(mix)}, {args.iterations} requests per row\n")
     print(format_table(rows))
+    classes = format_classes(rows)
+    if classes:
+        print(f"\nper SLO class ({format_class_slos(rows)}):\n" + classes)
     ratios = format_ratios(rows)
     if ratios:
         print("\n" + ratios)
@@ -245,6 +314,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nwrote {args.chart}")
     if args.json:
         config = _config(args, scenario, levels, targets, slo)
+        if mix is not None and slos is not None:
+            config["scenario"] = mix.to_dict()
+            config["class_slo_ms"] = {
+                name: {"ttft": c.ttft_ms, "tpot": c.tpot_ms, "e2e": c.e2e_ms}
+                for name, c in slos.items()
+            }
         config["request_rates"] = list(rates) if sweeping else None
         config["slo_attainment"] = args.slo_attainment
         document = to_json(config, rows, samples=args.samples)
@@ -253,6 +328,68 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(document, indent=2) + "\n")
         print(f"\nwrote {args.json}")
     return 1 if any(row.summary.failed for row in rows) else 0
+
+
+def _mixed_scenario(args: argparse.Namespace) -> MixedScenario | None:
+    """The mixed scenario ``--scenario`` names, or None for a scenario of one shape."""
+    mix = MIXED_SCENARIOS.get(args.scenario)
+    if mix is None:
+        if args.scenario not in SCENARIOS and args.scenario != "custom":
+            known = ", ".join([*SCENARIOS, "custom", *MIXED_SCENARIOS])
+            raise ValueError(f"unknown scenario {args.scenario!r} (known: {known})")
+        if args.batch_slo_ttft_ms is not None or args.batch_slo_tpot_ms is not None:
+            raise ValueError("--batch-slo-ttft-ms and --batch-slo-tpot-ms need a mixed scenario")
+        return None
+    if args.input_tokens is not None or args.output_tokens is not None:
+        raise ValueError(
+            f"the mixed scenario {mix.name} gives each class its own shape; "
+            "--input-tokens and --output-tokens do not apply"
+        )
+    return mix
+
+
+def _mix_scenario(mix: MixedScenario) -> Scenario:
+    """A stand-in shape for a mixed run: its concurrency range spans the classes' ranges
+    (chat-and-batch: 1-16); its token counts are the share-weighted means, for the table's
+    header only (each request is sent at its own class's shape)."""
+    shapes = [c.scenario for c in mix.classes]
+    return Scenario(
+        mix.name,
+        max(1, round(sum(c.share * c.scenario.input_tokens for c in mix.classes))),
+        max(1, round(sum(c.share * c.scenario.output_tokens for c in mix.classes))),
+        min(s.concurrency_min for s in shapes),
+        max(s.concurrency_max for s in shapes),
+        mix.description,
+    )
+
+
+def _describe_mix(mix: MixedScenario) -> str:
+    parts = [
+        f"{c.slo_class} {100 * c.share:g}% (service_tier {c.service_tier}, "
+        f"{c.scenario.input_tokens} -> {c.scenario.output_tokens} tokens)"
+        for c in mix.classes
+    ]
+    return f"mixed scenario {mix.name}: " + ", ".join(parts)
+
+
+def _specs(
+    scenario: Scenario, mix: MixedScenario | None, count: int, seed: int, first_index: int = 0
+) -> list[RequestSpec]:
+    if mix is not None:
+        return build_mixed_requests(count, mix, seed, first_index)
+    return build_requests(count, scenario.input_tokens, scenario.output_tokens, seed, first_index)
+
+
+_TIER_CLASSES = {tier: name for name, tier in SERVICE_TIERS.items()}
+
+
+def request_classes(specs: Sequence[RequestSpec]) -> dict[int, str]:
+    """Each request's SLO class, by its index, from the ``service_tier`` it carries."""
+    return {
+        spec.index: _TIER_CLASSES[spec.service_tier]
+        for spec in specs
+        if spec.service_tier is not None
+    }
 
 
 def _auth(args: argparse.Namespace, target: Target) -> dict[str, str]:
@@ -297,25 +434,21 @@ async def _benchmark(
     levels: tuple[int, ...],
     targets: list[Target],
     slo: SLO,
+    mix: MixedScenario | None = None,
+    slos: dict[str, SLO] | None = None,
 ) -> list[Row]:
     rows: list[Row] = []
     models = await _models(args, targets)
     pool = ConnectionPool()
     try:
         for level in levels:
-            # The same prompts for every mode at a level, so the modes compare like for like.
+            # The same prompts for every mode at a level, so the modes compare like for like
+            # (and, in a mixed scenario, the same classes in the same order).
             seed = args.seed * 1_000_003 + level
-            specs = build_requests(
-                args.iterations, scenario.input_tokens, scenario.output_tokens, seed
-            )
+            specs = _specs(scenario, mix, args.iterations, seed)
             warmup_count = level if args.warmup is None else args.warmup
-            warmup = build_requests(
-                warmup_count,
-                scenario.input_tokens,
-                scenario.output_tokens,
-                seed + 1,
-                first_index=WARMUP_INDEX,
-            )
+            warmup = _specs(scenario, mix, warmup_count, seed + 1, WARMUP_INDEX)
+            by_index = request_classes(specs) if mix is not None else None
             for target in targets:
                 client = _client(args, pool, target, models[target.url])
                 load = LoadSpec(level, args.request_rate, args.burstiness, args.seed)
@@ -337,7 +470,16 @@ async def _benchmark(
                     bar.close()
                 # Simulated time: stretch each record once, so summary and samples agree.
                 records = [record.scaled(args.sim_speed) for record in result.records]
-                summary = summarize(records, result.duration_s * args.sim_speed, slo)
+                duration = result.duration_s * args.sim_speed
+                classes = None
+                if mix is None or by_index is None:
+                    summary = summarize(records, duration, slo)
+                else:
+                    # Each request is judged against its own class's SLO, in its class's
+                    # row and in the whole row's goodput.
+                    tiers = {c.slo_class: c.service_tier for c in mix.classes}
+                    classes = summarize_classes(records, by_index, tiers, duration, slos or {})
+                    summary = combined_goodput(summarize(records, duration), classes)
                 rows.append(
                     Row(
                         target.mode,
@@ -347,6 +489,8 @@ async def _benchmark(
                         summary,
                         records,
                         window=(began, time.time()),
+                        classes=classes,
+                        request_classes=by_index,
                     )
                 )
     finally:

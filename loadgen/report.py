@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from loadgen.records import RequestRecord
-from loadgen.stats import Summary, ratio
+from loadgen.stats import ClassSummary, Summary, ratio
 
 
 @dataclass
@@ -29,6 +29,10 @@ class Row:
     resources: dict[str, float | None] | None = None
     # The offered request rate of a goodput sweep's row (None: the run's one --request-rate).
     rate: float | None = None
+    # A mixed scenario's row: each SLO class's figures against its own SLO, and the class of
+    # every request by its index (None: a run of one shape).
+    classes: dict[str, ClassSummary] | None = None
+    request_classes: dict[int, str] | None = None
 
     def to_dict(self, *, samples: bool) -> dict[str, object]:
         row: dict[str, object] = {
@@ -41,11 +45,19 @@ class Row:
             "window": list(self.window) if self.window else None,
             "resources": self.resources,
         }
-        failed = [record.sample() for record in self.records if not record.ok]
+        if self.classes is not None:
+            row["classes"] = {name: c.to_dict() for name, c in self.classes.items()}
+        failed = [self._sample(record) for record in self.records if not record.ok]
         row["failed_requests"] = failed
         if samples:
-            row["requests"] = [record.sample() for record in self.records]
+            row["requests"] = [self._sample(record) for record in self.records]
         return row
+
+    def _sample(self, record: RequestRecord) -> dict[str, object]:
+        sample = record.sample()
+        if self.request_classes is not None:
+            sample["slo_class"] = self.request_classes.get(record.index)
+        return sample
 
 
 # (label, figure of a summary, higher is better)
@@ -124,6 +136,69 @@ def format_ratios(rows: Sequence[Row]) -> str:
             f"| {r['concurrency']} | {r['metric']} | {_times(cpu_ratio)} | {_times(gpu_ratio)} |"
         )
     return "\n".join(lines)
+
+
+def format_classes(rows: Sequence[Row]) -> str:
+    """A mixed scenario's rows class by class, each against its own SLO: requests, TTFT and
+    TPOT p50 / p99, SLO attainment and goodput; empty when no row is a mixed one."""
+    mixed = [row for row in rows if row.classes]
+    if not mixed:
+        return ""
+    rated = any(row.rate is not None for row in mixed)
+    header = [
+        "mode",
+        "rate (req/s)" if rated else "concurrency",
+        "class",
+        "service_tier",
+        "ok / failed",
+        "throughput (tok/s)",
+        "TTFT p50 (ms)",
+        "TTFT p99 (ms)",
+        "TPOT p50 (ms)",
+        "TPOT p99 (ms)",
+        "SLO attainment",
+        "goodput (req/s)",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in mixed:
+        level = f"{row.rate:g}" if rated and row.rate is not None else str(row.concurrency)
+        for name, figures in (row.classes or {}).items():
+            s = figures.summary
+            attainment = figures.attainment
+            cells = [
+                row.mode,
+                level,
+                name,
+                figures.service_tier,
+                f"{s.completed} / {s.failed}",
+                _fmt(s.output_throughput if s.completed else None),
+                _fmt(s.ttft.median),
+                _fmt(s.ttft.p99),
+                _fmt(s.tpot.median),
+                _fmt(s.tpot.p99),
+                "-" if attainment is None else f"{attainment:.1f}%",
+                _fmt(s.goodput, 2),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_class_slos(rows: Sequence[Row]) -> str:
+    """The SLO each class of a mixed run was judged against, all classes on one line."""
+    seen: dict[str, ClassSummary] = {}
+    for row in rows:
+        for name, figures in (row.classes or {}).items():
+            seen.setdefault(name, figures)
+    parts = []
+    for name, figures in seen.items():
+        slo = figures.slo
+        bounds = [
+            f"{label} <= {value:g} ms"
+            for label, value in (("TTFT", slo.ttft_ms), ("TPOT", slo.tpot_ms), ("E2E", slo.e2e_ms))
+            if value is not None
+        ]
+        parts.append(f"{name}: {', '.join(bounds) if bounds else 'no SLO'}")
+    return "; ".join(parts)
 
 
 def format_errors(rows: Sequence[Row]) -> str:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
 from loadgen.records import RequestRecord
@@ -217,3 +217,98 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator == 0:
         return None
     return numerator / denominator
+
+
+# A mixed run's batch class: its TPOT target as a multiple of the interactive one
+# (``--batch-slo-tpot-ms`` overrides it), the low end of "five to ten times slower" and the
+# factor of the virtual-time mixed-traffic benchmark (``hetero.mixed.BATCH_TPOT_FACTOR``).
+BATCH_TPOT_FACTOR = 5.0
+# Its TTFT target: the policy's default for the batch class (common.policy_schema).
+BATCH_TTFT_MS = 60000.0
+
+
+def class_slos(
+    classes: Sequence[str],
+    interactive: SLO,
+    batch_ttft_ms: float | None = None,
+    batch_tpot_ms: float | None = None,
+) -> dict[str, SLO]:
+    """Each class's SLO in a mixed run: ``interactive`` (the run's ``--slo-*`` flags) for
+    every class but ``batch``; for batch, TTFT ``batch_ttft_ms`` (default
+    :data:`BATCH_TTFT_MS`) and TPOT ``batch_tpot_ms`` (default :data:`BATCH_TPOT_FACTOR` x the
+    interactive TPOT), no end-to-end bound. Without an interactive SLO, no class has one, and
+    a batch bound alone is refused: goodput is judged for every class or for none."""
+    if interactive.empty:
+        if batch_ttft_ms is not None or batch_tpot_ms is not None:
+            raise ValueError(
+                "the batch class's SLO needs the interactive one: give --slo-ttft-ms, "
+                "--slo-tpot-ms or --slo-e2e-ms too"
+            )
+        return {name: SLO() for name in classes}
+    if batch_tpot_ms is None and interactive.tpot_ms is not None:
+        batch_tpot_ms = BATCH_TPOT_FACTOR * interactive.tpot_ms
+    batch = SLO(BATCH_TTFT_MS if batch_ttft_ms is None else batch_ttft_ms, batch_tpot_ms)
+    return {name: batch if name == "batch" else interactive for name in classes}
+
+
+@dataclass(frozen=True)
+class ClassSummary:
+    """One SLO class's requests of a mixed run, against that class's own SLO."""
+
+    slo_class: str
+    service_tier: str
+    slo: SLO
+    summary: Summary
+
+    @property
+    def attainment(self) -> float | None:
+        """Percent of the class's requests that succeeded and met its SLO (None: no SLO)."""
+        good, requests = self.summary.good_requests, self.summary.requests
+        if good is None:
+            return None
+        return 100.0 * good / requests if requests else 100.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "slo_class": self.slo_class,
+            "service_tier": self.service_tier,
+            "slo_ms": {"ttft": self.slo.ttft_ms, "tpot": self.slo.tpot_ms, "e2e": self.slo.e2e_ms},
+            "attainment": self.attainment,
+            "summary": self.summary.to_dict(),
+        }
+
+
+def summarize_classes(
+    records: Sequence[RequestRecord],
+    classes: Mapping[int, str],
+    tiers: Mapping[str, str],
+    duration_s: float,
+    slos: Mapping[str, SLO],
+) -> dict[str, ClassSummary]:
+    """Per-class figures of a mixed run: ``classes`` gives each request's class by its
+    index, ``tiers`` each class's ``service_tier`` in the mix's order (a class that drew no
+    request still gets its empty row). Every class is summarized over the run's whole wall
+    time ``duration_s``, so the classes' throughputs and goodputs add up to the run's."""
+    grouped: dict[str, list[RequestRecord]] = {name: [] for name in tiers}
+    for record in records:
+        name = classes[record.index]
+        grouped.setdefault(name, []).append(record)
+    return {
+        name: ClassSummary(
+            name,
+            tiers.get(name, ""),
+            slos.get(name, SLO()),
+            summarize(group, duration_s, slos.get(name)),
+        )
+        for name, group in grouped.items()
+    }
+
+
+def combined_goodput(summary: Summary, classes: Mapping[str, ClassSummary]) -> Summary:
+    """``summary`` (the whole run's) with its good requests and goodput counted class by
+    class, each request against its own class's SLO; unchanged where no class has an SLO."""
+    counts = [c.summary.good_requests for c in classes.values()]
+    if not counts or any(count is None for count in counts):
+        return summary
+    good = sum(count or 0 for count in counts)
+    return replace(summary, good_requests=good, goodput=good / summary.duration_s)

@@ -3,6 +3,7 @@ from __future__ import annotations
 from django.urls import path
 
 from controlplane.dashboard.views import (
+    batches,
     benchmarks,
     deployments,
     nodes,
@@ -55,6 +56,8 @@ urlpatterns = [
         name="tenant-revoke-key",
     ),
     path("tenants/<str:name>/delete/", tenants.tenant_delete, name="tenant-delete"),
+    path("batches/", batches.batch_list, name="batches"),
+    path("batches/<str:batch_id>/", batches.batch_detail, name="batch"),
     path("benchmarks/", benchmarks.benchmark_list, name="benchmarks"),
     path("benchmarks/new/", benchmarks.benchmark_create, name="benchmark-create"),
     path("benchmarks/compare/", benchmarks.benchmark_compare, name="benchmark-compare"),

@@ -16,6 +16,19 @@ and prints:
     .venv/bin/python scripts/bench/goodput_sweep.py                      # everything, ~10 min
     .venv/bin/python scripts/bench/goodput_sweep.py --pair a10-xeon --scenario decode-heavy
     .venv/bin/python scripts/bench/goodput_sweep.py --out var/goodput    # + SVG charts and JSON
+
+``--mixed`` runs the mixed-traffic benchmark instead (docs/benchmarks.md, "Mixed traffic"):
+interactive and batch traffic together (``loadgen.scenarios.MIXED_SCENARIOS``), the
+interactive rate held at GPU-only's 99 % limit, and per mode (``gpu`` with priority
+scheduling, ``class-blind`` and ``class-aware`` hetero) the highest batch rate with
+interactive traffic still at 99 % of its SLO, with each class's goodput there: interactive
+SLO attainment, batch tokens/s within the batch targets, both classes' TTFT and TPOT. It is
+``scripts/bench/mixed_traffic.py`` itself (its ``main``, on ``hetero.mixed``), so every
+other argument is that script's (``--pair``, ``--traffic``, ``--seeds``,
+``--requests``, ``--bisections``, ``--warmup``, ``--jobs``, ``--quick``, ``--out``):
+
+    .venv/bin/python scripts/bench/goodput_sweep.py --mixed --out var/mixed   # both pairs, 3 seeds
+    .venv/bin/python scripts/bench/goodput_sweep.py --mixed --quick           # a smoke run
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -64,8 +78,36 @@ def _one(job: tuple[str, str, str, tuple[float, ...], int, float, int]) -> dict[
     }
 
 
-def main() -> int:
+MIXED_FLAG = "--mixed"
+
+
+def run_mixed(argv: Sequence[str]) -> int:
+    """The mixed-traffic benchmark: ``scripts/bench/mixed_traffic.py``'s ``main`` with
+    ``argv`` as its arguments (its usage line names this command)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import mixed_traffic  # the script beside this one; imported here, so plain sweeps skip it
+
+    saved = sys.argv
+    sys.argv = [f"{Path(__file__).name} {MIXED_FLAG}", *argv]
+    try:
+        return int(mixed_traffic.main())
+    finally:
+        sys.argv = saved
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if MIXED_FLAG in argv:
+        return run_mixed([arg for arg in argv if arg != MIXED_FLAG])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        MIXED_FLAG,
+        action="store_true",
+        help="run the mixed-traffic benchmark (interactive beside batch, goodput per class); "
+        "every other argument is then scripts/bench/mixed_traffic.py's",
+    )
     parser.add_argument("--pair", action="append", choices=sorted(PAIRS), help="default: all")
     parser.add_argument(
         "--scenario", action="append", choices=sorted(SCENARIOS), help="default: all"
@@ -77,7 +119,7 @@ def main() -> int:
     parser.add_argument("--bisections", type=int, default=4)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, help="write charts (SVG) and results (JSON) here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         rates_override = parse_rates(args.rates, "--rates") if args.rates else None
     except ValueError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import httpx
@@ -17,8 +18,13 @@ import pytest
 from asgiref.sync import SyncToAsync
 from django.contrib.auth.models import User
 from django.db import connections
+from django.utils import timezone
 
+from common.serving import clean_serving
+from common.tenants import hash_key
 from controlplane.access.models import MachineCredential
+from controlplane.batches.choices import BatchStatus, LineStatus
+from controlplane.batches.models import Batch, BatchLine
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample
 from controlplane.celery import app
 from controlplane.deployments.models import Deployment
@@ -28,6 +34,8 @@ from controlplane.policy.models import SchedulingPolicy
 from controlplane.policy.services import ensure_default_policy
 from controlplane.routers.models import RouterInstance
 from controlplane.routers.services import record_stats
+from controlplane.tenants.models import Tenant, TenantKey
+from controlplane.tenants.usage import record_usage
 from loadgen.simproc import running_sim
 from tests.dashboard.browser import (
     CHROMIUM,
@@ -37,6 +45,8 @@ from tests.dashboard.browser import (
     save_screenshot,
 )
 from tests.dashboard.conftest import PASSWORD, finish_with_measurements, seed_finished_run
+from tests.dashboard.test_playground import KEY as PLAYGROUND_KEY
+from tests.dashboard.test_playground import FakeRouter
 
 pytestmark = [
     pytest.mark.browser,
@@ -52,7 +62,11 @@ EXPECTED_4XX = (
     "/benchmarks/new/",
     "/profiles/new/",
     "/edit/",
+    "/tenants/",
 )
+# Ages (seconds before the page opens) of the routers' serving reports the fleet starts with:
+# every 10 s for the last three minutes, then a few across the hour and the day.
+SERVING_AGES = (*range(0, 180, 10), 600, 1200, 1800, 3000, 7200, 21600, 54000)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +138,7 @@ def fleet(live_server: Any, make_node, make_profile, make_deployment, scenario) 
             )
             assert answer.status_code == 200, answer.text
     profile = make_profile(name="qwen32b-q4-hetero", served_model_name="qwen32b")
-    make_deployment(
+    deployment = make_deployment(
         name="qwen32b-hetero",
         node=node,
         profile=profile,
@@ -137,17 +151,81 @@ def fleet(live_server: Any, make_node, make_profile, make_deployment, scenario) 
     )
     router_credential, _ = MachineCredential.issue("router", "router-a")
     router = RouterInstance.objects.create(name="router-a", credential=router_credential)
-    record_stats(
-        router,
-        {
-            "policy_version": 1,
-            "request_rate": 6.4,
-            "decisions": {"gpu-only": 118, "pd": 243, "cpu-only": 0, "rejected": 2},
-        },
-    )
+    # The router's reports, oldest first, each with its interval's serving figures; the last
+    # one (now) also carries the running counts the routers card shows.
+    now = timezone.now()
+    served = []
+    for step, age in enumerate(sorted(SERVING_AGES, reverse=True)):
+        figures = serving_report(deployment, step)
+        served.append((age, sum(figures["decisions"].values())))
+        stats: dict[str, Any] = {"policy_version": 1, "request_rate": 6.4, "serving": figures}
+        if age == 0:
+            stats["decisions"] = {"gpu-only": 118, "pd": 243, "cpu-only": 0, "rejected": 2}
+        record_stats(router, stats, now=now - timedelta(seconds=age))
     ensure_default_policy()
     run = seed_finished_run(scenario)
-    return {"node": node, "token": token, "profile": profile, "run": run}
+    return {
+        "node": node,
+        "token": token,
+        "profile": profile,
+        "run": run,
+        "deployment": deployment,
+        "router": router,
+        "served": served,
+    }
+
+
+def serving_report(deployment: Deployment, step: int) -> dict[str, Any]:
+    """One 10 s interval of a router's serving figures (common/serving.py) for the traffic of
+    ``deployment``'s model; ``step`` varies the figures so the charts have a shape."""
+    pd, gpu = 6 + step % 4, 3 + step % 3
+    decisions = {"pd": pd, "gpu-only": gpu}
+    ttft = {"100": gpu, "250": pd - 1, "1000": 1}
+    tpot = {"25": 30 + step % 7, "50": 40, "100": 6}
+    tokens = 180.0 + 12.0 * (step % 5)
+    engines = [
+        {
+            "role": "gpu",
+            "url": deployment.gpu_endpoint,
+            "up": True,
+            "running": 6 + step % 3,
+            "waiting": step % 2,
+            "kv_usage_perc": 40.0 + 4.0 * (step % 6),
+            "tokens_per_second": tokens,
+            "itl_ms": 14.0,
+        },
+        {
+            "role": "cpu",
+            "url": deployment.cpu_endpoint,
+            "up": True,
+            "running": 3 + step % 2,
+            "waiting": 0,
+            "kv_usage_perc": 12.0 + step % 4,
+            "tokens_per_second": round(tokens * 0.3, 1),
+            "itl_ms": 31.0,
+        },
+    ]
+    model = deployment.profile.model_name_for_clients
+    return clean_serving(
+        {
+            "interval_seconds": 10.0,
+            "decisions": decisions,
+            "reasons": {"pd:gpu-kv-full": pd, "gpu-only:gpu-room": gpu},
+            "ttft_ms": ttft,
+            "tpot_ms": tpot,
+            "deployments": [
+                {
+                    "id": deployment.pk,
+                    "name": deployment.name,
+                    "model": model,
+                    "decisions": decisions,
+                    "ttft_ms": ttft,
+                    "tpot_ms": tpot,
+                    "engines": engines,
+                }
+            ],
+        }
+    )
 
 
 def sign_in(page: Any, base_url: str) -> None:
@@ -189,6 +267,7 @@ def test_walk_every_page(page: Any, live_server: Any, fleet: dict[str, Any]) -> 
     assert "node cpu-box-2 is offline" in html
     assert page.locator(".badge.simulated").first.is_visible()
     assert "pd 243" in html
+    assert page.locator(".serving figure[data-chart]").count() == 7  # the live serving charts
     save_screenshot(page, "overview", for_docs=True)
 
     page.click("nav >> text=Nodes")
@@ -197,6 +276,8 @@ def test_walk_every_page(page: Any, live_server: Any, fleet: dict[str, Any]) -> 
     assert page.locator("li.core.h0").count() == 128  # the CPU engine's cores
     assert page.locator("li.core.h1").count() == 4  # the GPU engine's host threads
     assert page.locator("figure.socket").count() == 2
+    assert page.inner_text("#serving-h") == "Live serving node kunpeng-a100"
+    assert page.locator(".serving figure[data-chart]").count() == 7
     save_screenshot(page, "node", for_docs=True)
 
     walk_profiles(page, fleet)
@@ -314,6 +395,14 @@ def test_create_a_deployment_and_watch_it_become_running(
         assert page.locator(".timeline li").count() > before + 8
         assert page.locator(".timeline li.new").count() > 0  # appended live by the poller
         assert page.locator('[data-field="gpu-endpoint"]').inner_text() == "http://127.0.0.1:7101"
+        # A router reports the new deployment's first traffic: its serving panel, empty so
+        # far, fills in at its next poll, still without a reload.
+        assert page.locator('.serving [data-field="serving-empty"]').is_visible()
+        second = Deployment.objects.get(name="qwen32b-second")
+        record_stats(fleet["router"], {"serving": serving_report(second, 1)})
+        page.wait_for_selector('.serving [data-chart="tokens"]', timeout=20_000)
+        assert page.inner_text('.serving [data-field="requests"]') == "11"  # pd 7, gpu-only 4
+        assert page.evaluate("window.__sameDocument === true"), "the page was reloaded"
         save_screenshot(page, "deployment", for_docs=True)
     finally:
         agent.stop()
@@ -458,3 +547,222 @@ def test_a_run_draws_its_points_as_they_arrive_and_cancel_keeps_them(
     assert not page.locator('[data-field="cancel"]').is_visible()
     assert page.evaluate("window.__sameDocument === true"), "the page was reloaded"
     save_screenshot(page, "benchmark-cancelled", for_docs=True)
+
+
+def test_the_live_serving_window_switches_without_a_reload(
+    page: Any, live_server: Any, fleet: dict[str, Any]
+) -> None:
+    """The overview's panel sums the routers' reports over 5 min, 1 h or 24 h, switched in
+    place; a deployment's page has the same panel, for that deployment only."""
+
+    def requests_in(seconds: int) -> str:
+        return str(sum(count for age, count in fleet["served"] if age < seconds))
+
+    panel = page.locator(".serving")
+    assert panel.get_attribute("data-window") == "5m"
+    assert panel.locator('[data-field="requests"]').inner_text() == requests_in(300)
+    assert "gpu-kv-full" in panel.locator("table.serving-reasons").inner_text()
+    page.evaluate("window.__sameDocument = true")
+    for key, seconds in (("1h", 3600), ("24h", 86400), ("5m", 300)):
+        panel.locator(f'[data-window-key="{key}"]').click()
+        expected = requests_in(seconds)
+        page.wait_for_selector(f'.serving [data-field="requests"]:text-is("{expected}")')
+        assert panel.get_attribute("data-window") == key
+        assert panel.locator("[aria-current=true]").get_attribute("data-window-key") == key
+        assert page.url.endswith(f"?window={key}")
+        if key == "24h":
+            save_screenshot(page, "overview-24h")
+    assert requests_in(300) != requests_in(3600) != requests_in(86400)
+    assert page.evaluate("window.__sameDocument === true"), "the page was reloaded"
+
+    page.goto(f"{live_server.url}/deployments/{fleet['deployment'].pk}/?window=1h")
+    assert page.inner_text("#serving-h") == "Live serving deployment qwen32b-hetero"
+    assert page.inner_text('.serving [data-field="requests"]') == requests_in(3600)
+    assert page.locator(".serving table.serving-engines tbody tr").count() == 2  # GPU, CPU
+    assert page.locator(".serving figure[data-chart]").count() == 7
+    save_screenshot(page, "deployment-serving")
+
+
+@pytest.fixture
+def playground_router(fleet: dict[str, Any], settings: Any) -> Iterator[FakeRouter]:
+    """tests/dashboard/test_playground.py's router stand-in, registered and alive."""
+    settings.ROUTER_BENCHMARK_KEY = PLAYGROUND_KEY
+    fake = FakeRouter()
+    credential, _ = MachineCredential.issue("router", "router-play")
+    RouterInstance.objects.create(
+        name="router-play", credential=credential, listen_url=fake.url, last_seen_at=timezone.now()
+    )
+    yield fake
+    fake.close()
+
+
+def test_the_playground_sends_a_chat_forced_to_pd(
+    page: Any, live_server: Any, fleet: dict[str, Any], playground_router: FakeRouter
+) -> None:
+    page.goto(f"{live_server.url}/deployments/{fleet['deployment'].pk}/")
+    section = page.locator("section.playground")
+    assert "router-play" in section.inner_text()
+    page.fill("#id_play-prompt", "Say hello to the operators")
+    page.fill("#id_play-max_tokens", "16")
+    page.select_option("#id_play-mode", "forced-pd")
+    page.evaluate("window.__sameDocument = true")
+    section.locator("button[type=submit]").click()
+    page.wait_for_selector('[data-field="play-route"]:text-is("pd")')
+    assert page.inner_text('[data-field="play-reason"]') == "forced"
+    ttft, unit = page.inner_text('[data-field="play-ttft"]').split()
+    assert unit == "ms" and float(ttft) >= 40  # the stand-in's 50 ms prefill
+    rate, unit = page.inner_text('[data-field="play-tps"]').split()
+    assert unit == "tokens/s" and float(rate) > 0
+    assert page.inner_text('[data-field="play-tokens"]') == "4"
+    assert page.inner_text('[data-field="play-router"]') == "router-play"
+    assert page.inner_text('[data-field="play-text"]') == "Hello from the engines"
+    assert not page.locator('[data-field="play-error"]').is_visible()
+    assert page.evaluate("window.__sameDocument === true"), "the page was reloaded"
+    sent = playground_router.seen[-1]
+    assert sent["headers"]["X-Syshax-Mode"] == "forced-pd"
+    assert sent["body"]["max_tokens"] == 16
+    section.scroll_into_view_if_needed()
+    save_screenshot(page, "playground", for_docs=True)
+
+
+def test_create_a_tenant_and_issue_and_revoke_its_key(
+    page: Any, live_server: Any, fleet: dict[str, Any]
+) -> None:
+    base = live_server.url
+    page.click("nav >> text=Tenants")
+    assert page.locator("h1").inner_text() == "Tenants"
+    # Three problems in one submission: all three shown at once, nothing created.
+    page.fill("#id_name", "Eval Team")
+    page.fill("#id_rpm_limit", "-5")
+    page.uncheck("#new input[name=classes][value=interactive]")
+    page.uncheck("#new input[name=classes][value=standard]")
+    page.select_option("#id_default_class", "standard")
+    page.click("button:text('Create tenant')")
+    assert "fix 3 problems" in page.inner_text("#new .error-summary")
+    assert page.locator("#new .error-summary li").count() == 3
+    assert page.locator("#new .field.invalid").count() == 3
+    assert not Tenant.objects.exists()
+
+    page.fill("#id_name", "eval-team")
+    page.fill("#id_rpm_limit", "120")
+    page.fill("#id_tpm_limit", "200000")
+    page.fill("#id_models", "qwen32b")
+    page.check("#new input[name=classes][value=standard]")
+    page.click("button:text('Create tenant')")
+    page.wait_for_selector("text=tenant eval-team created")
+    assert page.locator("h1").inner_text() == "Tenant eval-team"
+    tenant = Tenant.objects.get(name="eval-team")
+    assert (tenant.rpm_limit, tenant.classes) == (120, ["standard", "batch"])
+
+    # The routers report an hour of its traffic, a minute at a time, some of it over its RPM.
+    now = timezone.now()
+    for minute in range(0, 60, 3):
+        counts = {
+            "requests": 40 + minute,
+            "prompt_tokens": 3000 + 50 * minute,
+            "completion_tokens": 1200 + 20 * minute,
+            "rejected": {"rpm": minute % 4},
+        }
+        at = now - timedelta(minutes=minute)
+        record_usage(fleet["router"], {"tenants": {"eval-team": counts}}, now=at)
+
+    # A key is shown once, on the page that issued it, and never again.
+    page.fill("#id_label", "eval jobs")
+    page.click("button:text('Issue key')")
+    key = page.inner_text("#new-key")
+    stored = TenantKey.objects.get(tenant=tenant)
+    assert key.startswith(stored.prefix) and stored.key_hash == hash_key(key)
+    page.goto(f"{base}/tenants/eval-team/")
+    assert page.locator("#new-key").count() == 0 and key not in page.content()
+    assert page.locator("#usage svg.chart").count() == 3  # requests, tokens, rejections
+    assert "rpm" in page.inner_text("#usage table.usage")
+
+    page.click("button[aria-label^='Revoke key']")
+    page.wait_for_selector("text=revoked; routers refuse it from their next poll")
+    assert TenantKey.objects.get(tenant=tenant).revoked_at is not None
+    save_screenshot(page, "tenant", for_docs=True)
+
+    page.click("nav >> text=Tenants")
+    row = page.locator("tr", has=page.locator('a[href="/tenants/eval-team/"]'))
+    assert "120" in row.inner_text() and "rpm" in row.inner_text()
+    save_screenshot(page, "tenants", for_docs=True)
+
+
+def seed_batch(owner: str, status: str, total: int, completed: int, failed: int) -> Batch:
+    """A batch part or wholly run, as the batch worker leaves it: its counts and its lines."""
+    now = timezone.now()
+    batch = Batch.objects.create(
+        owner=owner,
+        endpoint="/v1/chat/completions",
+        status=status,
+        input_file_ref="file-eval-prompts",
+        total=total,
+        completed=completed,
+        failed=failed,
+        created_at=now - timedelta(minutes=12),
+        in_progress_at=now - timedelta(minutes=11),
+        completed_at=now if status == BatchStatus.COMPLETED else None,
+        expires_at=now + timedelta(hours=24),
+        metadata={"job": "nightly-eval"},
+    )
+    lines = []
+    for n in range(1, total + 1):
+        state = (
+            LineStatus.DONE
+            if n <= completed
+            else LineStatus.FAILED
+            if n <= completed + failed
+            else LineStatus.PENDING
+        )
+        error = None
+        if state == LineStatus.FAILED:
+            error = {"code": "model_not_found", "message": f"line {n}: model 'qwen72b' not served"}
+        lines.append(
+            BatchLine(batch=batch, line_no=n, custom_id=f"eval-{n}", status=state, error=error)
+        )
+    BatchLine.objects.bulk_create(lines)
+    return batch
+
+
+def test_batches_show_their_progress(page: Any, live_server: Any) -> None:
+    moving = seed_batch("eval-team", BatchStatus.IN_PROGRESS, total=40, completed=22, failed=2)
+    done = seed_batch("globex", BatchStatus.COMPLETED, total=12, completed=12, failed=0)
+    page.click("nav >> text=Batches")
+    assert page.locator("h1").inner_text() == "Batches"
+    bar = page.locator("tr", has=page.locator(f'a[href="/batches/{moving.id}/"]')).locator(
+        "progress"
+    )
+    assert (bar.get_attribute("max"), bar.get_attribute("value")) == ("40", "24")
+    finished = page.locator("tr", has=page.locator(f'a[href="/batches/{done.id}/"]'))
+    assert "100%" in finished.inner_text()
+    save_screenshot(page, "batches", for_docs=True)
+
+    page.click(f"text={moving.id}")
+    assert moving.id in page.locator("h1").inner_text()
+    progress = page.inner_text("#progress-h + p")
+    assert "60%: 22 completed, 2 failed of 40 lines" in progress
+    assert page.locator("section progress").get_attribute("value") == "24"
+    assert "16 pending, 22 done, 2 failed" in page.inner_text("dl.facts")
+    assert page.locator("#failed-h ~ div table tbody tr").count() == 2
+    assert "model 'qwen72b' not served" in page.content()
+    save_screenshot(page, "batch", for_docs=True)
+
+
+def test_the_policy_page_lists_the_slo_class_knobs(page: Any, live_server: Any) -> None:
+    page.goto(f"{live_server.url}/policy/default/")
+    for knob in (
+        "class_aware",
+        *(f"interactive_{k}" for k in ("ttft_ms", "tpot_ms", "priority", "sheddable")),
+        *(f"standard_{k}" for k in ("ttft_ms", "priority", "sheddable", "cpu_first")),
+        *(f"batch_{k}" for k in ("ttft_ms", "tpot_ms", "priority", "sheddable", "cpu_first")),
+    ):
+        assert page.locator(f"#id_{knob}").count() == 1, knob
+    assert page.inner_text("#meaning-batch_tpot_ms").startswith("SLO class batch:")
+    assert page.is_checked("#id_class_aware") and page.is_checked("#id_batch_cpu_first")
+    page.fill("#id_batch_tpot_ms", "250")
+    page.fill("#id_reason", "the CPU meets 250 ms for batch decodes")
+    page.click("button:text('Save as v2')")
+    page.wait_for_selector("text=policy default saved as v2")
+    revision = page.locator("#v2")
+    assert revision.locator("del").all_inner_texts() == ["300.0"]
+    assert revision.locator("ins").all_inner_texts() == ["250.0"]

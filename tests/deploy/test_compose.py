@@ -32,6 +32,7 @@ def test_the_services_of_a_cluster_are_all_there() -> None:
         "gateway",
         "worker",
         "benchmarks",
+        "batches",
         "beat",
         "router",
         "agent",
@@ -52,12 +53,12 @@ def test_redis_persists_with_append_only_and_postgres_has_a_volume() -> None:
 
 
 def test_the_app_services_get_the_settings_they_need() -> None:
-    for name in ("web", "gateway", "worker", "benchmarks", "beat", "router", "agent"):
+    for name in ("web", "gateway", "worker", "benchmarks", "batches", "beat", "router", "agent"):
         env = SERVICES[name]["environment"]
         assert env["DJANGO_SETTINGS_MODULE"] == "controlplane.settings.production"
         assert SERVICES[name]["env_file"] == "${APP_ENV_FILE:-.env}"
         assert SERVICES[name]["depends_on"]
-    for name in ("web", "gateway", "worker", "benchmarks", "beat"):  # on the compose network
+    for name in ("web", "gateway", "worker", "benchmarks", "batches", "beat"):  # compose network
         env = SERVICES[name]["environment"]
         assert (
             env["DATABASE_URL"].startswith("postgres://")
@@ -153,6 +154,7 @@ def test_the_env_example_names_only_variables_the_settings_or_compose_read() -> 
         "WEB_WORKERS",
         "WORKER_CONCURRENCY",
         "BENCHMARK_CONCURRENCY",
+        "BATCH_WORKER_CONCURRENCY",
         "SYSHAX_BASE_IMAGE",
         "POSTGRES_IMAGE",
         "REDIS_IMAGE",
