@@ -333,7 +333,7 @@ def time_chart(
                 '<text class="tick" x="{}" y="{}" text-anchor="middle">{}</text>',
                 frame.x(x),
                 HEIGHT - BOTTOM + 16,
-                fmt(round(-x / unit, 1)),
+                fmt(round(-x / unit, 1) + 0.0),  # + 0.0: "0", not "-0", at now
             )
         )
     names = list(series)

@@ -255,6 +255,18 @@ def _line(points: list[dict[str, Any]], field: str) -> list[tuple[float, float |
     return [(p["x"], p[field]) for p in points]
 
 
+# Each chart's title, shown above it (the SVG's own title names the scope and window too).
+CHART_TITLES = {
+    "tokens": "Generated tokens/s",
+    "ttft": "Time to first token (ms)",
+    "tpot": "Time per output token (ms)",
+    "kv": "KV-cache use (%) per engine",
+    "running": "Running sequences per engine",
+    "waiting": "Waiting requests per engine",
+    "pd": "Requests served PD (% of requests)",
+}
+
+
 def panel_charts(data: Mapping[str, Any], scope: str) -> dict[str, str]:
     """The panel's SVG charts, each titled with its scope, window and unit."""
     span = float(data["seconds"])
@@ -271,43 +283,43 @@ def panel_charts(data: Mapping[str, Any], scope: str) -> dict[str, str]:
     drawn = {
         "tokens": charts.time_chart(
             {"tokens/s": _line(points, "tokens_per_second")},
-            title=f"Generated tokens/s, {label}",
+            title=f"{CHART_TITLES['tokens']}, {label}",
             y_label="tokens/s",
             span=span,
         ),
         "ttft": charts.time_chart(
             {"p50": _line(points, "ttft_p50_ms"), "p99": _line(points, "ttft_p99_ms")},
-            title=f"Time to first token (ms), {label}",
+            title=f"{CHART_TITLES['ttft']}, {label}",
             y_label="ms",
             span=span,
         ),
         "tpot": charts.time_chart(
             {"p50": _line(points, "tpot_p50_ms"), "p99": _line(points, "tpot_p99_ms")},
-            title=f"Time per output token (ms), {label}",
+            title=f"{CHART_TITLES['tpot']}, {label}",
             y_label="ms",
             span=span,
         ),
         "kv": charts.time_chart(
             per_engine("kv_usage_perc"),
-            title=f"KV-cache use (%) per engine, {label}",
+            title=f"{CHART_TITLES['kv']}, {label}",
             y_label="%",
             span=span,
         ),
         "running": charts.time_chart(
             per_engine("running"),
-            title=f"Running sequences per engine, {label}",
+            title=f"{CHART_TITLES['running']}, {label}",
             y_label="sequences",
             span=span,
         ),
         "waiting": charts.time_chart(
             per_engine("waiting"),
-            title=f"Waiting requests per engine, {label}",
+            title=f"{CHART_TITLES['waiting']}, {label}",
             y_label="requests",
             span=span,
         ),
         "pd": charts.time_chart(
             {"PD share": _line(points, "pd_share_percent")},
-            title=f"Requests served PD (% of requests), {label}",
+            title=f"{CHART_TITLES['pd']}, {label}",
             y_label="%",
             span=span,
         ),
@@ -329,5 +341,6 @@ def serving_panel(
     data = aggregate(samples, now=now, window=window, deployments=deployments)
     data["scope"] = scope
     data["charts"] = panel_charts(data, scope)
+    data["figures"] = [(key, CHART_TITLES[key], svg) for key, svg in data["charts"].items() if svg]
     data["has_data"] = any(data["charts"].values()) or bool(data["summary"]["requests"])
     return data

@@ -189,7 +189,7 @@ def serving_report(deployment: Deployment, step: int) -> dict[str, Any]:
             "url": deployment.gpu_endpoint,
             "up": True,
             "running": 6 + step % 3,
-            "waiting": step % 2,
+            "waiting": (step // 4) % 3,
             "kv_usage_perc": 40.0 + 4.0 * (step % 6),
             "tokens_per_second": tokens,
             "itl_ms": 14.0,
@@ -399,9 +399,12 @@ def test_create_a_deployment_and_watch_it_become_running(
         # far, fills in at its next poll, still without a reload.
         assert page.locator('.serving [data-field="serving-empty"]').is_visible()
         second = Deployment.objects.get(name="qwen32b-second")
-        record_stats(fleet["router"], {"serving": serving_report(second, 1)})
+        now = timezone.now()
+        for step, age in enumerate((20, 10, 0), start=1):
+            report = {"serving": serving_report(second, step)}
+            record_stats(fleet["router"], report, now=now - timedelta(seconds=age))
         page.wait_for_selector('.serving [data-chart="tokens"]', timeout=20_000)
-        assert page.inner_text('.serving [data-field="requests"]') == "11"  # pd 7, gpu-only 4
+        assert page.inner_text('.serving [data-field="requests"]') == "36"  # 11 + 13 + 12
         assert page.evaluate("window.__sameDocument === true"), "the page was reloaded"
         save_screenshot(page, "deployment", for_docs=True)
     finally:

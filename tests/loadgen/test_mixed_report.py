@@ -169,7 +169,9 @@ def test_the_report_and_json_carry_the_per_class_section() -> None:
     slos = class_slos(["interactive", "batch"], SLO(1000.0, 50.0))
     figures = summarize_classes(records, classes, TIERS, 10.0, slos)
     summary = combined_goodput(summarize(records, 10.0), figures)
-    row = Row("target", 4, "http://r", "m", summary, records, classes=figures, request_classes=classes)
+    row = Row(
+        "target", 4, "http://r", "m", summary, records, classes=figures, request_classes=classes
+    )
     plain = Row("target", 4, "http://r", "m", summarize(records, 10.0), records)
 
     table = format_classes([row, plain])

@@ -60,5 +60,6 @@ def serving_json(request: HttpRequest) -> JsonResponse:
         node = get_object_or_404(Node, name=request.GET["node"])
     context = serving_context(request, deployment=deployment, node=node)
     data = dict(context["serving"])
+    data.pop("figures", None)  # the charts again, as the template lists them
     data["html"] = render_to_string("dashboard/_serving_body.html", context, request=request)
     return JsonResponse(data)

@@ -69,7 +69,7 @@ def usage_charts(series: list[tuple[datetime, Usage]], window: str) -> dict[str,
         for _, counts in chunk:
             total.add(counts)
         # x: where the bucket ends, in units before now (0: the current minute).
-        x = -float(len(series) - start - len(chunk)) / unit
+        x = -float(len(series) - start - len(chunk)) / unit + 0.0  # + 0.0: never "-0"
         buckets.append((x, chunk[0][0], total))
     reasons = [r for r in REJECT_REASONS if any(u.rejected.get(r) for _, _, u in buckets)]
     per = float(size)
