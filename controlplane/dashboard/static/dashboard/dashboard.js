@@ -60,32 +60,6 @@
     setTimeout(tick, 500);
   }
 
-  // --- Benchmark progress --------------------------------------------------------------
-  function watchRun(section) {
-    var url = section.getAttribute("data-run-progress");
-    var chartsUrl = section.getAttribute("data-run-charts");
-    var wasActive = section.getAttribute("data-active") === "1";
-    if (!wasActive) { return; }
-    function tick() {
-      getJSON(url).then(function (data) {
-        var badge = setText(section, "status", data.status);
-        if (badge) { badge.className = "badge state-" + data.status; }
-        var bar = section.querySelector('[data-field="progress"]');
-        if (bar) { bar.value = data.progress; }
-        setText(section, "percent", (data.progress * 100).toFixed(1) + "%");
-        setText(section, "error", data.error || "");
-        if (data.active) { setTimeout(tick, 1000); return; }
-        section.setAttribute("data-active", "0");
-        fetch(chartsUrl, { credentials: "same-origin" }).then(function (r) { return r.text(); })
-          .then(function (html) {
-            var holder = document.querySelector('[data-field="charts"]');
-            if (holder) { holder.innerHTML = html; }
-          });
-      }).catch(function () { setTimeout(tick, 5000); });
-    }
-    setTimeout(tick, 1000);
-  }
-
   // --- Accelerator readings ------------------------------------------------------------
   function watchAccelerators(section) {
     var url = section.getAttribute("data-live-accelerators");
@@ -110,7 +84,6 @@
 
   document.addEventListener("DOMContentLoaded", function () {
     document.querySelectorAll("[data-timeline]").forEach(watchTimeline);
-    document.querySelectorAll("[data-run-progress]").forEach(watchRun);
     document.querySelectorAll("[data-live-accelerators]").forEach(watchAccelerators);
   });
 })();
