@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from urllib.parse import urlsplit
 
 MAX_HOST_NAME = 253  # RFC 1035: 255 octets on the wire, 253 characters written out
 LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
@@ -93,3 +94,39 @@ def is_http_url(url: str) -> bool:
         return http_url(host, int(port)) == url
     except HostError:
         return False
+
+
+ORIGIN_RULE = (
+    "must be an http:// or https:// URL of a host name or IP address with an optional port, "
+    "and nothing after it (no path, query, fragment or user)"
+)
+
+
+def check_origin(url: str) -> str:
+    """``url`` as a plain origin, ``scheme://host:port`` with the scheme and host in lower
+    case, the port written out and no trailing slash; raises ``HostError`` for anything else
+    (a path, a query, credentials, a host ``check_host`` refuses)."""
+    if not isinstance(url, str) or any(c in url for c in "#?@\\ \t"):
+        raise HostError(f"{ORIGIN_RULE}, got {url!r}")
+    try:
+        parts = urlsplit(url.strip().rstrip("/"))
+        port = parts.port
+    except ValueError:
+        raise HostError(f"{ORIGIN_RULE}, got {url!r}") from None
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").lower()
+    if (
+        scheme not in ("http", "https")
+        or not host
+        or parts.path
+        or parts.query
+        or parts.fragment
+        or "@" in parts.netloc
+        or not is_host(host)
+    ):
+        raise HostError(f"{ORIGIN_RULE}, got {url!r}")
+    if port is None:
+        port = 443 if scheme == "https" else 80
+    if port == 0:
+        raise HostError(f"{ORIGIN_RULE}, got {url!r}")
+    return f"{scheme}://{url_host(host)}:{port}"

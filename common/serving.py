@@ -22,7 +22,19 @@ MAX_DEPLOYMENTS = 256
 MAX_ENGINES = 8
 MAX_KEYS = 64  # histogram bounds, decision routes, reasons
 MAX_TEXT = 200
-MAX_COUNT = 2**53
+MAX_ID = 2**53
+# What one report could hold: a count (of requests, sequences, histogram observations) over
+# one interval, and each measure, far above any real engine or router and far below what
+# would make their sums across engines and routers overflow (docs/decisions/0057-router-
+# credential-scope-and-usage-bounds.md). A report beyond them is refused at the door.
+MAX_COUNT = 10**9
+DAY_MS = 86_400_000.0
+MEASURE_LIMITS = {
+    "kv_usage_perc": 100.0,  # percent of the KV cache
+    "tokens_per_second": 1e7,
+    "itl_ms": DAY_MS,
+    "interval_seconds": 86_400.0,
+}
 # What no JSON column keeps (NUL, lone surrogates): refused as the control plane's parser does.
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
@@ -95,13 +107,13 @@ def _text(value: Any, where: str) -> str:
     return value
 
 
-def _count(value: Any, where: str) -> int:
-    if type(value) is not int or not 0 <= value <= MAX_COUNT:
-        raise ServingError(f"{where}: a count (an integer, 0 or more)")
+def _count(value: Any, where: str, limit: int = MAX_COUNT) -> int:
+    if type(value) is not int or not 0 <= value <= limit:
+        raise ServingError(f"{where}: a count (an integer, 0 to {limit})")
     return value
 
 
-def _measure(value: Any, where: str, *, nullable: bool = True) -> float | None:
+def _measure(value: Any, where: str, limit: float, *, nullable: bool = True) -> float | None:
     if value is None and nullable:
         return None
     if type(value) not in (int, float):
@@ -110,8 +122,8 @@ def _measure(value: Any, where: str, *, nullable: bool = True) -> float | None:
         number = float(value)
     except OverflowError:
         raise ServingError(f"{where}: a finite number") from None
-    if not math.isfinite(number) or number < 0:
-        raise ServingError(f"{where}: a finite number, 0 or more")
+    if not math.isfinite(number) or not 0 <= number <= limit:
+        raise ServingError(f"{where}: a number, 0 to {limit:g}")
     return number
 
 
@@ -137,6 +149,8 @@ def _histogram(value: Any, where: str) -> dict[str, int]:
             raise ServingError(f"{where}: bucket {key!r} is not a bound in ms") from None
         if math.isnan(bound) or bound <= 0:
             raise ServingError(f"{where}: bucket {key!r} is not a positive bound")
+        if DAY_MS < bound < math.inf:
+            raise ServingError(f"{where}: bucket {key!r} is past a day (+Inf is the last)")
     return tally
 
 
@@ -153,7 +167,7 @@ def _engine(value: Any, where: str) -> dict[str, Any]:
         count = engine.get(name)
         out[name] = None if count is None else _count(count, f"{where}.{name}")
     for name in ("kv_usage_perc", "tokens_per_second", "itl_ms"):
-        out[name] = _measure(engine.get(name), f"{where}.{name}")
+        out[name] = _measure(engine.get(name), f"{where}.{name}", MEASURE_LIMITS[name])
     return out
 
 
@@ -163,7 +177,7 @@ def _deployment(value: Any, where: str) -> dict[str, Any]:
     if type(engines) is not list or len(engines) > MAX_ENGINES:
         raise ServingError(f"{where}.engines: a list of at most {MAX_ENGINES}")
     return {
-        "id": _count(d.get("id"), f"{where}.id"),
+        "id": _count(d.get("id"), f"{where}.id", MAX_ID),
         "name": _text(d.get("name"), f"{where}.name"),
         "model": _text(d.get("model"), f"{where}.model"),
         "decisions": _tally(d.get("decisions", {}), f"{where}.decisions"),
@@ -184,7 +198,10 @@ def clean_serving(value: Any) -> dict[str, Any]:
         raise ServingError(f"serving.deployments: a list of at most {MAX_DEPLOYMENTS}")
     return {
         "interval_seconds": _measure(
-            serving.get("interval_seconds"), "serving.interval_seconds", nullable=False
+            serving.get("interval_seconds"),
+            "serving.interval_seconds",
+            MEASURE_LIMITS["interval_seconds"],
+            nullable=False,
         ),
         "decisions": _tally(serving.get("decisions", {}), "serving.decisions"),
         "reasons": _tally(serving.get("reasons", {}), "serving.reasons"),

@@ -10,9 +10,21 @@ blocking, the way gthread already waits for the next request on a kept-alive con
 thread gets only a request whose head and body are both in memory. A request must be whole
 within ``SYSHAX_WEB_READ_TIMEOUT`` seconds of the moment the worker starts waiting for it (its
 connection accepted, or readable again after the last answer); otherwise the client gets a 408
-and the connection is closed. A body over ``MAX_REQUEST_BODY_BYTES`` gets a 413 before it is
-read, a head over 64 KiB a 431, and ``Transfer-Encoding`` a 411 (Django reads no chunked body).
-Connections closed after an answer linger in the loop too, not in gunicorn's blocking close.
+and the connection is closed. A body over its limit gets a 413 before it is read, a head over
+64 KiB a 431, and ``Transfer-Encoding`` a 411 (Django reads no chunked body). Connections
+closed after an answer linger in the loop too, not in gunicorn's blocking close.
+
+A body's limit is ``MAX_REQUEST_BODY_BYTES`` (2 MiB), except on the paths of
+:func:`body_limits_by_path`, which the settings' ``BODY_LIMITS_BY_PATH`` is too: the Batch
+API's upload (``POST /v1/files``, exactly that path) may carry ``BATCH_MAX_FILE_BYTES`` (50 MiB)
+plus 1 MiB of multipart framing. Large uploads cost memory, bounded twice over. The bodies
+still arriving at one worker share its buffer budget: twice the largest limit plus a head
+(about 102 MiB by default, never under ``MIN_BUFFER_BUDGET``), so two whole uploads can
+arrive at once and a request that would take the worker past it gets a 503 and is closed.
+A whole request then stays in memory while a thread serves it, until Django has spooled the
+file to a temporary file (past ``FILE_UPLOAD_MAX_MEMORY_SIZE``) and it is stored a chunk at a
+time: at most one per thread. A worker of 4 threads thus holds at most about 102 + 4 x 51
+MiB of bodies; lower ``BATCH_MAX_FILE_BYTES`` or the threads where that is too much.
 
 Cleartext HTTP/1.1 only: TLS ends in the proxy in front (docs/deployment.md). Django-free.
 The worker leans on gthread's internals, so pyproject.toml pins gunicorn to one major version.
@@ -36,8 +48,11 @@ from typing import Any
 from gunicorn import util
 from gunicorn.workers.gthread import ThreadWorker
 
+from common.body_limits import DEFAULT_FILE_LIMIT, body_limits_by_path
+
 READ_TIMEOUT_ENV = "SYSHAX_WEB_READ_TIMEOUT"
 BODY_LIMIT_ENV = "MAX_REQUEST_BODY_BYTES"
+FILE_LIMIT_ENV = "BATCH_MAX_FILE_BYTES"
 DEFAULT_READ_TIMEOUT = 10.0
 DEFAULT_BODY_LIMIT = 2 * 1024 * 1024  # the control plane's own default (settings/base.py)
 MAX_HEAD_BYTES = 64 * 1024
@@ -66,11 +81,20 @@ _ERROR_CODES = {
 class ReadLimits:
     timeout: float = DEFAULT_READ_TIMEOUT
     max_body: int = DEFAULT_BODY_LIMIT
+    max_file: int = DEFAULT_FILE_LIMIT
+
+    @property
+    def by_path(self) -> dict[bytes, int]:
+        return {p.encode(): n for p, n in body_limits_by_path(self.max_file).items()}
+
+    @property
+    def largest_body(self) -> int:
+        return max(self.max_body, *self.by_path.values())
 
 
 def limits_from_env(env: Mapping[str, str]) -> ReadLimits:
     """The worker's limits from the environment; a bad value raises naming its variable."""
-    timeout, max_body = DEFAULT_READ_TIMEOUT, DEFAULT_BODY_LIMIT
+    timeout, max_body, max_file = DEFAULT_READ_TIMEOUT, DEFAULT_BODY_LIMIT, DEFAULT_FILE_LIMIT
     raw = env.get(READ_TIMEOUT_ENV, "")
     if raw:
         try:
@@ -84,7 +108,12 @@ def limits_from_env(env: Mapping[str, str]) -> ReadLimits:
         if not raw.isdigit() or int(raw) < 1024:
             raise ValueError(f"{BODY_LIMIT_ENV}={raw!r} must be a whole number of bytes >= 1024")
         max_body = int(raw)
-    return ReadLimits(timeout, max_body)
+    raw = env.get(FILE_LIMIT_ENV, "")
+    if raw:
+        if not raw.isdigit() or int(raw) < 1024:
+            raise ValueError(f"{FILE_LIMIT_ENV}={raw!r} must be a whole number of bytes >= 1024")
+        max_file = int(raw)
+    return ReadLimits(timeout, max_body, max_file)
 
 
 @dataclass(frozen=True)
@@ -97,8 +126,15 @@ class Extent:
     expects_continue: bool = False  # the head asks for "100 Continue" before the body
 
 
-def request_extent(buf: bytes | bytearray, *, max_head: int, max_body: int) -> Extent:
-    """Where the first request in ``buf`` ends, from its head alone; no I/O.
+def request_extent(
+    buf: bytes | bytearray,
+    *,
+    max_head: int,
+    max_body: int,
+    by_path: Mapping[bytes, int] | None = None,
+) -> Extent:
+    """Where the first request in ``buf`` ends, from its head alone; no I/O. Its body may be
+    ``max_body`` bytes, or ``by_path``'s limit for its path (exactly, without the query).
 
     This only decides when gunicorn's own parser gets the bytes, so a head it would refuse
     (a bare LF, a bad header) is handed over as soon as it is whole and refused there.
@@ -115,6 +151,8 @@ def request_extent(buf: bytes | bytearray, *, max_head: int, max_body: int) -> E
     head = bytes(buf[start:head_end])
     if head.count(b"\n") != head.count(b"\r\n"):
         return Extent(total=head_end)
+    if by_path:
+        max_body = body_limit(head, max_body, by_path)
     lengths: list[bytes] = []
     expects_continue = False
     for line in head.split(b"\r\n")[1:]:
@@ -142,6 +180,16 @@ def request_extent(buf: bytes | bytearray, *, max_head: int, max_body: int) -> E
             reason=f"request body is {length} bytes; the limit is {max_body} bytes",
         )
     return Extent(total=head_end + length, expects_continue=expects_continue)
+
+
+def body_limit(head: bytes, max_body: int, by_path: Mapping[bytes, int]) -> int:
+    """The body limit of the request whose head is ``head``: its path's own, else
+    ``max_body``. A target in another form than a plain path gets ``max_body``."""
+    request_line = head.split(b"\r\n", 1)[0].split(b" ")
+    if len(request_line) != 3:
+        return max_body
+    path = request_line[1].split(b"?", 1)[0]
+    return by_path.get(path, max_body)
 
 
 def error_answer(status: int, reason: str) -> bytes:
@@ -185,7 +233,9 @@ class BufferedRequestWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn has
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits_from_env(os.environ)
-        self.buffer_budget = max(MIN_BUFFER_BUDGET, 2 * (self.limits.max_body + MAX_HEAD_BYTES))
+        self.by_path = self.limits.by_path
+        # Two of the largest requests can arrive at once (module docstring).
+        self.buffer_budget = max(MIN_BUFFER_BUDGET, 2 * (self.limits.largest_body + MAX_HEAD_BYTES))
         self.buffered = 0
         # Both dicts are in the order their deadlines come: each deadline is "now" plus a
         # fixed span, and an entry that comes back is added again at the end.
@@ -250,7 +300,10 @@ class BufferedRequestWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn has
     def hand_over_when_whole(self, reading: _Reading) -> None:
         if reading.total is None:
             extent = request_extent(
-                reading.buf, max_head=MAX_HEAD_BYTES, max_body=self.limits.max_body
+                reading.buf,
+                max_head=MAX_HEAD_BYTES,
+                max_body=self.limits.max_body,
+                by_path=self.by_path,
             )
             if extent.refuse:
                 self.refuse(reading, extent.refuse, extent.reason)

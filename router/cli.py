@@ -39,6 +39,7 @@ log = logging.getLogger("syshax.router")
 # client (syshax benchmark) sends.
 BENCHMARK_KEY_ENV = "SYSHAX_ROUTER_BENCHMARK_KEY"
 MODE_HEADER_ENV = "SYSHAX_ROUTER_MODE_HEADER"
+METRICS_TOKEN_ENV = "SYSHAX_ROUTER_METRICS_TOKEN"
 
 
 def parse_size(text: str) -> int:
@@ -66,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=os.environ.get("SYSHAX_ROUTER_API_KEY"),
         help="require 'Authorization: Bearer KEY' from clients",
+    )
+    parser.add_argument(
+        "--metrics-token",
+        default=os.environ.get(METRICS_TOKEN_ENV),
+        help="require 'Authorization: Bearer TOKEN' on /metrics, which then lists the "
+        "per-tenant series; without one /metrics is open and leaves them out (default: env "
+        f"{METRICS_TOKEN_ENV}; must differ from the API and benchmark keys)",
     )
     parser.add_argument(
         "--max-body-bytes",
@@ -280,14 +288,29 @@ def benchmark_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return keys
 
 
+def metrics_token(args: argparse.Namespace, keys: tuple[str, ...]) -> str | None:
+    """The /metrics token, or None; raises StartupError when it is one of the router's keys
+    (a client holding that key could then read every tenant's usage)."""
+    token: str | None = args.metrics_token or None
+    if token is not None and (token == args.api_key or token in keys):
+        raise StartupError(
+            f"the metrics token (--metrics-token / {METRICS_TOKEN_ENV}) must differ from the "
+            "API key and the benchmark keys: every client holding it could read every "
+            "tenant's usage"
+        )
+    return token
+
+
 async def compose(args: argparse.Namespace) -> tuple[Router, web.Application, PolicySource]:
     """The router the flags describe: its state, its app and its policy source, wired
     together. The one place the parts meet; raises StartupError."""
+    keys = benchmark_keys(args)
     config = ServerConfig(
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
-        benchmark_keys=benchmark_keys(args),
+        benchmark_keys=keys,
         mode_header=args.mode_header,
+        metrics_token=metrics_token(args, keys),
         timeouts=Timeouts(
             args.connect_timeout,
             args.first_byte_timeout,

@@ -44,7 +44,7 @@ SHED_REASONS = ("queue-full", "evicted", "fair-share", "timeout")
 
 
 # Why a request was refused before any engine saw it (the refusals counter's label).
-REFUSAL_REASONS = ("router-field", "mode-header", "path")
+REFUSAL_REASONS = ("router-field", "mode-header", "path", "tenant-header")
 
 
 class RouterMetrics:

@@ -162,14 +162,19 @@ def _replica(router: Router, model: str) -> Deployment:
     """The least-loaded replica of ``model``; a 404 naming the served models."""
     deployment = router.state.choose(model)
     if deployment is None:
-        known = ", ".join(sorted(router.state.by_model)) or "none"
-        raise RouterError(
-            404,
-            f"The model '{model}' does not exist (served models: {known})",
-            param="model",
-            code="model_not_found",
-        )
+        raise unknown_model(router, model)
     return deployment
+
+
+def unknown_model(router: Router, model: str) -> RouterError:
+    """OpenAI's 404 for a model this router does not serve, naming the ones it does."""
+    known = ", ".join(sorted(router.state.by_model)) or "none"
+    return RouterError(
+        404,
+        f"The model '{model}' does not exist (served models: {known})",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def _plan(

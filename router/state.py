@@ -212,6 +212,9 @@ class ServerConfig:
     benchmark_keys: tuple[str, ...] = ()
     # Who may force a policy mode with X-Syshax-Mode: benchmark-keys, all or off.
     mode_header: str = MODE_HEADER_BENCHMARK_KEYS
+    # The token /metrics asks for (``--metrics-token``); None: /metrics is open and leaves
+    # out the per-tenant series (router/api/endpoints.py).
+    metrics_token: str | None = None
 
 
 @dataclass(frozen=True)

@@ -50,11 +50,8 @@ class BatchFileAdmin(RecordAdmin):
     list_display = ["id", "owner", "purpose", "filename", "bytes", "created_at"]
     list_filter = ["purpose"]
     search_fields = ["id", "owner", "filename"]
-    exclude = ["content"]
+    # Its bytes (BatchFileChunk rows) are read through the Batch API, never in the admin.
     readonly_fields = ["id", "tenant", "owner", "purpose", "filename", "bytes", "created_at"]
-
-    def get_queryset(self, request):  # type: ignore[no-untyped-def]
-        return super().get_queryset(request).defer("content")
 
     def has_add_permission(self, request):  # type: ignore[no-untyped-def]
         return False

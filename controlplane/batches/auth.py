@@ -1,10 +1,12 @@
-"""Who calls the Batch API: a tenant with its own key, or a router on a tenant's behalf.
+"""Who calls the Batch API: a tenant with its own key, or a router for its own callers.
 
-- ``Authorization: Bearer sk-shx-...``: a tenant's key (``tenants.services.tenant_for_key``);
-- ``Authorization: Bearer sxr_...`` with ``X-Syshax-Tenant: <name>``: a router that
-  authenticated the caller and forwards the request for it. The name is a tenant's, or one
-  the routers give their own callers (``router-key`` for the router's own API key,
-  ``anonymous`` on an open router), which own batches without being tenants.
+- ``Authorization: Bearer sk-shx-...``: a tenant's key (``tenants.services.tenant_for_key``).
+  A router forwards a tenant's request with the tenant's own key;
+- ``Authorization: Bearer sxr_...`` with ``X-Syshax-Tenant: <name>``: a router forwarding a
+  request of its own callers, which own batches without being tenants (``router-key`` for
+  the router's own API key, ``anonymous`` on an open router). A router token naming a real
+  tenant is refused: any router credential would otherwise act as every tenant
+  (docs/decisions/0057-router-credential-scope-and-usage-bounds.md).
 
 The caller's ``owner`` scopes every lookup: another owner's file or batch is a 404.
 """
@@ -78,12 +80,10 @@ def _for_router(token: str, named: str) -> Caller:
         )
     if named in RESERVED_NAMES:
         return Caller(named, None)
-    tenant = Tenant.objects.filter(name=named, active=True).first()
-    if tenant is None:
-        raise ApiError(
-            403,
-            f"tenant {named!r} is unknown or inactive",
-            code="unknown_tenant",
-            param=TENANT_HEADER,
-        )
-    return Caller(tenant.name, tenant)
+    raise ApiError(
+        403,
+        f"a router token acts only for the router's own callers ({', '.join(RESERVED_NAMES)}); "
+        f"a tenant's requests carry its own key, not {TENANT_HEADER}: {named!r}",
+        code="tenant_needs_own_key",
+        param=TENANT_HEADER,
+    )

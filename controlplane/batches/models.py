@@ -7,7 +7,9 @@ leaves the finished lines finished (docs/batches.md, "Restarts").
 
 from __future__ import annotations
 
+import builtins
 import secrets
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from django.db import models
@@ -37,10 +39,15 @@ class OwnedQuerySet(models.QuerySet[Any]):
         return self.filter(owner=owner)
 
 
+# A file's bytes are stored as ordered chunks of at most this many bytes (decision 0055).
+CHUNK_BYTES = 1024 * 1024
+
+
 class BatchFile(models.Model):
     """A file of the Batch API: an uploaded input (``batch``) or a batch's results
-    (``batch_output``: its output and error files). Its bytes live in the database, under a
-    cap (``BATCH_MAX_FILE_BYTES``)."""
+    (``batch_output``: its output and error files). Its bytes live in the database as
+    :class:`BatchFileChunk` rows, written and read a chunk at a time, under a cap
+    (``BATCH_MAX_FILE_BYTES``)."""
 
     id = models.CharField(primary_key=True, max_length=40, default=new_file_id, editable=False)
     # The caller's tenant; empty for the router's own key and an open router, whose callers
@@ -52,7 +59,6 @@ class BatchFile(models.Model):
     purpose = models.CharField(max_length=16, choices=FilePurpose.choices)
     filename = models.CharField(max_length=255)
     bytes = models.PositiveBigIntegerField(default=0)
-    content = models.BinaryField(default=b"")
     created_at = models.DateTimeField(default=timezone.now)
 
     objects = OwnedQuerySet.as_manager()
@@ -63,6 +69,51 @@ class BatchFile(models.Model):
 
     def __str__(self) -> str:
         return f"{self.id} ({self.filename})"
+
+    def write(self, pieces: Iterable[builtins.bytes]) -> int:
+        """Store ``pieces`` (of any sizes) as this file's chunks, after any it has; returns
+        the bytes written. Only a chunk's worth is held at a time. ``bytes`` is the caller's
+        to save."""
+        index = self.chunks.count()
+        pending = bytearray()
+        written = 0
+        for piece in pieces:
+            pending += piece
+            written += len(piece)
+            while len(pending) >= CHUNK_BYTES:
+                BatchFileChunk.objects.create(
+                    file=self, index=index, data=bytes(pending[:CHUNK_BYTES])
+                )
+                del pending[:CHUNK_BYTES]
+                index += 1
+        if pending:
+            BatchFileChunk.objects.create(file=self, index=index, data=bytes(pending))
+        return written
+
+    def iter_bytes(self) -> Iterator[builtins.bytes]:
+        """The file's bytes a chunk at a time, each chunk read when it is needed."""
+        indexes = list(self.chunks.order_by("index").values_list("index", flat=True))
+        for index in indexes:
+            data = self.chunks.filter(index=index).values_list("data", flat=True).first()
+            if data is not None:
+                yield bytes(data)
+
+
+class BatchFileChunk(models.Model):
+    """``CHUNK_BYTES`` (the last one fewer) of a file's bytes; ``index`` orders them."""
+
+    file = models.ForeignKey(BatchFile, on_delete=models.CASCADE, related_name="chunks")
+    index = models.PositiveIntegerField()
+    data = models.BinaryField()
+
+    class Meta:
+        ordering = ["file", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["file", "index"], name="batchfilechunk_unique_index")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.file_id}#{self.index}"
 
 
 class Batch(models.Model):

@@ -28,7 +28,7 @@ from controlplane.batches import services
 from controlplane.batches.auth import TENANT_HEADER
 from controlplane.batches.choices import BatchStatus
 from controlplane.batches.models import Batch, BatchLine
-from controlplane.routers.models import RouterInstance
+from controlplane.routers import destinations
 from controlplane.tenants.choices import RESERVED_NAMES
 
 log = logging.getLogger(__name__)
@@ -39,13 +39,14 @@ MAX_BACKOFF_SECONDS = 60.0
 
 
 def router_url() -> str | None:
-    """Where batch lines go: ``BATCH_ROUTER_URL``, else the live router seen last."""
+    """Where batch lines go: ``BATCH_ROUTER_URL``, else a configured router (``ROUTER_URLS``;
+    one that is alive first). Never a registered router's reported address: the lines carry
+    the router key and other tenants' prompts (docs/decisions/0056-router-destinations-
+    configured.md)."""
     if settings.BATCH_ROUTER_URL:
         return str(settings.BATCH_ROUTER_URL).rstrip("/")
-    for router in RouterInstance.objects.exclude(listen_url="").order_by("-last_seen_at"):
-        if router.is_alive:
-            return router.listen_url.rstrip("/")
-    return None
+    destination = destinations.pick()
+    return destination.url if destination is not None else None
 
 
 def request_headers(owner: str) -> dict[str, str]:
@@ -126,7 +127,11 @@ def execute(batch_id: str) -> str:
         if batch.status == BatchStatus.IN_PROGRESS and batch.expires_at > timezone.now():
             url = router_url()
             if url is None:
-                log.warning("batch %s waits: no live router to send its lines to", batch_id)
+                log.warning(
+                    "batch %s waits: no router to send its lines to (set ROUTER_URLS or "
+                    "BATCH_ROUTER_URL)",
+                    batch_id,
+                )
                 return "waiting for a router"
             if not _run_lines(batch, url + batch.endpoint, worker):
                 return "lease lost"

@@ -7,14 +7,16 @@ redelivered task, a sweep and a cancel that race each make their move once or no
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
 from controlplane.batches.auth import Caller, allows_model
@@ -30,9 +32,12 @@ from controlplane.batches.choices import (
 )
 from controlplane.batches.models import Batch, BatchFile, BatchLine
 from controlplane.batches.shapes import ApiError, not_found
-from controlplane.batches.validation import TooManyLines, parse_input
+from controlplane.batches.validation import TooManyLines, parse_input, split_lines
 from controlplane.core import audit
 from controlplane.core.dispatch import enqueue
+from controlplane.tenants.models import Tenant
+
+log = logging.getLogger("controlplane.batches")
 
 # OpenAI's limits on a batch's metadata.
 MAX_METADATA_KEYS = 16
@@ -42,6 +47,8 @@ MAX_METADATA_VALUE = 512
 MAX_LISTED_ERRORS = 100
 # The lease a queued task's batch holds until a worker takes it (``claim``).
 QUEUED = "queued"
+# The lease the sweep holds while it ends a batch past its window.
+SWEEPER = "sweep"
 COMPLETION_WINDOW = timedelta(hours=24)
 
 
@@ -52,7 +59,11 @@ def _actor(caller: Caller) -> str:
 # -- files --------------------------------------------------------------------------------
 
 
-def create_file(caller: Caller, *, filename: str, purpose: str, content: bytes) -> BatchFile:
+def create_file(
+    caller: Caller, *, filename: str, purpose: str, size: int, pieces: Iterable[bytes]
+) -> BatchFile:
+    """Store an upload of ``size`` bytes that arrives in ``pieces``, a chunk at a time, within
+    the caller's quota (``check_quota``)."""
     if purpose != FilePurpose.BATCH:
         raise ApiError(
             400,
@@ -60,15 +71,22 @@ def create_file(caller: Caller, *, filename: str, purpose: str, content: bytes) 
             code="invalid_purpose",
             param="purpose",
         )
-    check_file_size(len(content))
-    return BatchFile.objects.create(
-        tenant=caller.tenant,
-        owner=caller.owner,
-        purpose=purpose,
-        filename=filename[:255] or "upload.jsonl",
-        bytes=len(content),
-        content=content,
-    )
+    check_file_size(size)
+    with transaction.atomic():
+        check_quota(caller, size)
+        created = BatchFile.objects.create(
+            tenant=caller.tenant,
+            owner=caller.owner,
+            purpose=purpose,
+            filename=filename[:255] or "upload.jsonl",
+            bytes=size,
+        )
+        written = created.write(pieces)
+        if written != size:  # the upload said one size and held another
+            check_file_size(written)
+            created.bytes = written
+            created.save(update_fields=["bytes"])
+    return created
 
 
 def check_file_size(size: int) -> None:
@@ -82,15 +100,39 @@ def check_file_size(size: int) -> None:
         )
 
 
+def check_quota(caller: Caller, size: int) -> None:
+    """Refuse a new file of ``size`` bytes that would take the caller over the files or bytes
+    it may store (``BATCH_MAX_FILES_PER_OWNER``, ``BATCH_MAX_BYTES_PER_OWNER``). Run in the
+    transaction that stores the file: the tenant's row stays locked until it commits, so two
+    uploads of one tenant cannot both pass on the same count. Batches' output and error
+    files are never refused (``_write_file``) but count here."""
+    if caller.tenant is not None:
+        Tenant.objects.select_for_update().filter(pk=caller.tenant.pk).exists()
+    stored = BatchFile.objects.owned_by(caller.owner).aggregate(
+        files=Count("pk"), bytes=Sum("bytes")
+    )
+    files, used = stored["files"], stored["bytes"] or 0
+    max_files = settings.BATCH_MAX_FILES_PER_OWNER
+    max_bytes = settings.BATCH_MAX_BYTES_PER_OWNER
+    if files + 1 > max_files:
+        raise ApiError(
+            403,
+            f"{caller.owner!r} stores {files} files; the limit is {max_files} files "
+            "(BATCH_MAX_FILES_PER_OWNER): delete files it no longer needs",
+            code="storage_quota_exceeded",
+            param="file",
+        )
+    if used + size > max_bytes:
+        raise ApiError(
+            403,
+            f"{caller.owner!r} stores {used} bytes and this file has {size}; the limit is "
+            f"{max_bytes} bytes (BATCH_MAX_BYTES_PER_OWNER): delete files it no longer needs",
+            code="storage_quota_exceeded",
+            param="file",
+        )
+
+
 def owned_file(caller: Caller, file_id: str) -> BatchFile:
-    found = BatchFile.objects.owned_by(caller.owner).defer("content").filter(pk=file_id).first()
-    if found is None:
-        raise not_found("file", file_id)
-    assert isinstance(found, BatchFile)
-    return found
-
-
-def file_content(caller: Caller, file_id: str) -> BatchFile:
     found = BatchFile.objects.owned_by(caller.owner).filter(pk=file_id).first()
     if found is None:
         raise not_found("file", file_id)
@@ -275,11 +317,28 @@ def release(batch_id: str, owner: str) -> None:
 
 def validate(batch_id: str) -> None:
     """Copy the input file's lines into rows: the good ones pending, each bad one failed with
-    its reason. ``validating`` becomes ``in_progress``, or ``failed`` when no line is good or
-    the file has more lines than ``BATCH_MAX_LINES``."""
+    its reason. ``validating`` becomes ``in_progress``, or ``failed`` when no line is good,
+    the file has more lines than ``BATCH_MAX_LINES``, or checking it failed unexpectedly (so
+    no file leaves its batch ``validating`` to be read again by every sweep). A batch past
+    its window is left to ``finish``, which expires it, unread."""
+    try:
+        _validate(batch_id)
+    except Exception as exc:
+        log.exception("validating batch %s failed", batch_id)
+        message = (
+            f"the input file could not be validated ({type(exc).__name__}); "
+            "the control plane logged why"
+        )
+        with transaction.atomic():
+            batch = Batch.objects.select_for_update().filter(pk=batch_id).first()
+            if batch is not None and batch.status == BatchStatus.VALIDATING:
+                _fail(batch, [_file_error("validation_error", message)])
+
+
+def _validate(batch_id: str) -> None:
     with transaction.atomic():
         batch = Batch.objects.select_for_update().get(pk=batch_id)
-        if batch.status != BatchStatus.VALIDATING:
+        if batch.status != BatchStatus.VALIDATING or batch.expires_at <= timezone.now():
             return
         source = BatchFile.objects.filter(pk=batch.input_file_id).first()
         if source is None:
@@ -287,7 +346,7 @@ def validate(batch_id: str) -> None:
             return
         try:
             parsed = parse_input(
-                bytes(source.content),
+                split_lines(source.iter_bytes()),
                 endpoint=batch.endpoint,
                 allows_model=lambda model: allows_model(batch.tenant, model),
                 max_lines=settings.BATCH_MAX_LINES,
@@ -410,17 +469,20 @@ def _finalize(batch: Batch, to: str, **fields: Any) -> None:
 
 
 def _write_file(batch: Batch, kind: str, lines: Iterator[bytes]) -> BatchFile | None:
-    content = b"".join(lines)
-    if not content:
+    """The batch's output or error file, written a chunk at a time as its lines come; none
+    without a line. Never refused by the owner's quota (the batch ran), but counted in it."""
+    first = next(lines, None)
+    if first is None:
         return None
-    return BatchFile.objects.create(
+    created = BatchFile.objects.create(
         tenant_id=batch.tenant_id,
         owner=batch.owner,
         purpose=FilePurpose.BATCH_OUTPUT,
         filename=f"{batch.id}_{kind}.jsonl",
-        bytes=len(content),
-        content=content,
     )
+    created.bytes = created.write(itertools.chain([first], lines))
+    created.save(update_fields=["bytes"])
+    return created
 
 
 def _jsonl(record: dict[str, Any]) -> bytes:
@@ -453,18 +515,36 @@ def _error_lines(batch: Batch) -> Iterator[bytes]:
 
 def requeue_stranded() -> list[str]:
     """Queue again every active batch whose lease ran out (its worker died, or its task was
-    lost); each is marked queued first, so the next sweep leaves it to that task."""
+    lost); each is marked queued first, so the next sweep leaves it to that task. One past
+    its window is ended here instead (``finish``: expired, or cancelled), so a batch whose
+    task keeps failing still ends. Returns the ids it queued or ended."""
     now = timezone.now()
-    ids = list(
-        Batch.objects.filter(status__in=ACTIVE_STATUSES)
-        .filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
-        .values_list("pk", flat=True)
+    lapsed = Q(lease_until__isnull=True) | Q(lease_until__lt=now)
+    rows = list(
+        Batch.objects.filter(lapsed, status__in=ACTIVE_STATUSES).values_list("pk", "expires_at")
     )
     until = now + timedelta(seconds=settings.BATCH_QUEUED_SECONDS)
     taken = []
-    for batch_id in ids:
-        lapsed = Q(lease_until__isnull=True) | Q(lease_until__lt=now)
-        if Batch.objects.filter(lapsed, pk=batch_id).update(lease_owner=QUEUED, lease_until=until):
+    for batch_id, expires_at in rows:
+        if expires_at <= now:
+            if _end_past_window(batch_id):
+                taken.append(batch_id)
+        elif Batch.objects.filter(lapsed, pk=batch_id).update(
+            lease_owner=QUEUED, lease_until=until
+        ):
             taken.append(batch_id)
             enqueue(RUN_BATCH_TASK, batch_id)
     return taken
+
+
+def _end_past_window(batch_id: str) -> bool:
+    if not claim(batch_id, SWEEPER):
+        return False  # a worker took it meanwhile; its ``finish`` ends it
+    try:
+        finish(batch_id)
+    except Exception:
+        log.exception("the sweep could not end batch %s past its window", batch_id)
+        return False
+    finally:
+        release(batch_id, SWEEPER)
+    return True

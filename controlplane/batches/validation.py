@@ -10,11 +10,17 @@ A line of a batch input file, as OpenAI defines it::
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 MAX_CUSTOM_ID = 512
+# Deepest nesting of arrays and objects a line may have. Deeper JSON is no request a model
+# serves, and it would overflow the stack of whatever parses or stores it next.
+MAX_NESTING = 100
+
+log = logging.getLogger(__name__)
 
 
 class TooManyLines(Exception):
@@ -43,28 +49,57 @@ class ParsedLine:
     error: LineError | None = None
 
 
-def count_requests(content: bytes) -> int:
-    return sum(1 for raw in content.splitlines() if raw.strip())
+def split_lines(pieces: Iterable[bytes]) -> Iterator[bytes]:
+    """The lines of a file that comes in ``pieces`` cut anywhere (its stored chunks), each
+    without its ``\n`` or ``\r\n``; only the line being read is held whole."""
+    partial = b""
+    for piece in pieces:
+        lines = (partial + piece).split(b"\n")
+        partial = lines.pop()
+        for raw in lines:
+            yield raw[:-1] if raw.endswith(b"\r") else raw
+    if partial:
+        yield partial[:-1] if partial.endswith(b"\r") else partial
 
 
 def parse_input(
-    content: bytes,
+    lines: Iterable[bytes],
     *,
     endpoint: str,
     allows_model: Callable[[str], bool],
     max_lines: int,
 ) -> list[ParsedLine]:
-    """Every non-blank line of ``content``, parsed; raises TooManyLines over ``max_lines``."""
-    count = count_requests(content)
-    if count > max_lines:
-        raise TooManyLines(count, max_lines)
+    """Every non-blank line, parsed; raises TooManyLines over ``max_lines`` (after counting
+    the rest, which it does not parse)."""
     seen: set[str] = set()
     parsed: list[ParsedLine] = []
-    for line_no, raw in enumerate(content.splitlines(), start=1):
+    count = 0
+    for line_no, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
-        parsed.append(_parse_line(raw, line_no, endpoint, allows_model, seen))
+        count += 1
+        if count <= max_lines:
+            parsed.append(_parse_line(raw, line_no, endpoint, allows_model, seen))
+    if count > max_lines:
+        raise TooManyLines(count, max_lines)
     return parsed
+
+
+def nesting(value: Any) -> int:
+    """How deep ``value``'s arrays and objects nest, without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Iterable[Any] = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 class _Bad(Exception):
@@ -88,6 +123,8 @@ def _parse_line(
             data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
             raise _Bad("invalid_json", None, f"not a JSON object: {exc}") from None
+        except RecursionError:
+            raise _Bad("too_deeply_nested", None, _too_deep()) from None
         if not isinstance(data, dict):
             raise _Bad("invalid_json", None, "must be a JSON object")
         value = data.get("custom_id")
@@ -103,13 +140,27 @@ def _parse_line(
                 f"{custom_id!r} is used by an earlier line; each must be unique in the file",
             )
         seen.add(custom_id)
+        if nesting(data) > MAX_NESTING:
+            raise _Bad("too_deeply_nested", None, _too_deep())
         body = _check_request(data, endpoint, allows_model)
     except _Bad as bad:
-        where = f"line {line_no}" + (f" (custom_id {custom_id!r})" if custom_id else "")
-        field = f" {bad.param}" if bad.param else ""
-        error = LineError(bad.code, f"{where}:{field} {bad.message}", bad.param, line_no)
-        return ParsedLine(line_no, custom_id, None, error)
+        return _failed(line_no, custom_id, bad)
+    except Exception as exc:  # a bug, or input nobody foresaw: this line fails, not the file
+        log.exception("checking line %s of a batch input file", line_no)
+        unforeseen = _Bad("unreadable_line", None, f"could not be checked ({type(exc).__name__})")
+        return _failed(line_no, custom_id, unforeseen)
     return ParsedLine(line_no, custom_id, body)
+
+
+def _too_deep() -> str:
+    return f"nests arrays and objects over {MAX_NESTING} levels deep"
+
+
+def _failed(line_no: int, custom_id: str, bad: _Bad) -> ParsedLine:
+    where = f"line {line_no}" + (f" (custom_id {custom_id!r})" if custom_id else "")
+    field = f" {bad.param}" if bad.param else ""
+    error = LineError(bad.code, f"{where}:{field} {bad.message}", bad.param, line_no)
+    return ParsedLine(line_no, custom_id, None, error)
 
 
 def _check_request(

@@ -13,27 +13,28 @@ from collections.abc import Callable
 from typing import Any
 
 from django.core.exceptions import RequestDataTooBig
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
 from controlplane.batches import services
 from controlplane.batches.auth import Caller, authenticate
 from controlplane.batches.choices import FilePurpose
-from controlplane.batches.models import Batch, BatchFile
+from controlplane.batches.models import CHUNK_BYTES, Batch, BatchFile
 from controlplane.batches.shapes import ApiError, batch_object, file_object, list_object
 
 log = logging.getLogger("controlplane.batches")
 
-View = Callable[..., HttpResponse]
+View = Callable[..., HttpResponseBase]
 
 
-def openai_view(*methods: str) -> Callable[[Callable[..., HttpResponse]], View]:
+def openai_view(*methods: str) -> Callable[[Callable[..., HttpResponseBase]], View]:
     """Authenticate, allow ``methods`` only, and answer every failure in OpenAI's shape."""
 
-    def decorate(handler: Callable[..., HttpResponse]) -> View:
+    def decorate(handler: Callable[..., HttpResponseBase]) -> View:
         @csrf_exempt
         @functools.wraps(handler)
-        def view(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        def view(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
             try:
                 if request.method not in methods:
                     raise ApiError(
@@ -79,15 +80,16 @@ def files(request: HttpRequest, caller: Caller) -> HttpResponse:
             raise ApiError(
                 400, "a multipart field 'file' is required", code="missing_file", param="file"
             )
-        services.check_file_size(upload.size or 0)
+        # Django spooled a large upload to a temporary file; it is stored a chunk at a time.
         created = services.create_file(
             caller,
             filename=upload.name or "",
             purpose=request.POST.get("purpose", ""),
-            content=upload.read(),
+            size=upload.size or 0,
+            pieces=upload.chunks(CHUNK_BYTES),
         )
         return JsonResponse(file_object(created))
-    rows = BatchFile.objects.owned_by(caller.owner).defer("content")
+    rows = BatchFile.objects.owned_by(caller.owner)
     purpose = request.GET.get("purpose")
     if purpose:
         if purpose not in FilePurpose.values:
@@ -113,9 +115,11 @@ def file_detail(request: HttpRequest, caller: Caller, file_id: str) -> HttpRespo
 
 
 @openai_view("GET")
-def file_content(request: HttpRequest, caller: Caller, file_id: str) -> HttpResponse:
-    found = services.file_content(caller, file_id)
-    response = HttpResponse(bytes(found.content), content_type="application/octet-stream")
+def file_content(request: HttpRequest, caller: Caller, file_id: str) -> HttpResponseBase:
+    found = services.owned_file(caller, file_id)
+    # Each stored chunk is read as it is sent: a 50 MiB file is never whole in memory.
+    response = StreamingHttpResponse(found.iter_bytes(), content_type="application/octet-stream")
+    response["Content-Length"] = str(found.bytes)
     response["Content-Disposition"] = f'attachment; filename="{found.filename}"'
     return response
 

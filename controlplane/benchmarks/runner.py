@@ -19,7 +19,6 @@ from datetime import timedelta
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.conf import settings
 from django.db import connections, transaction
 from django.forms.models import model_to_dict
 from django.utils import timezone
@@ -27,11 +26,11 @@ from django.utils import timezone
 from controlplane.benchmarks.choices import RUN_LIFECYCLE, RunStatus
 from controlplane.benchmarks.measure import Cancelled, Hooks, Plan, Point, measure
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample
-from controlplane.benchmarks.services import _endpoint, flag_regression
+from controlplane.benchmarks.services import flag_regression
 from controlplane.deployments.models import DeploymentProfile
 from controlplane.inventory.models import Heartbeat
 from controlplane.policy.models import SchedulingPolicy
-from controlplane.routers.models import RouterInstance
+from controlplane.routers import destinations
 from loadgen.controlplane import summarize_heartbeats
 from loadgen.goodput import DEFAULT_BISECTIONS, GoodputSearch
 from loadgen.report import Row, to_json
@@ -55,29 +54,26 @@ def claim(run_id: int) -> bool:
 
 
 def target_url(run: BenchmarkRun) -> str:
-    """The run's own URL, or a live router for a deployment's run (modes are forced per
-    request, so the three modes run on the same engines)."""
+    """The run's own URL, or a configured router for a deployment's run (modes are forced per
+    request, so the three modes run on the same engines); never an address a router only
+    reported (``controlplane.routers.destinations``)."""
     if run.target_url:
         return run.target_url
-    routers = [r for r in RouterInstance.objects.order_by("-last_seen_at") if r.is_alive]
-    for router in routers:
-        if router.listen_url:
-            return router.listen_url
+    destination = destinations.pick()
+    if destination is not None:
+        return destination.url
     raise RunError(
-        f"no live router to reach deployment {run.deployment}; start one or give target_url"
+        f"no router configured to reach deployment {run.deployment}: list the routers in "
+        "ROUTER_URLS, or give target_url"
     )
 
 
 def router_api_key(url: str) -> str:
     """The routers' benchmark key (``ROUTER_BENCHMARK_KEY``, which may force each mode; else
-    ``ROUTER_API_KEY``) when ``url`` is a registered router's, else nothing: a key is never
-    sent to an engine or an allowed outside target."""
-    key = str(settings.ROUTER_BENCHMARK_KEY or settings.ROUTER_API_KEY)
-    listening = RouterInstance.objects.exclude(listen_url="").values_list("listen_url", flat=True)
-    endpoint = _endpoint(url)
-    if key and endpoint is not None and endpoint in {_endpoint(u) for u in listening}:
-        return key
-    return ""
+    ``ROUTER_API_KEY``) when ``url`` is a configured router's (``ROUTER_URLS``), else
+    nothing: a key is never sent to an engine, an allowed outside target or an address a
+    router only reported."""
+    return destinations.router_key_for(url)
 
 
 def attach_resources(rows: list[Any], node_id: int) -> None:

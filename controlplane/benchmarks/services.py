@@ -21,7 +21,7 @@ from controlplane.core import audit, dispatch
 from controlplane.core.services import checked_delete
 from controlplane.deployments.models import Deployment
 from controlplane.inventory.models import engine_host
-from controlplane.routers.models import RouterInstance
+from controlplane.routers import destinations
 
 ADVISOR_RUNS = 20  # the mode advisor's window: the newest successful runs
 
@@ -40,9 +40,9 @@ def _endpoint(url: str) -> tuple[str, int] | None:
 
 
 def known_targets() -> set[tuple[str, int]]:
-    """Where a benchmark may send its load: the registered routers, the engines of the
-    deployments, and what the operator lists in BENCHMARK_ALLOWED_TARGETS (``host`` for any port
-    of it, ``host:port`` for one); port 0 stands for any port."""
+    """Where a benchmark may send its load: the configured routers (ROUTER_URLS), the engines
+    of the deployments, and what the operator lists in BENCHMARK_ALLOWED_TARGETS (``host`` for
+    any port of it, ``host:port`` for one); port 0 stands for any port."""
 
     known: set[tuple[str, int]] = set()
     for raw in settings.BENCHMARK_ALLOWED_TARGETS:
@@ -51,7 +51,9 @@ def known_targets() -> set[tuple[str, int]]:
         if not sep or not port.isdigit():
             host, port = entry, "0"
         known.add(("127.0.0.1" if host in LOOPBACK else host, int(port)))
-    for url in RouterInstance.objects.exclude(listen_url="").values_list("listen_url", flat=True):
+    # The configured routers, not the addresses routers report: any router token can
+    # register one (docs/decisions/0056-router-destinations-configured.md).
+    for url in destinations.configured_urls():
         if endpoint := _endpoint(url):
             known.add(endpoint)
     for address, gpu, cpu in Deployment.objects.values_list(
@@ -74,8 +76,9 @@ def check_target(url: str) -> None:
         return
     raise ValidationError(
         {
-            "target_url": f"{endpoint[0]}:{endpoint[1]} is neither a registered router nor a "
-            "deployment's engine; an operator can allow it in BENCHMARK_ALLOWED_TARGETS"
+            "target_url": f"{endpoint[0]}:{endpoint[1]} is neither a configured router "
+            "(ROUTER_URLS) nor a deployment's engine; an operator can allow it in "
+            "BENCHMARK_ALLOWED_TARGETS"
         }
     )
 

@@ -7,10 +7,16 @@ across routers; figures of an engine (running, waiting, KV-cache use, tokens/s, 
 each router last scraped of the same engine, so several routers' readings of one engine are
 averaged, not added. The TPOT histogram of an engine scraped by several routers is counted
 once by each: its percentiles are unchanged by that.
+
+Every figure is finite by construction: each engine reading is capped at the bound the
+control plane accepts (``common.serving.MEASURE_LIMITS``; a sample stored before those bounds
+may hold more) before it is averaged or summed, and what :func:`aggregate` returns holds no
+NaN or infinity (:func:`finite`), so ``/live/serving.json`` is always valid JSON.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -18,7 +24,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from common.serving import add_histograms, histogram_count, quantile_ms
+from common.serving import MAX_COUNT, MEASURE_LIMITS, add_histograms, histogram_count, quantile_ms
 from controlplane.dashboard import charts
 from controlplane.routers.choices import DECISIONS
 from controlplane.routers.models import RouterStatsSample
@@ -57,6 +63,35 @@ UNITS = {
     "pd_share_percent": "% of requests",
 }
 ENGINE_FIGURES = ("running", "waiting", "kv_usage_perc", "tokens_per_second", "itl_ms")
+# The most any one engine reading counts for: what the control plane accepts of a report.
+FIGURE_LIMITS = {"running": float(MAX_COUNT), "waiting": float(MAX_COUNT), **MEASURE_LIMITS}
+
+
+def capped(figure: str, value: Any) -> float | None:
+    """An engine's reading as the panel counts it: a number, at most the figure's limit;
+    None for what is not a finite number 0 or more."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return FIGURE_LIMITS[figure]
+    if math.isnan(number) or number < 0:
+        return None
+    if number > FIGURE_LIMITS[figure]:
+        return FIGURE_LIMITS[figure]
+    return value  # as reported: a count stays an integer
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (in dicts and lists) made None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
 
 
 def window_of(key: str | None) -> Window:
@@ -166,8 +201,9 @@ def aggregate(
                 key = (entry["id"], engine["role"])
                 readings = bucket.engines.setdefault(key, {f: [] for f in ENGINE_FIGURES})
                 for figure in ENGINE_FIGURES:
-                    if engine.get(figure) is not None:
-                        readings[figure].append(float(engine[figure]))
+                    reading = capped(figure, engine.get(figure))
+                    if reading is not None:
+                        readings[figure].append(reading)
                 if key not in latest or latest[key][0] <= received_at:
                     latest[key] = (received_at, engine, entry["name"])
     points = []
@@ -193,7 +229,7 @@ def aggregate(
                 "url": engine["url"],
                 "up": engine["up"],
                 "seen_at": at.isoformat(),
-                "latest": {f: engine.get(f) for f in ENGINE_FIGURES},
+                "latest": {f: capped(f, engine.get(f)) for f in ENGINE_FIGURES},
                 "points": series,
             }
         )
@@ -203,30 +239,32 @@ def aggregate(
         (p["tokens_per_second"] for p in reversed(points) if p["tokens_per_second"] is not None),
         None,
     )
-    return {
-        "window": window.key,
-        "window_label": window.label,
-        "seconds": window.seconds,
-        "step_seconds": window.step,
-        "poll_seconds": window.poll,
-        "units": UNITS,
-        "points": points,
-        "engines": engine_series,
-        "summary": {
-            "requests": requests,
-            "decisions": served,
-            "pd_share_percent": _round(100.0 * decisions.get("pd", 0) / requests)
-            if requests
-            else None,
-            "tokens_per_second": current,
-            "ttft_p50_ms": _round(quantile_ms(ttft, 0.5)),
-            "ttft_p99_ms": _round(quantile_ms(ttft, 0.99)),
-            "tpot_p50_ms": _round(quantile_ms(tpot, 0.5)),
-            "tpot_p99_ms": _round(quantile_ms(tpot, 0.99)),
-            "ttft_count": histogram_count(ttft),
-            "reasons": _reasons(reasons, requests) if deployments is None else None,
-        },
-    }
+    return finite(
+        {
+            "window": window.key,
+            "window_label": window.label,
+            "seconds": window.seconds,
+            "step_seconds": window.step,
+            "poll_seconds": window.poll,
+            "units": UNITS,
+            "points": points,
+            "engines": engine_series,
+            "summary": {
+                "requests": requests,
+                "decisions": served,
+                "pd_share_percent": _round(100.0 * decisions.get("pd", 0) / requests)
+                if requests
+                else None,
+                "tokens_per_second": current,
+                "ttft_p50_ms": _round(quantile_ms(ttft, 0.5)),
+                "ttft_p99_ms": _round(quantile_ms(ttft, 0.99)),
+                "tpot_p50_ms": _round(quantile_ms(tpot, 0.5)),
+                "tpot_p99_ms": _round(quantile_ms(tpot, 0.99)),
+                "ttft_count": histogram_count(ttft),
+                "reasons": _reasons(reasons, requests) if deployments is None else None,
+            },
+        }
+    )
 
 
 def _reasons(reasons: Mapping[str, int], requests: int) -> list[dict[str, Any]]:

@@ -23,6 +23,12 @@ class RouterInstance(models.Model):
     policy_version = models.PositiveIntegerField(null=True, blank=True)
     request_rate = models.FloatField(default=0.0)
     stats = models.JSONField(default=dict, blank=True, help_text="the latest report")
+    usage_reported_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="when its last tenant usage report was accepted: bounds what the next may "
+        "claim (controlplane/tenants/usage.py)",
+    )
 
     class Meta:
         ordering = ["name"]

@@ -6,7 +6,10 @@ import contextlib
 import os
 from pathlib import Path
 
+from common.body_limits import DEFAULT_FILE_LIMIT, body_limits_by_path
+from common.hosts import HostError, check_origin
 from controlplane.settings.env import (
+    ImproperlyConfiguredEnv,
     env_bool,
     env_float,
     env_int,
@@ -16,6 +19,15 @@ from controlplane.settings.env import (
     load_env_file,
     parse_database_url,
 )
+
+
+def _router_origins(name: str, urls: list[str]) -> list[str]:
+    """Each URL as a plain origin (common/hosts.py), or a start-up error naming ``name``."""
+    try:
+        return list(dict.fromkeys(check_origin(url) for url in urls if url.strip()))
+    except HostError as exc:
+        raise ImproperlyConfiguredEnv(f"{name}: {exc}") from None
+
 
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 load_env_file(find_env_file(BASE_DIR))
@@ -132,7 +144,12 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
 
 # --- The Batch API (docs/batches.md) ------------------------------------------------------
 # An uploaded batch input file's bytes (they are stored in the database) and its requests.
-BATCH_MAX_FILE_BYTES = env_int("BATCH_MAX_FILE_BYTES", 50 * 1024 * 1024, minimum=1024)
+BATCH_MAX_FILE_BYTES = env_int("BATCH_MAX_FILE_BYTES", DEFAULT_FILE_LIMIT, minimum=1024)
+# What one owner (a tenant) may store: its uploads and its batches' output and error files.
+BATCH_MAX_FILES_PER_OWNER = env_int("BATCH_MAX_FILES_PER_OWNER", 500, minimum=1)
+BATCH_MAX_BYTES_PER_OWNER = env_int(
+    "BATCH_MAX_BYTES_PER_OWNER", 2 * 1024 * 1024 * 1024, minimum=1024
+)
 BATCH_MAX_LINES = env_int("BATCH_MAX_LINES", 50_000, minimum=1)
 # Lines of one batch sent to the router at once.
 BATCH_CONCURRENCY = env_int("BATCH_CONCURRENCY", 4, minimum=1)
@@ -146,8 +163,8 @@ BATCH_REQUEST_TIMEOUT_SECONDS = env_float("BATCH_REQUEST_TIMEOUT_SECONDS", 600.0
 # Tries of a line the router answers 429 or 502-504 (or does not answer) before it fails.
 BATCH_MAX_ATTEMPTS = env_int("BATCH_MAX_ATTEMPTS", 8, minimum=1)
 # Bodies larger than MAX_REQUEST_BODY_BYTES accepted on these paths (a multipart upload's
-# framing on top of the file's bytes).
-BODY_LIMITS_BY_PATH = {"/v1/files": BATCH_MAX_FILE_BYTES + 1024 * 1024}
+# framing on top of the file's bytes); `syshax web`'s worker applies the same.
+BODY_LIMITS_BY_PATH = body_limits_by_path(BATCH_MAX_FILE_BYTES)
 
 REST_FRAMEWORK = {
     "DEFAULT_PARSER_CLASSES": [
@@ -207,6 +224,11 @@ ROUTER_API_KEY = env_str("ROUTER_API_KEY", "") or ""
 # Their benchmark key (SYSHAX_ROUTER_BENCHMARK_KEY), which may force a policy mode per request:
 # sent in place of ROUTER_API_KEY when set, so a run's CPU, GPU and hetero modes are honoured.
 ROUTER_BENCHMARK_KEY = env_str("ROUTER_BENCHMARK_KEY", "") or ""
+# The routers the control plane may send a router key, the benchmark key or a tenant's prompts
+# to (comma-separated http(s) origins): the batch worker, the playground and benchmark runs
+# reach routers here and nowhere else; a router's reported listen_url is never trusted
+# (docs/decisions/0056-router-destinations-configured.md).
+ROUTER_URLS = _router_origins("ROUTER_URLS", env_list("ROUTER_URLS", []))
 
 # Throttle counts (access/throttling.py): shared through Redis when there is one.
 # A frozen Redis must not hang every request: each cache call gives up after a second, and

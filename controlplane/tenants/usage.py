@@ -25,6 +25,15 @@ MAX_REPORT_TENANTS = 10_000
 MAX_COUNT = 10**12
 COUNTS = ("requests", "prompt_tokens", "completion_tokens")
 
+# What one router can observe: a report claims at most these rates over the time since the
+# router's last accepted report (or its registration), counted as at least USAGE_FLOOR_SECONDS
+# so a router that kept a backlog through an outage can still send it. Far above what one
+# router serves, far below what would make the totals meaningless
+# (docs/decisions/0057-router-credential-scope-and-usage-bounds.md).
+MAX_REQUESTS_PER_SECOND = 10_000
+MAX_TOKENS_PER_SECOND = 10_000_000
+USAGE_FLOOR_SECONDS = 60.0
+
 
 @dataclass
 class Usage:
@@ -111,20 +120,63 @@ def minute_of(moment: datetime) -> datetime:
     return moment.replace(second=0, microsecond=0)
 
 
+def check_observable(report: dict[str, Usage], seconds: float) -> None:
+    """FieldError naming the first figure no router could have observed in ``seconds``:
+    a tenant's requests (or refusals, or the report's total) above MAX_REQUESTS_PER_SECOND
+    per second, its prompt or completion tokens (or the report's total) above
+    MAX_TOKENS_PER_SECOND."""
+    requests_limit = int(MAX_REQUESTS_PER_SECOND * seconds)
+    tokens_limit = int(MAX_TOKENS_PER_SECOND * seconds)
+    total = Usage()
+    for name, usage in sorted(report.items()):
+        figures = {
+            "requests": (usage.requests, requests_limit),
+            "prompt_tokens": (usage.prompt_tokens, tokens_limit),
+            "completion_tokens": (usage.completion_tokens, tokens_limit),
+            "rejected": (usage.rejections, requests_limit),
+        }
+        for figure, (value, limit) in figures.items():
+            if value > limit:
+                raise FieldError(f"tenants.{name}.{figure}", _beyond(value, limit, seconds))
+        total.add(usage)
+    for figure, value, limit in (
+        ("requests", total.requests + total.rejections, requests_limit),
+        ("tokens", total.tokens, tokens_limit),
+    ):
+        if value > limit:
+            raise FieldError(
+                "tenants", f"{figure} of all tenants: {_beyond(value, limit, seconds)}"
+            )
+
+
+def _beyond(value: int, limit: int, seconds: float) -> str:
+    return (
+        f"{value} is more than one router can observe in the {seconds:.0f} s since its last "
+        f"accepted report (at most {limit}: {MAX_REQUESTS_PER_SECOND} requests/s and "
+        f"{MAX_TOKENS_PER_SECOND} tokens/s)"
+    )
+
+
 def record_usage(
     router: RouterInstance, body: Any, *, now: datetime | None = None
 ) -> dict[str, Any]:
     """Add a router's report to this minute's rows, one per tenant, atomically. Tenants the
     control plane does not know (deleted since the router's last poll, or the router's own
     ``router-key``) are dropped with a log line: the report is still accepted, so the router
-    does not keep it. Raises FieldError for a malformed report, storing nothing."""
+    does not keep it. Raises FieldError for a malformed report, or one claiming more than the
+    router could have observed since its last accepted report (:func:`check_observable`),
+    storing nothing."""
     report = parse_report(body)
-    minute = minute_of(now or timezone.now())
+    now = now or timezone.now()
+    minute = minute_of(now)
     known = dict(Tenant.objects.filter(name__in=list(report)).values_list("name", "pk"))
     dropped = sorted(set(report) - set(known))
-    if dropped:
-        log.info("usage of unknown tenants from router %s dropped: %s", router.name, dropped)
     with transaction.atomic():
+        # Locked: two reports of one router at once are bounded one after the other.
+        locked = RouterInstance.objects.select_for_update().get(pk=router.pk)
+        since = locked.usage_reported_at or locked.registered_at
+        check_observable(report, max((now - since).total_seconds(), USAGE_FLOOR_SECONDS))
+        RouterInstance.objects.filter(pk=router.pk).update(usage_reported_at=now)
         # In name order, so two reports that lock the same rows take them in the same order.
         for name in sorted(known):
             delta = report[name]
@@ -137,6 +189,8 @@ def record_usage(
                 setattr(row, count, getattr(total, count))
             row.rejected = total.rejected
             row.save()
+    if dropped:
+        log.info("usage of unknown tenants from router %s dropped: %s", router.name, dropped)
     return {"accepted": sorted(known), "dropped": dropped}
 
 

@@ -22,9 +22,10 @@ from common.tenants import TenantRecord
 from router.api.batches import add_routes as add_batch_routes
 from router.api.endpoints import health, metrics_endpoint, models
 from router.api.proxy import proxy
+from router.client.access import raw_path_of
 from router.client.errors import RouterError, error_response
 from router.client.tenants import REQUEST_TENANT, TENANT_HEADER
-from router.request import serve
+from router.request import refuse, serve
 from router.state import ROUTER_KEY, Router
 
 log = logging.getLogger("syshax.router")
@@ -70,9 +71,17 @@ def tenant_of(router: Router, request: web.Request) -> TenantRecord:
     return tenant
 
 
+COMPLETIONS_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
 async def completions(http: web.Request) -> web.StreamResponse:
-    """``/v1/completions`` and ``/v1/chat/completions``: ``router.request`` serves them."""
-    return await serve(http.app[ROUTER_KEY], http)
+    """``/v1/completions`` and ``/v1/chat/completions``: ``router.request`` serves them. The
+    raw path must be one of the two exactly (its path is what the engines are asked)."""
+    router = http.app[ROUTER_KEY]
+    raw_path = raw_path_of(http)
+    if raw_path not in COMPLETIONS_PATHS:
+        raise refuse(router, "path", RouterError(404, f"no route for {raw_path}", code="not_found"))
+    return await serve(router, http)
 
 
 def build_app(router: Router) -> web.Application:

@@ -5,17 +5,28 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
+from router.client.access import bearer, key_matches
+from router.client.errors import RouterError
+from router.client.tenants import ANONYMOUS, REQUEST_TENANT
 from router.engines.backends import Backend
 from router.engines.scrape import SCRAPE_FAILURE_KINDS
 from router.state import ROUTER_KEY
 
+# The per-tenant series (router/metrics.py): left out of /metrics without a metrics token.
+TENANT_SERIES_PREFIX = "syshax_router_tenant_"
+
 
 async def models(http: web.Request) -> web.Response:
+    """The models of all deployments that the caller's tenant may use."""
     router = http.app[ROUTER_KEY]
+    tenant = http.get(REQUEST_TENANT) or ANONYMOUS
     data = [
         {
             "id": model,
@@ -25,6 +36,7 @@ async def models(http: web.Request) -> web.Response:
             "deployments": [d.spec.name for d in deployments],
         }
         for model, deployments in sorted(router.state.by_model.items())
+        if tenant.allows_model(model)
     ]
     return web.json_response({"object": "list", "data": data})
 
@@ -77,9 +89,43 @@ async def health(http: web.Request) -> web.Response:
     return web.json_response(body, status=200 if serving else 503)
 
 
+class _WithoutTenants(Collector):
+    """A registry's metrics less every series that names a tenant (decision record 54)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.registry.collect():
+            if family.name.startswith(TENANT_SERIES_PREFIX):
+                continue
+            if any("tenant" in sample.labels for sample in family.samples):
+                continue
+            yield family
+
+
+def exposed_registry(http: web.Request, registry: CollectorRegistry) -> CollectorRegistry:
+    """What ``/metrics`` shows this caller: everything to the holder of ``--metrics-token``
+    (a 401 to anyone else when one is set); without a token, everything but the per-tenant
+    series, so an open scrape endpoint names no tenant (decision record 54)."""
+    token = http.app[ROUTER_KEY].config.metrics_token
+    if token is None:
+        view = CollectorRegistry(auto_describe=False)
+        view.register(_WithoutTenants(registry))
+        return view
+    if not key_matches(bearer(http.headers.get("Authorization", "")), (token,)):
+        raise RouterError(
+            401,
+            "/metrics needs 'Authorization: Bearer <the router's metrics token>'",
+            code="invalid_api_key",
+        )
+    return registry
+
+
 async def metrics_endpoint(http: web.Request) -> web.Response:
     router = http.app[ROUTER_KEY]
     metrics = router.metrics
+    registry = exposed_registry(http, metrics.registry)
     now_wall = time.time()
     for record in router.state.policies.values():
         metrics.policy_version.labels(record.name).set(record.version)
@@ -125,5 +171,5 @@ async def metrics_endpoint(http: web.Request) -> web.Response:
             # inc(0) exports every kind from the start, so rate() has a zero to start from.
             metrics.scrape_failures.labels(*labels, kind).inc(failures.get(kind, 0))
     return web.Response(
-        body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
     )

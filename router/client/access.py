@@ -13,6 +13,8 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable, Mapping
 
+from aiohttp import web
+
 from router.client.errors import RouterError
 
 MODE_HEADER = "X-Syshax-Mode"
@@ -92,15 +94,26 @@ def allowed_mode_header(
     )
 
 
-def proxied_path(method: str, path: str) -> str:
+def raw_path_of(http: web.Request) -> str:
+    """The request's path as the client sent it: before any percent-decoding or dot-segment
+    handling, without the query. Every path the router serves or forwards is matched on it,
+    so ``%2e%2e``, ``%2f`` and the like never name a listed path (decision record 53)."""
+    return http.raw_path.partition("?")[0]
+
+
+def proxied_path(method: str, raw_path: str) -> str:
     """The engine path a catch-all request goes to, or an OpenAI-shaped 404 (405 for a
-    listed path asked with another method)."""
-    allowed = PROXIED.get(path)
-    if allowed is None:
-        raise RouterError(404, f"no route for {path}", code="not_found")
-    if method != allowed:
-        raise RouterError(405, f"{path} takes {allowed}, not {method}", code="method_not_allowed")
-    return path
+    listed path asked with another method). ``raw_path`` is the client's raw path, matched
+    exactly: the path sent upstream is the listed one, never the client's bytes."""
+    for path, allowed in PROXIED.items():
+        if raw_path != path:
+            continue
+        if method != allowed:
+            raise RouterError(
+                405, f"{path} takes {allowed}, not {method}", code="method_not_allowed"
+            )
+        return path
+    raise RouterError(404, f"no route for {raw_path}", code="not_found")
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> bytes:

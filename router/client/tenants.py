@@ -255,11 +255,13 @@ class Tenants:
 
     # -- limits ------------------------------------------------------------------------------
 
-    def admit(self, tenant: TenantRecord, model: str, token_estimate: int) -> Admission:
+    def admit(self, tenant: TenantRecord, model: str | None, token_estimate: int) -> Admission:
         """Let a request in or refuse it: a 403 for a model the tenant may not use, a 429
-        with ``retry_after`` when its RPM or TPM bucket has no room. An admission must end
-        in ``settle`` (or ``reject`` with it) exactly once."""
-        if not tenant.allows_model(model):
+        with ``retry_after`` when its RPM or TPM bucket has no room. A request that names no
+        model (``None``: the pass-through paths, the Batch API) is checked for its RPM only,
+        and for its TPM when it is charged tokens. An admission must end in ``settle`` (or
+        ``reject`` with it) exactly once."""
+        if model is not None and not tenant.allows_model(model):
             self._rejected(tenant.name, "model")
             raise RouterError(
                 403,
@@ -271,14 +273,14 @@ class Tenants:
         limits = self._limits.get(tenant.name)
         charge = max(0, token_estimate)
         if limits is None:
-            return Admission(tenant, model, charge, None)
+            return Admission(tenant, model or "", charge, None)
         now = self.clock()
         if limits.rpm is not None:
             wait = limits.rpm.wait(1, now)
             if wait > 0:
                 self._rejected(tenant.name, "rpm")
                 raise _limited(tenant, "requests", "RPM", tenant.rpm_limit, wait)
-        if limits.tpm is not None:
+        if limits.tpm is not None and charge > 0:
             # A request larger than the whole minute's budget waits for a full bucket
             # instead of never fitting; settle charges what it really used.
             charge = min(charge, tenant.tpm_limit)
@@ -289,7 +291,7 @@ class Tenants:
             limits.tpm.take(charge)
         if limits.rpm is not None:
             limits.rpm.take(1)
-        return Admission(tenant, model, charge, limits)
+        return Admission(tenant, model or "", charge, limits)
 
     def settle(
         self, admission: Admission, prompt_tokens: int, completion_tokens: int, ok: bool

@@ -131,20 +131,23 @@ class Stack:
         return {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
     def start_control_plane(self) -> None:
-        env = self.child_env()
+        # The control plane sends router keys and prompts only to the routers it is told of
+        # (docs/decisions/0056-router-destinations-configured.md): the one started here.
+        env = {**self.child_env(), "ROUTER_URLS": self.router}
+        # The benchmark worker sends the router's key with the runs it executes, the batch
+        # worker with each line, and web with the playground's chat.
+        key = {"ROUTER_API_KEY": self.router_api_key} if self.router_api_key else {}
+        if self.router_benchmark_key:
+            key["ROUTER_BENCHMARK_KEY"] = self.router_benchmark_key
         self.sup.start(
             "web",
             python_argv("web", "--bind", f"{self.args.host}:{self.args.port}", "--no-migrate"),
-            env,
+            {**env, **key},
         )
         gateway = f"{self.args.host}:{self.args.gateway_port}"
         self.sup.start(
             "gateway", python_argv("gateway", "--bind", gateway, "--upstream", self.base), env
         )
-        # The benchmark worker sends the router's key with the runs it executes.
-        key = {"ROUTER_API_KEY": self.router_api_key} if self.router_api_key else {}
-        if self.router_benchmark_key:
-            key["ROUTER_BENCHMARK_KEY"] = self.router_benchmark_key
         self.sup.start("worker", python_argv("worker", "--concurrency", "2"), env)
         self.sup.start(
             "benchmarks",

@@ -12,6 +12,7 @@ from controlplane.settings.env import env_str, find_env_file, load_env_file
 from controlplane.webworker import (
     BODY_LIMIT_ENV,
     DEFAULT_READ_TIMEOUT,
+    FILE_LIMIT_ENV,
     READ_TIMEOUT_ENV,
     limits_from_env,
 )
@@ -45,7 +46,7 @@ def worker_environment(read_timeout: float | None) -> None:
     env file and ``NAME_FILE`` as the settings read them, checked now so a bad value stops
     the command naming its variable."""
     load_env_file(find_env_file(PROJECT_DIR))
-    for name in (READ_TIMEOUT_ENV, BODY_LIMIT_ENV):
+    for name in (READ_TIMEOUT_ENV, BODY_LIMIT_ENV, FILE_LIMIT_ENV):
         value = env_str(name)
         if value is not None:
             os.environ[name] = value

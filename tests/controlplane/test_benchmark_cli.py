@@ -40,10 +40,11 @@ def test_heartbeats_summarize_to_mean_and_peak() -> None:
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.process
 def test_benchmark_a_deployment_through_the_control_plane(
-    live_server, admin_user, make_deployment, tmp_path, capsys
+    live_server, admin_user, make_deployment, tmp_path, capsys, settings
 ) -> None:
     token = PersonalToken.issue(admin_user, "cli")[1]
     with running_sim("a100-80gb", speed=20.0) as engine:
+        settings.ROUTER_URLS = [engine]  # the run goes to a configured router only
         deployment = make_deployment(state="running", gpu_endpoint=engine)
         credential = MachineCredential.issue("router", "r1")[0]
         RouterInstance.objects.create(

@@ -399,7 +399,7 @@ def test_a_run_against_nothing_fails_with_every_request_counted() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_run_sends_the_router_api_key_to_a_registered_router_only(
+def test_a_run_sends_the_router_api_key_to_a_configured_router_only(
     simulated_gpu, settings
 ) -> None:
     from django.utils import timezone
@@ -413,13 +413,14 @@ def test_a_run_sends_the_router_api_key_to_a_registered_router_only(
     scenario = Scenario.objects.create(name="tiny3", input_tokens=8, output_tokens=4)
     extra = ("--api-key", "sxk_user", "--benchmark-key", "sxk_bench")
     with running_router(simulated_gpu, simulated_gpu, mode="gpu-only", extra_args=extra) as url:
-        assert runner.router_api_key(url) == ""  # not registered: no key
         RouterInstance.objects.create(
             name="r-key",
             credential=MachineCredential.issue("router", "r-key")[0],
             listen_url=url,
             last_seen_at=timezone.now(),
         )
+        assert runner.router_api_key(url) == ""  # registered, not configured: no key
+        settings.ROUTER_URLS = [url]
         assert runner.router_api_key(url + "/") == "sxk_bench"
         assert runner.router_api_key(simulated_gpu) == ""  # an engine never gets it
         run = BenchmarkRun.objects.create(

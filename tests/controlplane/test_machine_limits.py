@@ -113,8 +113,8 @@ def test_a_benchmark_targets_only_this_fleets_routers_and_engines(
     refused = post("http://169.254.169.254:80/latest/meta-data")
     assert refused.status_code == 400
     assert refused.json()["error"]["message"] == (
-        "target_url: 169.254.169.254:80 is neither a registered router nor a deployment's "
-        "engine; an operator can allow it in BENCHMARK_ALLOWED_TARGETS"
+        "target_url: 169.254.169.254:80 is neither a configured router (ROUTER_URLS) nor a "
+        "deployment's engine; an operator can allow it in BENCHMARK_ALLOWED_TARGETS"
     )
     assert post("http://127.0.0.1:6379/").status_code == 400  # e.g. the broker itself
     deployment = make_deployment()  # its node's address is 127.0.0.1
@@ -129,6 +129,9 @@ def test_a_benchmark_targets_only_this_fleets_routers_and_engines(
         format="json",
     )
     assert registered.status_code == 200, registered.content
+    # A reported address is not trusted (decision 56): only a configured router is a target.
+    assert post("http://10.9.0.4:7010").status_code == 400
+    settings.ROUTER_URLS = ["http://10.9.0.4:7010"]
     assert post("http://10.9.0.4:7010").status_code == 201
     assert post("http://10.9.0.4:7011").status_code == 400
     settings.BENCHMARK_ALLOWED_TARGETS = ["bench.example:8080"]

@@ -21,6 +21,7 @@ from controlplane.inventory.models import Heartbeat, Node
 from controlplane.webworker import (
     MAX_HEAD_BYTES,
     Extent,
+    ReadLimits,
     error_answer,
     limits_from_env,
     request_extent,
@@ -85,6 +86,29 @@ def test_a_bad_limit_names_its_variable() -> None:
         limits_from_env({"SYSHAX_WEB_READ_TIMEOUT": "0"})
     with pytest.raises(ValueError, match="MAX_REQUEST_BODY_BYTES='1k'"):
         limits_from_env({"MAX_REQUEST_BODY_BYTES": "1k"})
+    with pytest.raises(ValueError, match="BATCH_MAX_FILE_BYTES='50M'"):
+        limits_from_env({"BATCH_MAX_FILE_BYTES": "50M"})
+
+
+def test_the_batch_upload_path_alone_takes_a_file_sized_body(settings) -> None:
+    limits = limits_from_env({"BATCH_MAX_FILE_BYTES": str(4 * 1024 * 1024)})
+    assert limits.by_path == {b"/v1/files": 5 * 1024 * 1024}
+    # The settings the control plane answers with say the same, from the same defaults.
+    assert ReadLimits().by_path == {p.encode(): n for p, n in settings.BODY_LIMITS_BY_PATH.items()}
+    assert ReadLimits().max_file == settings.BATCH_MAX_FILE_BYTES
+
+    def refused(target: str, length: int) -> int:
+        raw = f"POST {target} HTTP/1.1\r\nContent-Length: {length}\r\n\r\n".encode()
+        return request_extent(
+            raw, max_head=MAX_HEAD_BYTES, max_body=1024, by_path=limits.by_path
+        ).refuse
+
+    big = 3 * 1024 * 1024
+    assert refused("/v1/files", big) == 0
+    assert refused("/v1/files?purpose=batch", big) == 0
+    assert refused("/v1/files", 5 * 1024 * 1024 + 1) == 413
+    for elsewhere in ("/v1/files/", "/v1/files/file-1", "/v1/filesx", "/api/v1/health"):
+        assert refused(elsewhere, big) == 413, elsewhere
 
 
 # -- the real server ------------------------------------------------------------------------------
@@ -184,6 +208,41 @@ def test_an_oversized_or_chunked_body_is_refused_before_it_is_read(web: int) -> 
     assert took < 1.5
     _, answer = exchange(web, f"{head}Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n".encode())
     assert answer.startswith(b"HTTP/1.1 411 "), answer
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_3_mib_batch_upload_is_stored_through_syshax_web(web: int) -> None:
+    from controlplane.batches.models import BatchFile
+    from controlplane.tenants.models import Tenant
+    from controlplane.tenants.services import issue_key
+
+    _, key = issue_key(Tenant.objects.create(name="uploads"), acting_user=None)
+    content = b'{"custom_id": "a"}\n' * (3 * 1024 * 1024 // 19 + 1)
+    boundary = "syshax-upload-boundary"
+    body = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+            "Content-Type: application/jsonl\r\n\r\n"
+        ).encode()
+        + content
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    headers = {
+        "Authorization": f"Bearer {key}",
+        "Content-Type": f"multipart/form-data; boundary={boundary}",
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", web, timeout=30)
+    try:
+        conn.request("POST", "/v1/files", body, headers)
+        answer = conn.getresponse()
+        data = answer.read()
+    finally:
+        conn.close()
+    assert answer.status == 200, data
+    created = json.loads(data)
+    assert created["bytes"] == len(content) > 3 * 1024 * 1024
+    assert BatchFile.objects.get(pk=created["id"]).chunks.count() == 4
 
 
 def test_a_request_left_unfinished_behind_a_kept_alive_one_gets_a_408(web: int) -> None:

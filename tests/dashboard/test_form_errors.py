@@ -149,7 +149,7 @@ def test_benchmark_shows_every_error_in_one_round(operator_client: Client, scena
     messages = [
         "each level must be between 1 and 1024",  # the form's conversion
         "a goodput sweep needs an SLO TTFT or TPOT",  # the form's rule across fields
-        "10.9.9.9:1234 is neither a registered router nor a deployment",  # the service
+        "10.9.9.9:1234 is neither a configured router",  # the service
         "Ensure this value is greater than or equal to 1.",  # the model: iterations
         "Ensure this value is less than or equal to 10000.",  # the model: warmup
     ]

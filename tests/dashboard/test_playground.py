@@ -1,4 +1,4 @@
-"""The playground (docs/dashboard.md): one chat through a live router, forced to a mode, with
+"""The playground (docs/dashboard.md): one chat through a configured router, forced to a mode, with
 the route, the reason, TTFT and tokens/s the control plane measured; the router's own error
 message when it refuses; the operator's permission and a CSRF token needed."""
 
@@ -94,6 +94,7 @@ class FakeRouter:
 def fake_router(db: Any, settings) -> Iterator[FakeRouter]:
     settings.ROUTER_BENCHMARK_KEY = KEY
     fake = FakeRouter()
+    settings.ROUTER_URLS = [fake.url]
     credential, _ = MachineCredential.issue("router", "router-play")
     RouterInstance.objects.create(
         name="router-play", credential=credential, listen_url=fake.url, last_seen_at=timezone.now()
@@ -155,16 +156,15 @@ def test_bad_fields_and_no_router_are_answered_in_words(make_deployment, operato
     assert bad.status_code == 400
     assert set(bad.json()["errors"]) == {"max_tokens", "mode"}
     none = send(operator_client, d.pk)
-    assert none.status_code == 502 and "no live router" in none.json()["error"]
+    assert none.status_code == 502 and "no router configured" in none.json()["error"]
 
 
-def test_a_router_that_is_gone_is_a_message(make_deployment, operator_client, db) -> None:
+def test_a_router_that_is_gone_is_a_message(make_deployment, operator_client, db, settings) -> None:
     credential, _ = MachineCredential.issue("router", "router-gone")
+    gone = f"http://127.0.0.1:{free_port()}"
+    settings.ROUTER_URLS = [gone]
     RouterInstance.objects.create(
-        name="router-gone",
-        credential=credential,
-        listen_url=f"http://127.0.0.1:{free_port()}",
-        last_seen_at=timezone.now(),
+        name="router-gone", credential=credential, listen_url=gone, last_seen_at=timezone.now()
     )
     d = make_deployment()
     result = send(operator_client, d.pk).json()
@@ -196,3 +196,35 @@ def test_the_playground_needs_the_operators_permission_and_a_csrf_token(
         302,
         405,
     )
+
+
+def test_a_registered_router_that_is_not_configured_gets_nothing(
+    make_deployment, operator_client: Client, db, settings
+) -> None:
+    """Any router token can register an address; the operator's prompt and the benchmark key
+    go only to ROUTER_URLS (docs/decisions/0056-router-destinations-configured.md)."""
+    settings.ROUTER_BENCHMARK_KEY = KEY
+    settings.ROUTER_URLS = []
+    listener = FakeRouter()
+    try:
+        credential, _ = MachineCredential.issue("router", "thief")
+        RouterInstance.objects.create(
+            name="thief",
+            credential=credential,
+            listen_url=listener.url,
+            last_seen_at=timezone.now(),
+        )
+        d = make_deployment()
+        page = operator_client.get(reverse("dashboard:deployment", args=[d.pk])).content.decode()
+        assert "No router is configured" in page
+        answer = send(operator_client, d.pk, **{"play-prompt": "operator secret"})
+        assert answer.status_code == 502 and "ROUTER_URLS" in answer.json()["error"]
+        assert listener.seen == []
+
+        settings.ROUTER_URLS = [listener.url]  # the operator names it: now it answers
+        result = send(operator_client, d.pk, **{"play-prompt": "operator secret"}).json()
+        assert result["ok"] is True and result["router"] == "thief"
+        [seen] = listener.seen
+        assert seen["headers"]["Authorization"] == f"Bearer {KEY}"
+    finally:
+        listener.close()

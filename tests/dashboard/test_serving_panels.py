@@ -4,6 +4,7 @@ deployment and node pages; old samples pruned."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from typing import Any
 
@@ -126,6 +127,26 @@ def test_a_report_with_serving_figures_is_validated_and_stored(router, make_depl
         },
         {"interval_seconds": 10, "reasons": {"pd:\x00": 1}},
         [],
+        # Figures that could not happen (docs/decisions/0057-...): refused at the door.
+        {"interval_seconds": 10, "decisions": {"pd": 10**9 + 1}},
+        {"interval_seconds": 86_401},
+        {"interval_seconds": 10, "ttft_ms": {"1e308": 1}},
+        *(
+            {"interval_seconds": 10, **serving(1, "d", tps=1.0)} | {"deployments": [entry]}
+            for entry in [
+                {
+                    **serving(1, "d")["deployments"][0],
+                    "engines": [{**serving(1, "d")["deployments"][0]["engines"][0], **change}],
+                }
+                for change in (
+                    {"tokens_per_second": 1e308},
+                    {"tokens_per_second": 1e7 + 1},
+                    {"itl_ms": 86_400_001},
+                    {"kv_usage_perc": 100.5},
+                    {"running": 10**9 + 1},
+                )
+            ]
+        ),
     ],
 )
 def test_a_malformed_serving_report_is_refused_by_both_readers(bad: Any) -> None:
@@ -183,6 +204,27 @@ def test_the_json_view_sums_a_window_and_says_its_units(
     assert theirs["summary"]["requests"] == 10 and theirs["summary"]["pd_share_percent"] == 0.0
     assert viewer_client.get(url, {"deployment": "999999"}).status_code == 404
     assert viewer_client.get(url, {"window": "bogus"}).json()["window"] == "5m"
+
+
+def test_the_json_view_is_finite_whatever_the_samples_hold(
+    router, make_deployment, viewer_client
+) -> None:
+    """Samples stored before the bounds (or by any other path) with 1e308 tokens/s on several
+    engines: each reading is capped before it is summed, and the JSON stays valid."""
+    d = make_deployment()
+    for ago in (1, 2, 3):
+        add_sample(router, timedelta(seconds=ago), serving(d.pk, d.name, tps=1e308))
+
+    def no_constants(name: str) -> float:
+        raise AssertionError(f"{name} in /live/serving.json")
+
+    url = reverse("dashboard:serving-json")
+    for window in ("5m", "1h", "24h"):
+        body = viewer_client.get(url, {"window": window}).content.decode()
+        data = json.loads(body, parse_constant=no_constants)
+        assert data["summary"]["tokens_per_second"] == 2e7  # GPU and CPU, each capped at 1e7
+        json.dumps(data, allow_nan=False)
+    assert live.finite({"a": [float("inf"), float("nan"), 1.5]}) == {"a": [None, None, 1.5]}
 
 
 def test_the_json_view_needs_a_sign_in(client, db) -> None:

@@ -62,4 +62,5 @@ def serving_json(request: HttpRequest) -> JsonResponse:
     data = dict(context["serving"])
     data.pop("figures", None)  # the charts again, as the template lists them
     data["html"] = render_to_string("dashboard/_serving_body.html", context, request=request)
-    return JsonResponse(data)
+    # Finite by construction (dashboard/live.py caps every measure); never NaN or Infinity.
+    return JsonResponse(data, json_dumps_params={"allow_nan": False})

@@ -1,10 +1,12 @@
-"""The playground on a deployment's page: one chat to the deployment's model through a live
-router, forced to GPU-only, PD or auto, with the route and reason the router answered with and
-the TTFT and tokens/s the control plane measured on the stream (docs/dashboard.md).
+"""The playground on a deployment's page: one chat to the deployment's model through a
+configured router, forced to GPU-only, PD or auto, with the route and reason the router
+answered with and the TTFT and tokens/s the control plane measured on the stream
+(docs/dashboard.md).
 
-The router is a registered one that reported within its grace; the routers' benchmark key
-goes to it (``controlplane.benchmarks.runner.router_api_key``: never to another address), so
-it may force the mode with ``X-Syshax-Mode``. The stream is read by the load generator's timed
+The router is one the operator configured (``ROUTER_URLS``; one whose registered router is
+alive first), never an address a router only reported (``controlplane.routers.destinations``):
+the operator's prompt and the routers' benchmark key go there, so it may force the mode with
+``X-Syshax-Mode``. The stream is read by the load generator's timed
 client (``loadgen.wire``): every read is stamped as it arrives.
 """
 
@@ -23,10 +25,10 @@ from django.shortcuts import get_object_or_404, redirect
 from django.views.decorators.http import require_POST
 
 from common.sse import DONE_DATA, event_data, split_events
-from controlplane.benchmarks.runner import router_api_key
 from controlplane.dashboard.views.common import require_perm
 from controlplane.deployments.models import Deployment
-from controlplane.routers.models import RouterInstance
+from controlplane.routers import destinations
+from controlplane.routers.destinations import Destination
 from loadgen.client import DECISION_HEADER, FORCED_MODE_HEADER, api_root
 from loadgen.wire import ConnectionPool, WireError, post
 
@@ -64,9 +66,9 @@ class Answer:
     errors: dict[str, list[str]] = field(default_factory=dict)
 
 
-def live_router() -> RouterInstance | None:
-    routers = RouterInstance.objects.exclude(listen_url="").order_by("-last_seen_at")
-    return next((r for r in routers if r.is_alive), None)
+def live_router() -> Destination | None:
+    """The configured router the playground sends to, or None when ``ROUTER_URLS`` is empty."""
+    return destinations.pick()
 
 
 def _error_message(body: bytes, status: int) -> str:
@@ -177,12 +179,12 @@ def run_chat(deployment: Deployment, data: dict[str, Any]) -> Answer:
     if router is None:
         return Answer(
             mode=data["mode"],
-            error="no live router: start one (syshax router) registered with this control plane",
+            error="no router configured: list the routers in ROUTER_URLS",
         )
     answer = asyncio.run(
         chat(
-            router.listen_url,
-            router_api_key(router.listen_url),
+            router.url,
+            destinations.router_key_for(router.url),
             deployment.profile.model_name_for_clients,
             data["prompt"],
             data["max_tokens"],

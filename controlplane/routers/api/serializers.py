@@ -3,12 +3,20 @@ from __future__ import annotations
 from rest_framework import serializers
 
 from common.serving import ServingError, clean_serving
+from controlplane.routers import destinations
 from controlplane.routers.choices import DECISIONS
 from controlplane.routers.models import RouterInstance, RouterStatsSample
 
 
 class RouterInstanceSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
     is_alive = serializers.BooleanField(read_only=True)
+    listen_url_configured = serializers.SerializerMethodField(
+        help_text="whether listen_url is one of ROUTER_URLS; the control plane sends nothing "
+        "to an address a router only reported"
+    )
+
+    def get_listen_url_configured(self, router: RouterInstance) -> bool:
+        return destinations.is_configured(router.listen_url)
 
     class Meta:
         model = RouterInstance
@@ -17,6 +25,7 @@ class RouterInstanceSerializer(serializers.ModelSerializer):  # type: ignore[typ
             "name",
             "version",
             "listen_url",
+            "listen_url_configured",
             "registered_at",
             "last_seen_at",
             "is_alive",

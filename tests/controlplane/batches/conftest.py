@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from controlplane.access.models import MachineCredential
+from controlplane.batches.models import BatchFile
 from controlplane.tenants.models import Tenant
 from controlplane.tenants.services import issue_key
 
@@ -189,3 +190,9 @@ def jsonl(*records: Any) -> bytes:
     return b"".join(
         (r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in records
     )
+
+
+def file_bytes(file: BatchFile | None) -> bytes:
+    """A stored file's bytes, its chunks joined."""
+    assert file is not None
+    return b"".join(file.iter_bytes())

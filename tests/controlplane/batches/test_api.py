@@ -190,15 +190,20 @@ def test_a_tenant_sees_only_its_own_files_and_batches(
     assert [f.id for f in mine.files.list()] == [source.id]
 
 
-def test_a_router_acts_for_the_tenant_it_names(
+def test_a_router_acts_only_for_its_own_callers(
     acme, router_token, client_for, batch_settings, queued
 ) -> None:
-    as_acme = client_for(router_token, **{"X-Syshax-Tenant": "acme"})
-    source = upload(as_acme, jsonl(line("a", "b")))
+    # A tenant's requests carry its own key (decision 57): a router token naming it is refused.
+    with pytest.raises(openai.PermissionDeniedError):
+        upload(client_for(router_token, **{"X-Syshax-Tenant": "acme"}), jsonl(line("a", "b")))
+    source = upload(client_for(acme[1]), jsonl(line("a", "b")))
     assert [f.id for f in client_for(acme[1]).files.list()] == [source.id]
     # The routers' own callers own batches too, apart from every tenant.
     as_key = client_for(router_token, **{"X-Syshax-Tenant": "router-key"})
     assert list(as_key.files.list()) == []
+    mine = upload(as_key, jsonl(line("a", "b")))
+    assert [f.id for f in as_key.files.list()] == [mine.id]
+    assert [f.id for f in client_for(acme[1]).files.list()] == [source.id]
     with pytest.raises(openai.PermissionDeniedError):
         client_for(router_token, **{"X-Syshax-Tenant": "nobody"}).files.list()
     with pytest.raises(openai.BadRequestError):

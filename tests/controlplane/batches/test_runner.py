@@ -16,7 +16,7 @@ from controlplane.batches.auth import Caller
 from controlplane.batches.models import Batch, BatchLine
 from controlplane.batches.tasks import sweep
 from controlplane.routers.models import RouterInstance
-from tests.controlplane.batches.conftest import jsonl, line, make_tenant
+from tests.controlplane.batches.conftest import file_bytes, jsonl, line, make_tenant
 
 
 class WorkerDied(BaseException):
@@ -26,7 +26,9 @@ class WorkerDied(BaseException):
 def make_batch(content: bytes, owner: str = "acme") -> Batch:
     tenant, _ = make_tenant(owner)
     caller = Caller(owner, tenant)
-    source = services.create_file(caller, filename="in.jsonl", purpose="batch", content=content)
+    source = services.create_file(
+        caller, filename="in.jsonl", purpose="batch", size=len(content), pieces=[content]
+    )
     return services.create_batch(
         caller,
         input_file_id=source.id,
@@ -86,7 +88,7 @@ def test_a_worker_killed_mid_batch_resumes_without_running_a_finished_line_again
     assert not {f"line {custom_id[1:]}" for custom_id in finished} & set(resent)
     twelve.refresh_from_db()
     assert (twelve.total, twelve.completed, twelve.failed) == (12, 12, 0)
-    output = bytes(twelve.output_file.content).splitlines()
+    output = file_bytes(twelve.output_file).splitlines()
     assert [json.loads(x)["custom_id"] for x in output] == [f"r{i}" for i in range(12)]
 
 
@@ -109,7 +111,7 @@ def test_failures_go_to_the_error_file(db, queued, batch_settings, fake_router) 
     assert runner.execute(batch.id) == "completed"
     batch.refresh_from_db()
     assert (batch.completed, batch.failed) == (1, 1)
-    [failure] = [json.loads(x) for x in bytes(batch.error_file.content).splitlines()]
+    [failure] = [json.loads(x) for x in file_bytes(batch.error_file).splitlines()]
     assert failure["custom_id"] == "a"
     assert failure["response"]["status_code"] == 500
     assert failure["error"]["code"] == "internal_error"
@@ -123,7 +125,7 @@ def test_a_router_that_does_not_answer_fails_the_lines_after_the_tries(
     batch = make_batch(jsonl(line("a", "x")))
     assert runner.execute(batch.id) == "completed"
     batch.refresh_from_db()
-    [failure] = [json.loads(x) for x in bytes(batch.error_file.content).splitlines()]
+    [failure] = [json.loads(x) for x in file_bytes(batch.error_file).splitlines()]
     assert failure["error"]["code"] == "router_unreachable"
 
 
@@ -135,8 +137,11 @@ def test_without_a_live_router_the_batch_waits(db, queued, batch_settings) -> No
     assert batch.status == "in_progress" and batch.lease_owner == ""
 
 
-def test_the_live_router_seen_last_gets_the_lines(db, queued, batch_settings, fake_router):
+def test_the_live_configured_router_seen_last_gets_the_lines(
+    db, queued, batch_settings, fake_router
+):
     batch_settings.BATCH_ROUTER_URL = ""
+    batch_settings.ROUTER_URLS = ["http://127.0.0.1:9", fake_router.url]
     credential, _ = MachineCredential.issue("router", "r")
     now = timezone.now()
     RouterInstance.objects.create(
@@ -162,7 +167,7 @@ def test_an_expired_batch_fails_its_unfinished_lines(twelve, batch_settings, fak
     assert runner.execute(twelve.id) == "expired"
     twelve.refresh_from_db()
     assert (twelve.completed, twelve.failed) == (2, 10)
-    errors = [json.loads(x) for x in bytes(twelve.error_file.content).splitlines()]
+    errors = [json.loads(x) for x in file_bytes(twelve.error_file).splitlines()]
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert fake_router.requests == []
 

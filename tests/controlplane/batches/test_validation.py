@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from controlplane.batches.validation import TooManyLines, parse_input
+from controlplane.batches import validation
+from controlplane.batches.validation import MAX_NESTING, TooManyLines, parse_input, split_lines
 from tests.controlplane.batches.conftest import jsonl, line
 
 
 def parse(content: bytes, *, max_lines: int = 100) -> list:
     return parse_input(
-        content,
+        split_lines([content]),
         endpoint="/v1/chat/completions",
         allows_model=lambda model: model != "secret",
         max_lines=max_lines,
@@ -58,3 +61,52 @@ def test_a_custom_id_used_twice_fails_the_second_line() -> None:
 def test_more_lines_than_the_cap_is_refused_naming_the_limit() -> None:
     with pytest.raises(TooManyLines, match="3 requests; the limit is 2"):
         parse(jsonl(*(line(f"r{i}", "x") for i in range(3))), max_lines=2)
+
+
+def test_lines_are_read_across_the_chunks_they_straddle() -> None:
+    content = jsonl(line("a", "x"), line("b", "y")) + b"\r\n" + json.dumps(line("c", "z")).encode()
+    cuts = [content[i : i + 7] for i in range(0, len(content), 7)]
+    assert (
+        list(split_lines(cuts))
+        == list(split_lines([content]))
+        == [*content.split(b"\n")[:2], b"", json.dumps(line("c", "z")).encode()]
+    )
+    assert [
+        (p.line_no, p.custom_id)
+        for p in parse_input(
+            split_lines(cuts), endpoint="/v1/chat/completions", allows_model=bool, max_lines=9
+        )
+    ] == [(1, "a"), (2, "b"), (4, "c")]
+
+
+def test_a_line_nested_5000_deep_fails_alone_naming_its_line() -> None:
+    deep = b'{"custom_id": "d", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    first, second, third = parse(jsonl(line("a", "x"), deep, line("b", "y")))
+    assert first.error is None and third.error is None
+    assert second.error is not None and second.error.code == "too_deeply_nested"
+    assert second.error.message.startswith("line 2: nests arrays and objects over 100 levels")
+
+
+def test_a_line_under_the_recursion_limit_but_over_the_nesting_cap_fails_too() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    nested: object = "x"
+    for _ in range(MAX_NESTING):
+        nested = [nested]
+    [parsed] = parse(jsonl(line("a", "x", body={**body, "extra": nested})))
+    assert parsed.error is not None and parsed.error.code == "too_deeply_nested"
+    assert "line 1 (custom_id 'a')" in parsed.error.message
+
+
+def test_an_unexpected_error_on_a_line_fails_that_line_only(monkeypatch) -> None:
+    real = validation._check_request
+
+    def check(data, endpoint, allows_model):  # type: ignore[no-untyped-def]
+        if data["custom_id"] == "boom":
+            raise KeyError("surprise")
+        return real(data, endpoint, allows_model)
+
+    monkeypatch.setattr(validation, "_check_request", check)
+    good, bad = parse(jsonl(line("a", "x"), line("boom", "y")))
+    assert good.error is None
+    assert bad.error is not None and bad.error.code == "unreadable_line"
+    assert bad.error.message == "line 2 (custom_id 'boom'): could not be checked (KeyError)"

@@ -157,6 +157,26 @@ def test_a_router_reports_its_own_usage_only(
     assert bad.json()["error"]["message"].startswith("tenants.acme.rejected.bored")
 
 
+def test_a_router_cannot_report_impossible_or_another_routers_usage(
+    router_client, tenant, router_instance, other_router
+) -> None:
+    """10^12 requests in one report is refused by name and limit; a second router's token
+    cannot post to the first router's usage (docs/decisions/0057-...)."""
+    huge = {"tenants": {"acme": {"requests": 10**12}}}
+    refused = router_client.post(f"/api/v1/routers/{router_instance.pk}/usage", huge, format="json")
+    assert refused.status_code == 400
+    message = refused.json()["error"]["message"]
+    assert message.startswith("tenants.acme.requests") and "at most 600000" in message
+    assert not TenantUsage.objects.exists()
+    plausible = {"tenants": {"acme": {"requests": 120, "prompt_tokens": 4000}}}
+    ok = router_client.post(f"/api/v1/routers/{router_instance.pk}/usage", plausible, format="json")
+    assert ok.status_code == 200
+    # router_client is router-a's token; router-b's row is not its own.
+    other = router_client.post(f"/api/v1/routers/{other_router.pk}/usage", plausible, format="json")
+    assert other.status_code == 403
+    assert list(TenantUsage.objects.values_list("router__name", "requests")) == [("router-a", 120)]
+
+
 CALLERS = ("anonymous", "user", "own_agent", "router", "operator", "admin")
 
 

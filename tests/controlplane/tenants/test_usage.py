@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from common.errors import FieldError
+from controlplane.routers.models import RouterInstance
 from controlplane.tenants.models import TenantUsage
 from controlplane.tenants.usage import parse_report, record_usage, usage_series, usage_totals
 
@@ -92,3 +93,43 @@ def test_a_bad_report_stores_nothing(tenant, router_instance) -> None:
 def test_an_unknown_window_is_refused_by_name(tenant) -> None:
     with pytest.raises(FieldError, match="window: must be one of 5m, 1h, 24h"):
         usage_series(tenant, "7d")
+
+
+def test_a_report_beyond_what_a_router_can_observe_is_refused_and_nothing_stored(
+    tenant, router_instance
+) -> None:
+    with pytest.raises(FieldError) as caught:
+        record_usage(router_instance, report(acme={"requests": 10**12}), now=NOW)
+    assert caught.value.field == "tenants.acme.requests"
+    assert "600000" in str(caught.value)  # 10,000 requests/s over the 60 s floor
+    assert not TenantUsage.objects.exists()
+    router_instance.refresh_from_db()
+    assert router_instance.usage_reported_at is None  # not accepted: the window stays open
+
+
+def test_the_bound_is_the_time_since_the_last_accepted_report(tenant, router_instance) -> None:
+    RouterInstance.objects.filter(pk=router_instance.pk).update(
+        registered_at=NOW - timedelta(hours=1)
+    )
+    # A backlog kept through an hour's outage: plausible, stored.
+    backlog = report(acme={"requests": 30_000_000, "prompt_tokens": 10**10})
+    assert record_usage(router_instance, backlog, now=NOW)["accepted"] == ["acme"]
+    # Ten seconds later the floor (60 s) bounds it: 600,000 requests, 6e8 tokens.
+    record_usage(
+        router_instance, report(acme={"requests": 600_000}), now=NOW + timedelta(seconds=10)
+    )
+    with pytest.raises(FieldError) as caught:
+        record_usage(
+            router_instance,
+            report(acme={"completion_tokens": 600_000_001}),
+            now=NOW + timedelta(seconds=20),
+        )
+    assert caught.value.field == "tenants.acme.completion_tokens"
+    with pytest.raises(FieldError) as caught:  # many tenants: the router's total is bounded
+        record_usage(
+            router_instance,
+            report(**{f"t{i}": {"requests": 400_000} for i in range(2)}),
+            now=NOW + timedelta(seconds=30),
+        )
+    assert caught.value.field == "tenants"
+    assert sum(r.requests for r in TenantUsage.objects.all()) == 30_600_000
