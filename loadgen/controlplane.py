@@ -56,10 +56,17 @@ class ControlPlane:
             raise ControlPlaneError(f"deployment {name!r} is not running (or does not exist)")
         detail = self._get(f"deployments/{match['id']}/")
         routers = self._get("routers/", limit=100)["results"]
-        live = [r for r in routers if r.get("is_alive") and r.get("listen_url")]
+        # The router's key goes only to an address the operator configured (ROUTER_URLS),
+        # never to one a router merely reported (decision record 56).
+        live = [
+            r
+            for r in routers
+            if r.get("is_alive") and r.get("listen_url") and r.get("listen_url_configured")
+        ]
         if not live:
             raise ControlPlaneError(
-                "no live router is registered with the control plane; start `syshax router`"
+                "no live router at an address in the control plane's ROUTER_URLS; start "
+                "`syshax router` and list its URL there, or pass --target"
             )
         return DeploymentTarget(
             name, match["id"], detail["node"], match["model"], live[0]["listen_url"]

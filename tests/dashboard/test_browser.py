@@ -591,6 +591,7 @@ def playground_router(fleet: dict[str, Any], settings: Any) -> Iterator[FakeRout
     """tests/dashboard/test_playground.py's router stand-in, registered and alive."""
     settings.ROUTER_BENCHMARK_KEY = PLAYGROUND_KEY
     fake = FakeRouter()
+    settings.ROUTER_URLS = [fake.url]  # the playground sends only to configured routers
     credential, _ = MachineCredential.issue("router", "router-play")
     RouterInstance.objects.create(
         name="router-play", credential=credential, listen_url=fake.url, last_seen_at=timezone.now()

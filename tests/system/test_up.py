@@ -85,12 +85,119 @@ def watching_command_lines() -> Iterator[list[str]]:
         watcher.join()
 
 
+def batch_of_3_mib_runs(router: str, key: str) -> None:
+    """A 3 MiB batch input file uploads through the router (router, gateway, web) and its
+    batch runs: two lines go to the engines; the rest, padded to 3 MiB, name another endpoint
+    and fail at validation, so the test takes seconds, not the minutes 3 MiB of prompts do."""
+    headers = {"Authorization": f"Bearer {key}"}
+    good = [
+        {
+            "custom_id": f"ok-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": SIM_MODEL, "prompt": "Hello", "max_tokens": 2},
+        }
+        for i in range(2)
+    ]
+    lines = [json.dumps(line) for line in good]
+    pad = "x" * 2000
+    while sum(len(line) + 1 for line in lines) < 3 * 1024 * 1024:
+        lines.append(
+            json.dumps(
+                {
+                    "custom_id": f"pad-{len(lines)}",
+                    "method": "POST",
+                    "url": "/v1/embeddings",
+                    "body": {"model": SIM_MODEL, "input": pad},
+                }
+            )
+        )
+    content = ("\n".join(lines) + "\n").encode()
+    uploaded = httpx.post(
+        f"{router}/v1/files",
+        headers=headers,
+        files={"file": ("big.jsonl", content, "application/jsonl")},
+        data={"purpose": "batch"},
+        timeout=120,
+    )
+    assert uploaded.status_code == 200, uploaded.text
+    assert uploaded.json()["bytes"] == len(content) > 3 * 1024 * 1024
+    created = httpx.post(
+        f"{router}/v1/batches",
+        headers=headers,
+        json={
+            "input_file_id": uploaded.json()["id"],
+            "endpoint": "/v1/completions",
+            "completion_window": "24h",
+        },
+        timeout=30,
+    )
+    assert created.status_code == 200, created.text
+    deadline = time.monotonic() + 180
+    while True:
+        batch = httpx.get(
+            f"{router}/v1/batches/{created.json()['id']}", headers=headers, timeout=30
+        ).json()
+        if batch["status"] in ("completed", "failed", "expired", "cancelled"):
+            break
+        assert time.monotonic() < deadline, batch
+        time.sleep(1)
+    counts = batch["request_counts"]
+    assert batch["status"] == "completed", batch
+    assert (counts["total"], counts["completed"]) == (len(lines), 2), counts
+    output = httpx.get(
+        f"{router}/v1/files/{batch['output_file_id']}/content", headers=headers, timeout=60
+    )
+    answers = [json.loads(line) for line in output.content.splitlines()]
+    assert {a["custom_id"] for a in answers} == {"ok-0", "ok-1"}
+    assert all(a["response"]["status_code"] == 200 for a in answers)
+
+
+def playground_answers(web: str, password: str) -> None:
+    """The dashboard's playground, signed in as the admin, answers through the real router."""
+    with httpx.Client(base_url=web, follow_redirects=True, timeout=60) as client:
+        client.get("/accounts/login/")
+        signed_in = client.post(
+            "/accounts/login/",
+            data={
+                "username": "admin",
+                "password": password,
+                "csrfmiddlewaretoken": client.cookies["csrftoken"],
+            },
+            headers={"Referer": f"{web}/accounts/login/"},
+        )
+        assert signed_in.status_code == 200 and "/accounts/login/" not in str(signed_in.url)
+        pk = client.get("/api/v1/deployments/").json()["results"][0]["id"]
+        client.get(f"/deployments/{pk}/")
+        answer = client.post(
+            f"/deployments/{pk}/playground/",
+            data={
+                "play-prompt": "Say hello",
+                "play-max_tokens": "4",
+                "play-mode": "auto",
+                "csrfmiddlewaretoken": client.cookies["csrftoken"],
+            },
+            headers={"Accept": "application/json", "Referer": f"{web}/deployments/{pk}/"},
+        )
+        assert answer.status_code == 200, answer.text
+        result = answer.json()
+        assert result["ok"] is True and result["status"] == 200, result
+        assert result["completion_tokens"] == 4 and result["router"], result
+
+
 def serve_until_interrupted(
-    argv: list[str], env: dict[str, str], router: str, key: str, gateway: str = ""
+    argv: list[str],
+    env: dict[str, str],
+    router: str,
+    key: str,
+    gateway: str = "",
+    web: str = "",
+    password: str = "",
 ) -> tuple[int, str]:
     """Run ``syshax up`` (no --exit); once it serves, check the router's API key from outside:
     refused without it or with a wrong one (OpenAI's 401), served with it, and that the agent
-    and the router talk to ``gateway``. Then Ctrl-C."""
+    and the router talk to ``gateway``; with ``web``, that a 3 MiB batch file uploads and runs
+    through the router and that the playground answers. Then Ctrl-C."""
     process = subprocess.Popen(
         argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -126,6 +233,9 @@ def serve_until_interrupted(
         )
         assert served.status_code == 200, served.text
         assert served.json()["usage"]["completion_tokens"] == 4
+        if web:
+            batch_of_3_mib_runs(router, key)
+            playground_answers(web, password)
         process.send_signal(signal.SIGINT)
         status = process.wait(timeout=120)
     finally:
@@ -152,6 +262,7 @@ def test_up_serves_a_completion_from_the_hetero_deployment_and_stops_cleanly(tmp
     assert "router refuses a request without its API key (401)" in output
     assert "completion through the router:" in output
     assert "admin user admin / " in output
+    password = output.split("admin user admin / ", 1)[1].split()[0]
     key = json.loads((var_dir / "up" / "tokens.json").read_text())["router_api_key"]
     assert f"router key {key}" in output  # shown at the first start
     assert "stopped." in output
@@ -163,7 +274,13 @@ def test_up_serves_a_completion_from_the_hetero_deployment_and_stops_cleanly(tmp
     serve = [arg for arg in argv if arg != "--exit"]
     with watching_command_lines() as exposed:
         status, again = serve_until_interrupted(
-            serve, env, f"http://127.0.0.1:{ports[1]}", key, f"http://127.0.0.1:{ports[4]}"
+            serve,
+            env,
+            f"http://127.0.0.1:{ports[1]}",
+            key,
+            f"http://127.0.0.1:{ports[4]}",
+            f"http://127.0.0.1:{ports[0]}",
+            password,
         )
     assert exposed == []
     assert status == 0, again[-4000:]
