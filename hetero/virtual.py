@@ -135,6 +135,11 @@ class VirtualEngine(LoadTracker):
         # The Prometheus counters a real engine exports.
         self.generation_tokens = 0
         self.itl_histogram = Histogram(ITL_BUCKETS)  # its sum and count are the counters
+        # Prompt tokens this engine computed (not handed over), and its first tokens' times
+        # since each sequence reached it: the router's CPU prefill estimate reads them.
+        self.computed_prompt_tokens = 0
+        self.ttft_sum = 0.0
+        self.ttft_count = 0
         self.inflight = 0
         self.busy_s = 0.0
 
@@ -166,6 +171,9 @@ class VirtualEngine(LoadTracker):
             itl_count=float(self.itl_histogram.count),
             avg_generation_tps=None,
             itl_buckets=self.itl_histogram.bounded_cumulative(),
+            computed_prompt_tokens=float(self.computed_prompt_tokens),
+            ttft_sum=self.ttft_sum,
+            ttft_count=float(self.ttft_count),
         )
         self.observe(sample)
 
@@ -277,7 +285,7 @@ class VirtualDeployment:
         """Route a new request, or queue it as the router's flow control does
         (``router.request._route``)."""
         slo = self._slo(req)
-        decision = decide(self.knobs, self._loads(), slo)
+        decision = decide(self.knobs, self._loads(), slo, prompt_tokens=req.prompt_tokens)
         if slo is None or self.knobs.max_queue_size <= 0:
             self._route(req, decision, slo, now)
             return
@@ -295,7 +303,7 @@ class VirtualDeployment:
             DEPLOYMENT,
             slo,
             TENANT,
-            lambda: decide(self.knobs, self._loads(), slo),
+            lambda: decide(self.knobs, self._loads(), slo, prompt_tokens=req.prompt_tokens),
             bound=knobs.max_queue_size,
             max_wait=max_wait_seconds(slo, knobs),
         )
@@ -474,6 +482,10 @@ class VirtualDeployment:
             at = times[-1]
             if len(times) > 1:
                 engine.itl_histogram.observe(at - times[-2])
+            elif seq.sink.kind != "decode":  # its first token, after a prefill it computed
+                engine.ttft_sum += at - seq.arrival
+                engine.ttft_count += 1
+                engine.computed_prompt_tokens += seq.prompt_tokens + seq.resumed_tokens
             req.tokens += 1
             if self.window is not None and self.window[0] <= at < self.window[1]:
                 req.window_tokens += 1

@@ -83,12 +83,16 @@ class Loads:
     cpu_inflight: int = 0
 
 
-# Sequences an idle, never-measured CPU engine takes before its first ITL is scraped.
-CPU_PROBE_BATCH = 4
-# At the GPU's latency knee (it still has room) a decode moves only to a CPU measured to
-# meet its latency SLO with this much to spare: the GPU would have served the request
-# within its SLO, so the CPU must too, under its own noise (docs/router.md).
-KNEE_CPU_MARGIN = 0.8
+# Sequences a never-measured CPU engine takes before its first ITL is scraped. Until then
+# every sequence there is a bet on the request's TPOT target (live, a Kunpeng socket at
+# 145 ms a token lost all four of a probe of 4 at a 120 ms target); one sequence's first
+# tokens measure it by the next scrape, so one is enough and bounds the loss to one.
+CPU_PROBE_BATCH = 1
+# Every offload, whatever saturated the GPU, goes only to a CPU whose projected token latency
+# at the batch it would then run is within this share of the request's CPU latency target:
+# a scraped mean ITL is noisy live, and a decode on the CPU lasts many scrapes. A sequence
+# already on the CPU stays while it meets the target itself (no margin; docs/router.md).
+CPU_SLO_MARGIN = 0.8
 # A request of a ``cpu_first`` class (batch) that the CPU has no room for takes the GPU only
 # while the GPU has clear spare room: its projected decode step within this fraction of the
 # knee (and below every other GPU limit). Such a request decodes for a long time, and the
@@ -126,10 +130,10 @@ def cpu_first(knobs: PolicyKnobs, slo: SloClass | None) -> bool:
 
 
 def cpu_slo_batch(knobs: PolicyKnobs, loads: Loads, slo: SloClass | None = None) -> int | None:
-    """The largest CPU batch whose projected ITL stays within the request's CPU latency
-    target (``cpu_slo_ms``), from the measured ITL and its slope against batch size; None
-    when the CPU was never measured."""
-    target = cpu_slo_ms(knobs, slo)
+    """The largest CPU batch whose projected ITL stays within ``CPU_SLO_MARGIN`` of the
+    request's CPU latency target (``cpu_slo_ms``), from the measured ITL and its slope
+    against batch size; None when the CPU was never measured."""
+    target = CPU_SLO_MARGIN * cpu_slo_ms(knobs, slo)
     cpu = loads.cpu
     if cpu.itl_ms is None:
         return None
@@ -191,27 +195,38 @@ def gpu_spare(knobs: PolicyKnobs, loads: Loads) -> tuple[bool, str]:
     return True, f"GPU decode step would be {itl:.1f} ms, within its knee with margin"
 
 
-def cpu_room(knobs: PolicyKnobs, loads: Loads, slo: SloClass | None = None) -> tuple[bool, str]:
-    """Whether the CPU takes one more decode: below its batch caps, and the resulting batch
-    within the request's CPU latency target (``cpu_slo_ms``) by the CPU's measured latency."""
+def cpu_room(knobs: PolicyKnobs, loads: Loads, slo: SloClass | None = None) -> tuple[str, str]:
+    """Whether the CPU takes one more decode: ("", why) when it does, else the code of what
+    refuses it and why. It must be freshly scraped, below its batch caps, and the resulting
+    batch within ``CPU_SLO_MARGIN`` of the request's CPU latency target (``cpu_slo_ms``) by
+    its measured latency. Never measured, it takes one probe sequence, and only for a class
+    whose target is no tighter than ``cpu_decode_slo_ms`` (an interactive request is not
+    the one to learn the CPU's latency on)."""
     cpu = loads.cpu
     if not cpu.available:
-        return False, "CPU engine unavailable"
+        return "cpu-down", "CPU engine unavailable"
+    if cpu.stale:
+        return "cpu-stale", "CPU engine's latest metrics scrape failed: its load is unknown"
     host = loads.host_memory_percent
     if host is not None and host >= knobs.cpu_max_memory_percent:
-        return False, f"host memory {host:g}% >= {knobs.cpu_max_memory_percent:g}%"
+        return "host-memory", f"host memory {host:g}% >= {knobs.cpu_max_memory_percent:g}%"
     limit, name = cpu_batch_limit(knobs, loads)
     if cpu.running >= limit:
-        return False, f"CPU running {cpu.running} >= {name} {limit}"
+        return "cpu-full", f"CPU running {cpu.running} >= {name} {limit}"
+    target = cpu_slo_ms(knobs, slo)
     slo_batch = cpu_slo_batch(knobs, loads, slo)
     if slo_batch is None:
+        if target < knobs.cpu_decode_slo_ms:
+            why = f"CPU not yet measured and the {target:g} ms target is too tight to probe it"
+            return "cpu-unmeasured", why
         if cpu.running >= CPU_PROBE_BATCH:
-            return False, f"CPU not yet measured, running its probe batch of {CPU_PROBE_BATCH}"
+            return "cpu-probing", f"CPU not yet measured, running its probe of {CPU_PROBE_BATCH}"
     elif cpu.running + 1 > slo_batch:
         itl = projected_itl_ms(cpu, loads.cpu_itl_slope_ms)
         shown = f"{itl:.1f}" if itl is not None else "?"
-        return False, f"CPU ITL would be {shown} ms > SLO {cpu_slo_ms(knobs, slo):g} ms"
-    return True, "CPU within its batch caps and its latency SLO"
+        why = f"CPU ITL would be {shown} ms > {CPU_SLO_MARGIN * target:g} ms (target {target:g} ms"
+        return "cpu-would-miss", f"{why} with margin)"
+    return "", "CPU within its batch caps and its latency target with margin"
 
 
 def cpu_seat_gain(loads: Loads) -> float | None:
@@ -228,19 +243,33 @@ def cpu_seat_gain(loads: Loads) -> float | None:
     return (batch + 1) * now / after - batch
 
 
-def cpu_meets_with_margin(
-    knobs: PolicyKnobs, loads: Loads, slo: SloClass | None = None
-) -> tuple[bool, str]:
-    """Whether the CPU, measured, would decode one more sequence within
-    ``KNEE_CPU_MARGIN`` of the request's CPU latency target: the test for an offload the
-    GPU's knee asks for, when the GPU itself still has room."""
-    limit = KNEE_CPU_MARGIN * cpu_slo_ms(knobs, slo)
-    itl = projected_itl_ms(loads.cpu, loads.cpu_itl_slope_ms)
-    if itl is None:
-        return False, "CPU not yet measured (an offload at the knee needs its latency)"
-    if itl > limit:
-        return False, f"CPU ITL would be {itl:.1f} ms > {limit:g} ms (SLO with margin)"
-    return True, f"CPU ITL would be {itl:.1f} ms, within its SLO with margin"
+def cpu_ttft_ms(loads: Loads, prompt_tokens: int | None) -> float | None:
+    """The CPU's time to first token for a prompt of ``prompt_tokens``, conservatively: its
+    measured TTFT per computed prompt token (queue and batched prefills included) times the
+    prompt, once for the request and once more for each request waiting there (taken to be
+    as long). None when either is unknown."""
+    per_token = loads.cpu.prefill_ms_per_token
+    if per_token is None or prompt_tokens is None:
+        return None
+    return per_token * prompt_tokens * (1 + loads.cpu.waiting)
+
+
+def cpu_meets_ttft(loads: Loads, slo: SloClass, prompt_tokens: int | None) -> tuple[bool, str]:
+    """Whether the CPU would give a request of class ``slo`` its first token within
+    ``CPU_SLO_MARGIN`` of the class's TTFT target (``cpu_ttft_ms``). A CPU whose prefill was
+    never measured takes one request to measure it, while it runs and queues nothing."""
+    cpu = loads.cpu
+    if prompt_tokens is None:
+        return False, "prompt length unknown"
+    estimate = cpu_ttft_ms(loads, prompt_tokens)
+    if estimate is None:
+        if cpu.running == 0 and cpu.waiting == 0:
+            return True, "CPU prefill not yet measured: the idle CPU takes one to measure it"
+        return False, "CPU prefill not yet measured and the CPU is busy"
+    limit = CPU_SLO_MARGIN * slo.ttft_ms
+    if estimate > limit:
+        return False, f"CPU first token in about {estimate:.0f} ms > {limit:g} ms"
+    return True, f"CPU first token in about {estimate:.0f} ms"
 
 
 def cpu_allowed(knobs: PolicyKnobs) -> bool:
@@ -252,8 +281,15 @@ def cpu_allowed(knobs: PolicyKnobs) -> bool:
     return knobs.cpu_max_batch_size > 0 or knobs.mode == "cpu-only"
 
 
-def decide(knobs: PolicyKnobs, loads: Loads, slo: SloClass | None = None) -> Decision:
-    """Route a new request of SLO class ``slo`` (None: a request judged without a class)."""
+def decide(
+    knobs: PolicyKnobs,
+    loads: Loads,
+    slo: SloClass | None = None,
+    *,
+    prompt_tokens: int | None = None,
+) -> Decision:
+    """Route a new request of SLO class ``slo`` (None: a request judged without a class)
+    with a prompt of about ``prompt_tokens`` (None: unknown; no CPU prefill is estimated)."""
     gpu, cpu = loads.gpu, loads.cpu
     if knobs.mode == "cpu-only":
         if cpu.available:
@@ -286,7 +322,7 @@ def decide(knobs: PolicyKnobs, loads: Loads, slo: SloClass | None = None) -> Dec
         )
     if knobs.algorithm == "syshax-threshold":
         return syshax_threshold(knobs, loads)
-    return capacity(knobs, loads, chunk, slo)
+    return capacity(knobs, loads, chunk, slo, prompt_tokens)
 
 
 def hold_to_limits(decision: Decision, knobs: PolicyKnobs, loads: Loads) -> Decision:
@@ -365,76 +401,60 @@ def syshax_threshold(knobs: PolicyKnobs, loads: Loads) -> Decision:
     )
 
 
-def capacity(knobs: PolicyKnobs, loads: Loads, chunk: int, slo: SloClass | None = None) -> Decision:
+# What refuses a decode on the CPU, where it is the decision's own code rather than
+# ``both-busy``: the CPU would miss the request's target, or its load is unknown.
+CPU_REFUSAL_CODES = frozenset({"cpu-would-miss", "cpu-stale", "cpu-unmeasured"})
+
+
+def capacity(
+    knobs: PolicyKnobs,
+    loads: Loads,
+    chunk: int,
+    slo: SloClass | None = None,
+    prompt_tokens: int | None = None,
+) -> Decision:
     """Capacity-aware: the GPU serves while it has room; past any of its limits the decode
-    goes to the CPU while the CPU's resulting batch meets its latency SLO (with a margin, and
-    measured, when the only limit is the GPU's latency knee).
+    goes to the CPU only while the CPU's resulting batch meets the request's CPU latency
+    target with ``CPU_SLO_MARGIN`` (and measured, when the only limit is the GPU's knee).
 
     A new request has the most tokens left of any sequence, so offloading it frees the most
     GPU KV for the queue. A GPU whose KV is full with requests already waiting for blocks
-    cannot even prefill soon, so the request is served whole on the CPU. With neither device
-    free, the request waits in the GPU's queue up to ``max_queue_size``.
+    cannot even prefill soon, so the request is served whole on the CPU, unless the CPU is
+    measured to miss its TTFT target. With neither device able to serve it, the request
+    waits in the GPU's queue up to ``max_queue_size`` (``cpu-would-miss`` where the CPU had
+    the room but not the latency, ``cpu-stale`` where its load is unknown).
 
-    With ``class_aware`` the CPU is judged against the request's class: its TPOT target
-    replaces ``cpu_decode_slo_ms``, and a ``cpu_first`` class (batch) decodes on the CPU
-    whenever the CPU meets that target, even while the GPU has room, keeping the GPU for the
-    classes that need it. When the CPU is up but has no room for it, such a request takes
-    the GPU only while the GPU has clear spare room (``gpu_spare``); otherwise it is refused
-    with a 429 (``class-wait``), so it waits in the router's queue for the CPU. Where there
-    is no queue to wait in (``max_queue_size`` 0) it is judged as any other request.
+    A ``cpu_first`` class (with ``class_aware``) is routed by ``cpu_first_route`` first.
     """
     if cpu_first(knobs, slo):
         assert slo is not None
-        first_ok, first_why = cpu_room(knobs, loads, slo)
-        gain = cpu_seat_gain(loads)
-        if first_ok and gain is not None and gain < CPU_FIRST_MIN_GAIN:
-            first_ok = False
-            first_why = (
-                f"CPU past its throughput knee: one more sequence adds {gain:.2f} of a "
-                f"sequence's throughput < {CPU_FIRST_MIN_GAIN:g}"
-            )
-        if first_ok:
-            return Decision(
-                Route.PD,
-                token_limit=chunk,
-                reason=f"class {slo.name} decodes on the CPU first: {first_why}",
-                code="class-cpu-first",
-            )
-        if loads.cpu.available and knobs.max_queue_size > 0:
-            spare, spare_why = gpu_spare(knobs, loads)
-            if spare:
-                return Decision(
-                    Route.GPU_ONLY,
-                    reason=f"{first_why}; {spare_why}",
-                    code="class-gpu-spare",
-                )
-            return Decision(
-                Route.REJECTED,
-                reason=f"class {slo.name} waits for the CPU: {first_why}; {spare_why}",
-                status=429,
-                code="class-wait",
-            )
+        first = cpu_first_route(knobs, loads, chunk, slo, prompt_tokens)
+        if first is not None:
+            return first
     code, gpu_why = gpu_saturation(knobs, loads)
     if not code:
         return Decision(Route.GPU_ONLY, reason=gpu_why, code="gpu-room")
-    cpu_ok, cpu_why = cpu_room(knobs, loads, slo)
-    if cpu_ok and code == "gpu-knee":
-        # The GPU is not full, only slower: the move must not cost this request its SLO.
-        cpu_ok, cpu_why = cpu_meets_with_margin(knobs, loads, slo)
-    if cpu_ok:
+    refusal, cpu_why = cpu_room(knobs, loads, slo)
+    if not refusal and code == "gpu-knee" and loads.cpu.itl_ms is None:
+        # The GPU is not full, only slower: probing an unknown CPU can only cost the request.
+        refusal, cpu_why = "cpu-probing", "CPU not yet measured (an offload at the knee needs it)"
+    if not refusal:
         if code == "gpu-kv-full" and loads.gpu.waiting > 0:
             # The GPU cannot even admit a prefill: its KV is full and requests already wait
-            # for blocks. The request is served whole on the CPU rather than queue for a TTFT.
-            return Decision(
-                Route.CPU_ONLY,
-                reason=f"{gpu_why} and {loads.gpu.waiting} waiting; served on the CPU",
-                code="gpu-kv-blocked",
-            )
+            # for blocks. The request is served whole on the CPU rather than queue for a
+            # TTFT, unless the CPU's own prefill is measured to miss the class's TTFT.
+            ttft = cpu_ttft_ms(loads, prompt_tokens)
+            target = slo.ttft_ms if slo is not None and knobs.class_aware else None
+            if ttft is None or target is None or ttft <= CPU_SLO_MARGIN * target:
+                return Decision(
+                    Route.CPU_ONLY,
+                    reason=f"{gpu_why} and {loads.gpu.waiting} waiting; served on the CPU",
+                    code="gpu-kv-blocked",
+                )
         return Decision(Route.PD, token_limit=chunk, reason=f"{gpu_why}; offload decode", code=code)
     if loads.gpu.waiting < knobs.max_queue_size:
-        return Decision(
-            Route.GPU_ONLY, reason=f"{gpu_why}; {cpu_why}; queued on GPU", code="both-busy"
-        )
+        held = refusal if refusal in CPU_REFUSAL_CODES else "both-busy"
+        return Decision(Route.GPU_ONLY, reason=f"{gpu_why}; {cpu_why}; queued on GPU", code=held)
     return Decision(
         Route.REJECTED,
         reason=f"{gpu_why}; {cpu_why}; GPU queue at max_queue_size",
@@ -443,14 +463,84 @@ def capacity(knobs: PolicyKnobs, loads: Loads, chunk: int, slo: SloClass | None 
     )
 
 
+def cpu_first_route(
+    knobs: PolicyKnobs, loads: Loads, chunk: int, slo: SloClass, prompt_tokens: int | None
+) -> Decision | None:
+    """A ``cpu_first`` class (batch): served whole on the CPU [``class-cpu-only``] whenever
+    the CPU meets both its targets (its TPOT by ``cpu_room``, below the CPU's throughput
+    knee; its TTFT by ``cpu_meets_ttft``), so its prefill does not queue on the GPU ahead of
+    the classes that need the GPU. It reaches the GPU only while the GPU has clear spare
+    room (``gpu_spare``: below every limit, nothing queued, its step within a margin of the
+    knee): its prefill there with a CPU decode [``class-cpu-first``] when only the CPU's
+    TTFT falls short, or wholly [``class-gpu-spare``; ``cpu-stale`` where the CPU's load is
+    unknown]. Otherwise it waits in the router's queue [``class-wait``, a 429]. None (judge
+    it as any request) with the CPU down or no queue to wait in (``max_queue_size`` 0).
+    """
+    refusal, why = cpu_room(knobs, loads, slo)
+    gain = cpu_seat_gain(loads)
+    if not refusal and gain is not None and gain < CPU_FIRST_MIN_GAIN:
+        refusal = "cpu-knee"
+        why = (
+            f"CPU past its throughput knee: one more sequence adds {gain:.2f} of a "
+            f"sequence's throughput < {CPU_FIRST_MIN_GAIN:g}"
+        )
+    spare, spare_why = gpu_spare(knobs, loads)
+    if not refusal:
+        ttft_ok, ttft_why = cpu_meets_ttft(loads, slo, prompt_tokens)
+        if ttft_ok:
+            reason = f"class {slo.name} served on the CPU: {why}; {ttft_why}"
+            return Decision(Route.CPU_ONLY, reason=reason, code="class-cpu-only")
+        # Where the CPU's TTFT cannot be estimated, the prefill takes the GPU as before this
+        # rule (a wait for a measurement that may not come would starve the class); where it
+        # is estimated to miss, only a GPU with clear spare room takes the prefill.
+        unknown = cpu_ttft_ms(loads, prompt_tokens) is None
+        if spare or unknown:
+            reason = f"class {slo.name} decodes on the CPU first: {why}; {ttft_why}; {spare_why}"
+            return Decision(Route.PD, token_limit=chunk, reason=reason, code="class-cpu-first")
+        why = f"{why}; {ttft_why}"
+    if not loads.cpu.available or knobs.max_queue_size <= 0:
+        return None
+    # A probe under way measures the CPU by the next scrape: the class waits for that
+    # rather than take a GPU seat for its whole decode.
+    if spare and refusal != "cpu-probing":
+        code = "cpu-stale" if refusal == "cpu-stale" else "class-gpu-spare"
+        return Decision(Route.GPU_ONLY, reason=f"{why}; {spare_why}", code=code)
+    return Decision(
+        Route.REJECTED,
+        reason=f"class {slo.name} waits for the CPU: {why}; {spare_why}",
+        status=429,
+        code="class-wait",
+    )
+
+
+def cpu_keeps(knobs: PolicyKnobs, loads: Loads, slo: SloClass | None) -> tuple[bool, str]:
+    """Whether the CPU still serves a sequence it decodes within the request's CPU latency
+    target: freshly scraped, and its projected ITL with the sequence back in the batch at or
+    below the target itself. No margin (``CPU_SLO_MARGIN`` admits): moving back costs the GPU
+    a prefill of the whole context, so a sequence moves on evidence of a miss, not on noise
+    within the margin. A CPU never measured has given no such evidence."""
+    if loads.cpu.stale:
+        return False, "CPU engine's latest metrics scrape failed: its load is unknown"
+    target = cpu_slo_ms(knobs, slo)
+    itl = projected_itl_ms(loads.cpu, loads.cpu_itl_slope_ms)
+    if itl is not None and itl > target:
+        return False, f"CPU ITL would be {itl:.1f} ms > target {target:g} ms"
+    return True, "CPU within the target"
+
+
 def decide_next_chunk(knobs: PolicyKnobs, loads: Loads, slo: SloClass | None = None) -> Decision:
     """After a CPU chunk: keep decoding on the CPU (PD) or move the sequence to the GPU.
 
     ``loads.cpu`` must not count this sequence (its chunk just ended). Under the capacity
-    algorithm a sequence moves back only to an idle GPU (nothing running or waiting): the move
-    costs the GPU a prefill of the whole context (no KV goes back), which delays every other
-    sequence on a busy GPU and measured worse than staying there (docs/benchmarks.md,
-    "Goodput at SLO"). A ``cpu_first`` class (with ``class_aware``) stays on the CPU.
+    algorithm the move costs the GPU a prefill of the whole context (no KV goes back), which
+    delays every other sequence on a busy GPU and measured worse than staying there
+    (docs/benchmarks.md, "Goodput at SLO"). So a sequence the CPU still serves within its
+    class's target (``cpu_keeps``) moves back only to an idle GPU [``back``], and a
+    ``cpu_first`` class (with ``class_aware``) not even then [``stay``]. A sequence the CPU no
+    longer serves within its target (slower, or its scrape failed) moves back whenever the
+    GPU can take it [``back-cpu-slow``, ``cpu-stale``]: below every GPU limit, and for a
+    ``cpu_first`` class with clear spare room (``gpu_spare``); the one prefill costs the
+    GPU less than every later token of this sequence late. Otherwise it stays.
     """
     chunk = token_limit(knobs, loads.cpu.throughput_tps)
     if not loads.cpu.available:
@@ -465,7 +555,20 @@ def decide_next_chunk(knobs: PolicyKnobs, loads: Loads, slo: SloClass | None = N
             reason=f"policy now {knobs.mode}, CPU offload off",
             code="offload-off",
         )
-    if cpu_first(knobs, slo):
+    keeps, keep_why = cpu_keeps(knobs, loads, slo)
+    first = cpu_first(knobs, slo)
+    if not keeps:
+        if first:
+            takes, gpu_why = gpu_spare(knobs, loads)
+        else:
+            saturated, gpu_why = gpu_saturation(knobs, loads)
+            takes = not saturated
+        if takes:
+            code = "cpu-stale" if loads.cpu.stale else "back-cpu-slow"
+            return Decision(Route.GPU_ONLY, reason=f"{keep_why}; {gpu_why}", code=code)
+        reason = f"stay on CPU: {keep_why}; {gpu_why}"
+        return Decision(Route.PD, token_limit=chunk, reason=reason, code="stay")
+    if first:
         assert slo is not None
         return Decision(
             Route.PD, token_limit=chunk, reason=f"class {slo.name} stays on the CPU", code="stay"

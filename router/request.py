@@ -186,7 +186,9 @@ def _plan(
     req.knobs = forced_knobs(base, req.mode_header)
     knobs = req.knobs or base
     loads = deployment.loads(time.monotonic())
-    decision = decide(knobs, loads, knobs.slo_class(req.slo_class))
+    # About four bytes of body a prompt token (the TPM estimate's), for the CPU's TTFT.
+    prompt = estimate_tokens(len(req.raw), 0)
+    decision = decide(knobs, loads, knobs.slo_class(req.slo_class), prompt_tokens=prompt)
     if decision.route is Route.PD and (req.body.get("n") or 1) > 1:
         # Splicing several choices across engines is not worth it; the GPU serves n > 1.
         decision = Decision(Route.GPU_ONLY, reason="n > 1", code="n-above-1")
@@ -680,11 +682,12 @@ def answer_usage(body: bytes) -> tuple[int, int] | None:
 
 def relayed_usage(out: ClientStream, body_bytes: int) -> tuple[int, int]:
     """(prompt, completion) tokens of a relayed stream: its usage chunk where the client
-    asked for one, else the text events counted (a token each, as vLLM streams them) and
-    the prompt estimated from the request's size."""
-    for event in reversed(split_events(bytearray(out.tail), final=True)):
-        payload = event_data(event)
-        if payload is None or b'"usage"' not in payload:
+    asked for one (it may have left in a payload before the last), else the tokens counted
+    from its events (their token ids where the engine sent them, else a token per text
+    event of each choice) and the prompt estimated from the request's size."""
+    last = b"".join(out.relayed[-2:]) + out.tail
+    for payload in reversed(_payloads(last)[-3:]):
+        if b'"usage"' not in payload:
             continue
         try:
             pair = _usage_pair(json.loads(payload).get("usage"))
@@ -692,6 +695,32 @@ def relayed_usage(out: ClientStream, body_bytes: int) -> tuple[int, int]:
             pair = None
         if pair is not None:
             return pair
-    events = sum(payload.count(b"data: {") for payload in out.relayed)
-    events += out.tail.count(b"data: {")
-    return max(1, body_bytes // 4), events
+    events = _payloads(b"".join(out.relayed) + out.tail)
+    return max(1, body_bytes // 4), sum(_event_tokens(payload) for payload in events)
+
+
+def _payloads(stream: bytes) -> list[bytes]:
+    """The data of each whole event in ``stream`` (a relayed stream from an event's start)."""
+    return [
+        payload
+        for event in split_events(bytearray(stream), final=True)
+        if (payload := event_data(event)) is not None and payload != b"[DONE]"
+    ]
+
+
+def _event_tokens(payload: bytes) -> int:
+    """The completion tokens one relayed event carries, over all its choices."""
+    try:
+        choices = json.loads(payload).get("choices") or []
+    except (ValueError, AttributeError):
+        return 0
+    tokens = 0
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            tokens += len(ids)
+        elif choice.get("text") or (choice.get("delta") or {}).get("content"):
+            tokens += 1
+    return tokens

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from router.engines.load import UNAVAILABLE, DeviceLoad, EngineSample, LoadTracker
@@ -148,8 +148,10 @@ class Backend(LoadTracker):
         if sample is not None and now - sample.at > self.sample_max_age():
             # Scrapes keep timing out: the last sample says too little about the engine now.
             # The router's own in-flight count is all that is left, and it stays routable.
-            return DeviceLoad(True, self.inflight, 0, 0.0, 0.0, None)
-        return self.tracked_load(self.inflight)
+            return DeviceLoad(True, self.inflight, 0, 0.0, 0.0, None, stale=True)
+        load = self.tracked_load(self.inflight)
+        # A failed latest scrape: the decider sends this engine no new decode (docs/router.md).
+        return replace(load, stale=True) if self.stale else load
 
     def scrape_view(self, now: float) -> ScrapeView:
         sample = self.sample

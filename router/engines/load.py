@@ -24,9 +24,29 @@ _ITL_BUCKET = (
     "vllm:inter_token_latency_seconds_bucket",
     "vllm:time_per_output_token_seconds_bucket",
 )
+# Prefill: prompt tokens (computed or cached), the cached ones, and the time to first token.
+# A prompt whose KV was handed over (a PD decode) is counted as cached where the engine says
+# so; where it does not, its short TTFT still adds time and no computed tokens.
+_PROMPT_TOKENS = ("vllm:prompt_tokens_total",)
+_PROMPT_CACHED = ("vllm:prompt_tokens_cached_total",)
+_PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
+_TTFT_SUM = ("vllm:time_to_first_token_seconds_sum",)
+_TTFT_COUNT = ("vllm:time_to_first_token_seconds_count",)
 
 WANTED_METRICS = frozenset(
-    _RUNNING + _WAITING + _KV_USAGE + _GEN_TOKENS + _ITL_SUM + _ITL_COUNT + _AVG_GEN + _ITL_BUCKET
+    _RUNNING
+    + _WAITING
+    + _KV_USAGE
+    + _GEN_TOKENS
+    + _ITL_SUM
+    + _ITL_COUNT
+    + _AVG_GEN
+    + _ITL_BUCKET
+    + _PROMPT_TOKENS
+    + _PROMPT_CACHED
+    + _PREFIX_HITS
+    + _TTFT_SUM
+    + _TTFT_COUNT
 )
 
 
@@ -44,6 +64,10 @@ class EngineSample:
     avg_generation_tps: float | None
     # The ITL histogram: (upper bound in seconds, cumulative count), by bound; () if absent.
     itl_buckets: tuple[tuple[float, float], ...] = ()
+    # Prompt tokens computed (not served from a cache) and the TTFT histogram's sum and count.
+    computed_prompt_tokens: float | None = None
+    ttft_sum: float | None = None
+    ttft_count: float | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +85,13 @@ class DeviceLoad:
     # The median inter-token gap over the last interval: what a decode step takes, without
     # the gaps a prefill step stretched (None: the engine exports no ITL histogram).
     decode_itl_ms: float | None = None
+    # Time to first token per computed prompt token over the last interval with a prefill
+    # (kept across intervals without one), None if never measured: TTFT includes the queue
+    # and prefills batched together, so it overstates the prefill time, on purpose.
+    prefill_ms_per_token: float | None = None
+    # The latest scrape failed (timed out, unreadable) or the sample is too old: its numbers
+    # say little about the engine now, so the decider sends it no new decode.
+    stale: bool = False
 
 
 UNAVAILABLE = DeviceLoad(False, 0, 0, 0.0, 0.0, None)
@@ -72,6 +103,7 @@ def device_load(
     throughput_tps: float,
     itl_ms: float | None,
     decode_itl_ms: float | None = None,
+    prefill_ms_per_token: float | None = None,
 ) -> DeviceLoad:
     """What a decider sees of an available engine: its last scrape, with the router's own
     in-flight count where that is higher (it is fresher between scrapes)."""
@@ -85,6 +117,7 @@ def device_load(
         itl_ms=itl_ms,
         itl_batch=sample.running if sample else None,
         decode_itl_ms=decode_itl_ms,
+        prefill_ms_per_token=prefill_ms_per_token,
     )
 
 
@@ -130,6 +163,10 @@ def parse_metrics_text(text: str, at: float) -> EngineSample:
         return None
 
     kv = first(_KV_USAGE)
+    prompt = first(_PROMPT_TOKENS)
+    cached = first(_PROMPT_CACHED)
+    if cached is None:
+        cached = sum(sums.get(name, 0.0) for name in _PREFIX_HITS)
     return EngineSample(
         at=at,
         running=first(_RUNNING) or 0.0,
@@ -140,6 +177,9 @@ def parse_metrics_text(text: str, at: float) -> EngineSample:
         itl_count=first(_ITL_COUNT),
         avg_generation_tps=first(_AVG_GEN),
         itl_buckets=tuple(sorted(buckets.items())),
+        computed_prompt_tokens=max(0.0, prompt - cached) if prompt is not None else None,
+        ttft_sum=first(_TTFT_SUM),
+        ttft_count=first(_TTFT_COUNT),
     )
 
 
@@ -221,6 +261,35 @@ def derive_load(
     return throughput, itl_ms
 
 
+# An interval measures the prefill only with this many computed prompt tokens per first
+# token: fewer are PD decodes whose KV was handed over (the engine recomputes a token or
+# so), whose TTFT says nothing about a prefill.
+MIN_PROMPT_TOKENS_PER_FIRST = 16
+
+
+def derive_prefill_ms_per_token(
+    previous: EngineSample | None, current: EngineSample, last: float | None
+) -> float | None:
+    """TTFT per computed prompt token between two scrapes: the TTFT sum's growth over the
+    computed prompt tokens' growth. The last value stands through an interval without a
+    first token or with only handed-over KV (``MIN_PROMPT_TOKENS_PER_FIRST``), and through
+    a restarted engine's counters."""
+    if previous is None:
+        return last
+    pairs = (
+        (previous.ttft_sum, current.ttft_sum),
+        (previous.ttft_count, current.ttft_count),
+        (previous.computed_prompt_tokens, current.computed_prompt_tokens),
+    )
+    deltas = [b - a for a, b in pairs if a is not None and b is not None]
+    if len(deltas) < len(pairs) or min(deltas) < 0:
+        return last
+    ttft_s, firsts, tokens = deltas
+    if firsts <= 0 or tokens < MIN_PROMPT_TOKENS_PER_FIRST * firsts:
+        return last
+    return 1000.0 * ttft_s / tokens
+
+
 def fit_itl_slope(samples: list[tuple[float, float]]) -> float | None:
     """Least-squares slope (ms per extra sequence) of ITL against batch size, or None.
 
@@ -256,9 +325,13 @@ class LoadTracker:
         self.decode_itl_ms: float | None = None
         self.itl_samples: deque[tuple[float, float]] = deque(maxlen=30)
         self.itl_slope_ms: float | None = None
+        self.prefill_ms_per_token: float | None = None
 
     def observe(self, sample: EngineSample) -> None:
         self.throughput_tps, self.itl_ms = derive_load(self.sample, sample, self.itl_ms)
+        self.prefill_ms_per_token = derive_prefill_ms_per_token(
+            self.sample, sample, self.prefill_ms_per_token
+        )
         # A prefill step stretches one gap of each stream batched with it: with two gaps a
         # stream, the median is a decode step. An interval one long prefill filled has not
         # that many; the last decode step measured stands.
@@ -276,5 +349,10 @@ class LoadTracker:
 
     def tracked_load(self, inflight: int) -> DeviceLoad:
         return device_load(
-            self.sample, inflight, self.throughput_tps, self.itl_ms, self.decode_itl_ms
+            self.sample,
+            inflight,
+            self.throughput_tps,
+            self.itl_ms,
+            self.decode_itl_ms,
+            self.prefill_ms_per_token,
         )

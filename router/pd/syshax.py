@@ -120,9 +120,13 @@ class SyshaxPd:
     async def _segment(self, seq: PdSequence, backend: Backend, body: dict[str, Any]) -> str:
         """Stream one decode segment into the client's stream; returns its finish reason."""
         body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        # Usage on every chunk where the engine gives it: a chunk may carry several tokens.
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         finish: str | None = None
         buffer = bytearray()
+        # This segment's completion tokens: counted so far, and as the engine last reported.
+        counted = 0
+        reported: int | None = None
         with backend.holding(seq.holder):
             try:
                 async with request(
@@ -142,17 +146,33 @@ class SyshaxPd:
                             if "error" in chunk:
                                 raise UpstreamFailed(backend, f"error event: {chunk['error']}")
                             parts = chunk_parts(chunk, seq.req.chat)
+                            tokens = _reported(parts.usage)
+                            if tokens is not None:
+                                reported = tokens
                             if parts.text:
-                                await seq.out.emit(parts.text)
+                                # sysHAX's engines send no token ids: a text chunk is one
+                                # token unless its usage (continuous) says how many so far.
+                                n = 1 if tokens is None else max(0, tokens - counted)
+                                counted += n
+                                await seq.out.emit(parts.text, n)
                             if parts.finish_reason:
                                 finish = parts.finish_reason
             except ValueError:
                 raise UpstreamFailed(backend, "malformed stream chunk") from None
+            finally:
+                # Finished or cut short: the segment's tokens are the engine's own count.
+                if reported is not None and reported != counted:
+                    seq.out.completion_tokens += reported - counted
         if finish is None:
             raise UpstreamFailed(backend, "stream ended without a finish reason")
         backend.record_success()
         seq.metrics.chunk(backend.role)
         return finish
+
+
+def _reported(usage: dict[str, Any] | None) -> int | None:
+    tokens = usage.get("completion_tokens") if usage is not None else None
+    return tokens if isinstance(tokens, int) else None
 
 
 def _remaining(seq: PdSequence) -> int | None:

@@ -256,7 +256,9 @@ class VllmPd:
             model=req.model,
             prompt=self.prompt_ids + self.generated,
             stream=True,
-            stream_options={"include_usage": True},
+            # Usage on every chunk too (vLLM's continuous_usage_stats): a stream cut short
+            # is still counted in the engine's tokens, not in what the router saw of them.
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
             return_token_ids=True,
         )
         if limit_tokens is not None:
@@ -335,21 +337,12 @@ class VllmPd:
             finally:
                 if transfer is not None and usage is None:
                     seq.metrics.kv_transfer("unverified")
+                # Moved, finished or failed: this request's tokens are the engine's own count.
+                _settle_usage(seq, target, usage, received, finish is not None)
         if finish is None:
             raise UpstreamFailed(target, "stream ended without a finish reason")
         target.record_success()
         seq.metrics.chunk(target.role)
-        if usage is not None:
-            reported = int(usage.get("completion_tokens") or 0)
-            if reported != received:
-                log.warning(
-                    "%s: %s engine reported %d completion tokens, sent %d token ids",
-                    seq.out.request_id,
-                    target.role,
-                    reported,
-                    received,
-                )
-                seq.out.completion_tokens += reported - received
         self._check_kv(target, transfer, usage)
         return finish, False
 
@@ -390,6 +383,26 @@ class VllmPd:
         if target.kv_misses >= KV_MISS_FAILURE_AFTER:
             misses = UpstreamFailed(target, f"{target.kv_misses} consecutive KV handoff misses")
             seq.record_failure(target, misses)
+
+
+def _settle_usage(
+    seq: PdSequence, target: Backend, usage: dict[str, Any] | None, received: int, ended: bool
+) -> None:
+    """Count one decode request's completion tokens as its engine reported them (its last
+    usage: the final chunk's, or a cut stream's last continuous one), not as the token ids
+    the router received; without any usage the token ids stand."""
+    reported = usage.get("completion_tokens") if usage is not None else None
+    if not isinstance(reported, int) or reported == received:
+        return
+    if ended:
+        log.warning(
+            "%s: %s engine reported %d completion tokens, sent %d token ids",
+            seq.out.request_id,
+            target.role,
+            reported,
+            received,
+        )
+    seq.out.completion_tokens += reported - received
 
 
 def _chunks(buffer: bytearray, backend: Backend) -> Iterator[dict[str, Any]]:
@@ -435,6 +448,8 @@ async def resume_stream(seq: PdSequence, failed: Backend, why: str) -> bool:
     if refused is not None or other is None:
         log.info("%s: not resumed after %s: %s", out.request_id, why, refused)
         return False
+    if (req.body.get("n") or 1) > 1:
+        return False  # several choices' texts cannot be continued as one
     relayed = b"".join(out.relayed)
     if relayed and not relayed.endswith(b"\n\n"):
         return False  # the client holds half an event: nothing can follow it cleanly

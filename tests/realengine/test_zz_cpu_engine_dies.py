@@ -23,7 +23,7 @@ import httpx
 
 from testbed.vllm_env import EngineProcess
 from tests.realengine.conftest import FORCED_PD, Pair
-from tests.realengine.test_pd import MESSAGES, _body, _moved_after, ask, assert_spliced
+from tests.realengine.test_pd import MESSAGES, PROMPT, _body, _moved_after, ask, assert_spliced
 from tests.router.router_procs import Proc, metric, wait_for
 
 TOTAL = 1200
@@ -157,6 +157,13 @@ def test_cpu_engine_killed_mid_stream_resumes_on_the_gpu(engines: Pair, router: 
     resumed_at = _moved_after(router, since)
     assert 0 < resumed_at < TOTAL
     assert usage is not None and usage["completion_tokens"] == len(ids) == TOTAL
+    # Usage is tokens, not chunks (issue 38), and the prompt once: the GPU's re-prefill of
+    # prompt plus text so far is the router's cost, not the client's.
+    prompt_ids = httpx.post(
+        engines.gpu.url + "/tokenize", json={"model": "tiny", "prompt": PROMPT}, timeout=30
+    ).json()["tokens"]
+    assert usage["prompt_tokens"] == len(prompt_ids)
+    assert usage["total_tokens"] == len(prompt_ids) + TOTAL
     assert_spliced(engines.gpu.url, text, ids, resumed_at, TOTAL)
     assert metric(router, "syshax_router_fallbacks_total", kind="cpu-decode-to-gpu") >= 1
     # With the CPU engine gone, the next PD request is served by the GPU alone.

@@ -37,6 +37,10 @@ class RecordingEngine:
         self.waiting = 0
         self.fail = False  # answer every completion with HTTP 500
         self.hold = False  # streams stop after their first token until release()
+        self.tokens_per_chunk = 1  # tokens in each streamed chunk (vLLM batches them when behind)
+        self.die_after: int | None = None  # the next stream is cut after this many chunks
+        # Usage on every chunk when asked (vLLM's stream_options.continuous_usage_stats).
+        self.continuous_usage = True
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -105,24 +109,38 @@ class RecordingEngine:
             return web.json_response({"error": error}, status=500)
         chat = request.path.endswith("/chat/completions")
         tokens = int(body.get("max_tokens") or 3)
+        # sysHAX's segments: num_decode_tokens (0: the prefill's one), "scheduled" until the end.
+        segment = body.get("num_decode_tokens")
+        end = "length"
+        if segment is not None and max(1, segment) < tokens:
+            tokens, end = max(1, segment), "scheduled"
         params = body.get("kv_transfer_params") or {}
+        n = int(body.get("n") or 1)
         if not body.get("stream"):
-            return web.json_response(_answer(chat, tokens, params))
+            return web.json_response(_answer(chat, tokens, params, end))
+        options = body.get("stream_options") or {}
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for index in range(tokens):
-            last = index == tokens - 1
-            await response.write(_event(_chunk(chat, "length" if last else None)))
+        sent, chunks = 0, 0
+        while sent < tokens:
+            size = min(self.tokens_per_chunk, tokens - sent)
+            sent += size
+            for index in range(n):
+                chunk = _chunk(chat, end if sent == tokens else None, size, index)
+                if self.continuous_usage and options.get("continuous_usage_stats"):
+                    chunk["usage"] = _usage(sent * n)
+                await response.write(_event(chunk))
+            chunks += 1
+            if self.die_after is not None and chunks >= self.die_after:
+                self.die_after = None
+                assert request.transport is not None
+                request.transport.close()  # the engine dies mid-stream
+                return response
             if self.hold:
                 await self._released.wait()
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if options.get("include_usage"):
             cached = TRANSFER["num_tokens"] if params.get("transfer_id") else 0
-            usage = {
-                "prompt_tokens": len(PROMPT_IDS),
-                "completion_tokens": tokens,
-                "total_tokens": len(PROMPT_IDS) + tokens,
-                "prompt_tokens_details": {"cached_tokens": cached},
-            }
+            usage = dict(_usage(tokens * n), prompt_tokens_details={"cached_tokens": cached})
             await response.write(_event({"id": "cmpl-r", "choices": [], "usage": usage}))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -133,20 +151,30 @@ def _event(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data).encode() + b"\n\n"
 
 
-def _chunk(chat: bool, finish: str | None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": [7]}
+def _usage(completion: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": len(PROMPT_IDS),
+        "completion_tokens": completion,
+        "total_tokens": len(PROMPT_IDS) + completion,
+    }
+
+
+def _chunk(chat: bool, finish: str | None, tokens: int = 1, index: int = 0) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish, "token_ids": [7] * tokens}
     if chat:
-        choice["delta"] = {"content": "tok "}
+        choice["delta"] = {"content": "tok " * tokens}
     else:
-        choice["text"] = "tok "
+        choice["text"] = "tok " * tokens
     kind = "chat.completion.chunk" if chat else "text_completion"
     return {"id": "cmpl-r", "object": kind, "created": 1, "model": MODEL, "choices": [choice]}
 
 
-def _answer(chat: bool, tokens: int, params: dict[str, Any]) -> dict[str, Any]:
+def _answer(
+    chat: bool, tokens: int, params: dict[str, Any], finish: str = "length"
+) -> dict[str, Any]:
     choice: dict[str, Any] = {
         "index": 0,
-        "finish_reason": "length",
+        "finish_reason": finish,
         "token_ids": [7] * tokens,
         "prompt_token_ids": PROMPT_IDS,
     }

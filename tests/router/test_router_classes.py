@@ -58,7 +58,7 @@ def completions(engine: RecordingEngine) -> list[dict[str, Any]]:
 
 
 def send_each_class(router: Proc) -> None:
-    # flex: batch, which decodes on the (idle, unmeasured) CPU first: a PD prefill and decode.
+    # flex: batch, served whole on the (idle, unmeasured) CPU: its one probe request.
     assert chat(router, service_tier="flex", priority=-3).status_code == 200
     # priority: interactive, on the idle GPU alone.
     assert chat(router, service_tier="priority").status_code == 200
@@ -78,7 +78,7 @@ def test_the_engines_get_the_class_priority_only_where_they_schedule_by_it(
         wait_for(lambda: len(router.get("/health").json()["backends"]) == 2, timeout=10)
         send_each_class(router)
         decisions = "syshax_router_class_decisions_total"
-        assert metric(router, decisions, **{"class": "batch", "reason": "class-cpu-first"}) == 1
+        assert metric(router, decisions, **{"class": "batch", "reason": "class-cpu-only"}) == 1
         assert metric(router, decisions, **{"class": "interactive", "route": "gpu-only"}) == 1
         assert metric(router, decisions, **{"class": "standard", "route": "gpu-only"}) == 1
     finally:
@@ -86,10 +86,10 @@ def test_the_engines_get_the_class_priority_only_where_they_schedule_by_it(
         cp.close()
     on_gpu, on_cpu = completions(gpu), completions(cpu)
     assert all("service_tier" not in body for body in on_gpu + on_cpu)
-    # The batch request's prefill and its decode, then interactive, then standard.
-    assert [body["priority"] for body in on_gpu] == [2, 0, 1]
-    assert on_gpu[0]["kv_transfer_params"] == {"do_remote_decode": True}
+    # Interactive then standard on the GPU; the batch request whole on the CPU.
+    assert [body["priority"] for body in on_gpu] == [0, 1]
     assert [body["priority"] for body in on_cpu] == [2]
+    assert "kv_transfer_params" not in on_cpu[0]
 
 
 def test_engines_without_priority_scheduling_get_no_priority_field(
@@ -99,14 +99,14 @@ def test_engines_without_priority_scheduling_get_no_priority_field(
     router = router_factory(gpu.url, cpu.url)
     send_each_class(router)
     sent = completions(gpu) + completions(cpu)
-    assert len(sent) == 4
+    assert len(sent) == 3
     assert all("priority" not in body and "service_tier" not in body for body in sent)
     # An unknown tier or class header is a 400 naming it; no engine sees the request.
     error = error_of(chat(router, service_tier="turbo"), 400)
     assert (error["param"], error["code"]) == ("service_tier", "invalid_service_tier")
     error = error_of(chat(router, headers={"X-Syshax-Class": "gold"}), 400)
     assert (error["param"], error["code"]) == ("X-Syshax-Class", "invalid_class")
-    assert len(completions(gpu) + completions(cpu)) == 4
+    assert len(completions(gpu) + completions(cpu)) == 3
 
 
 def test_a_tenant_gets_only_its_classes(

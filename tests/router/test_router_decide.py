@@ -93,19 +93,23 @@ def test_the_knee_sends_nothing_to_a_cpu_never_measured() -> None:
     assert queued.route is Route.PD and queued.code == "gpu-queue"
 
 
-def test_the_knee_sends_nothing_to_a_cpu_without_margin() -> None:
-    """The CPU would meet its SLO (90 ms < 100) but not with the margin (80 ms)."""
+def test_no_offload_goes_to_a_cpu_without_margin() -> None:
+    """The CPU would meet its SLO (90 ms < 100) but not with the margin (80 ms): neither
+    the knee nor a full GPU (its queue) sends it the decode."""
     gpu = replace(IDLE_GPU, running=10, itl_ms=49.0)
     cpu = replace(MEASURED_CPU, itl_ms=85.0)
     d = decide(
         knobs(gpu_decode_slo_ms=50.0), Loads(gpu, cpu, gpu_itl_slope_ms=2.0, cpu_itl_slope_ms=5.0)
     )
-    assert d.route is Route.GPU_ONLY and "SLO with margin" in d.reason
-    # Past the knee and full: the CPU within its plain SLO takes the decode.
+    assert (d.route, d.code) == (Route.GPU_ONLY, "cpu-would-miss")
+    assert "80 ms (target 100 ms with margin)" in d.reason
     full = decide(
         knobs(gpu_decode_slo_ms=50.0), Loads(replace(gpu, waiting=1), cpu, cpu_itl_slope_ms=5.0)
     )
-    assert full.route is Route.PD
+    assert (full.route, full.code) == (Route.GPU_ONLY, "cpu-would-miss")
+    # Within the margin (75 + 5 = 80 ms), the full GPU offloads.
+    within = Loads(replace(gpu, waiting=1), replace(cpu, itl_ms=75.0), cpu_itl_slope_ms=5.0)
+    assert decide(knobs(gpu_decode_slo_ms=50.0), within).route is Route.PD
 
 
 def test_the_knee_reads_decode_steps_not_the_mean_a_prefill_stretched() -> None:
@@ -167,27 +171,28 @@ def test_capacity_keeps_an_unsaturated_gpu_even_when_the_cpu_is_idle() -> None:
 def test_cpu_admission_comes_from_its_measured_latency_and_the_slo() -> None:
     saturated = replace(IDLE_GPU, waiting=2)
     k = knobs(cpu_decode_slo_ms=100.0, cpu_max_batch_size=64)
-    cpu = replace(IDLE_CPU, running=4, itl_ms=80.0, itl_batch=4.0)
+    cpu = replace(IDLE_CPU, running=4, itl_ms=60.0, itl_batch=4.0)
     loads = Loads(saturated, cpu, cpu_itl_slope_ms=5.0)
-    assert cpu_slo_batch(k, loads) == 8  # 4 + (100 - 80) / 5
+    assert cpu_slo_batch(k, loads) == 8  # 4 + (0.8 x 100 - 60) / 5
     assert decide(k, Loads(saturated, replace(cpu, running=7), cpu_itl_slope_ms=5.0)).route is (
         Route.PD
     )
     full = decide(k, Loads(saturated, replace(cpu, running=8), cpu_itl_slope_ms=5.0))
-    assert full.route is Route.GPU_ONLY and full.code == "both-busy"
-    assert "SLO 100 ms" in full.reason
+    assert full.route is Route.GPU_ONLY and full.code == "cpu-would-miss"
+    assert "target 100 ms" in full.reason
     # The engine's own max_num_seqs caps it whatever the SLO allows.
     capped = Loads(saturated, replace(cpu, running=6), cpu_itl_slope_ms=5.0, cpu_max_num_seqs=6)
     assert "max_num_seqs" in decide(k, capped).reason
 
 
-def test_an_unmeasured_cpu_takes_only_its_probe_batch() -> None:
+def test_an_unmeasured_cpu_takes_exactly_one_probe_request() -> None:
+    assert CPU_PROBE_BATCH == 1
     saturated = replace(IDLE_GPU, waiting=2)
     k = knobs(cpu_max_batch_size=64)
-    below = replace(IDLE_CPU, running=CPU_PROBE_BATCH - 1)
-    assert decide(k, Loads(saturated, below)).route is Route.PD
-    at = decide(k, Loads(saturated, replace(IDLE_CPU, running=CPU_PROBE_BATCH)))
-    assert at.route is Route.GPU_ONLY and "probe batch" in at.reason
+    assert decide(k, Loads(saturated, IDLE_CPU)).route is Route.PD
+    at = decide(k, Loads(saturated, replace(IDLE_CPU, running=1)))
+    assert (at.route, at.code) == (Route.GPU_ONLY, "both-busy")
+    assert "probe of 1" in at.reason
 
 
 def test_modes_pin_the_route() -> None:
