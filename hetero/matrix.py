@@ -139,9 +139,10 @@ def gpu_interactive_rate(pair: Pair, traffic: MixedScenario) -> float:
 def two_figures(value: float, *, down: bool = False) -> float:
     """``value`` to two significant figures (rounded down with ``down``)."""
     digits = 1 - math.floor(math.log10(value))
+    scale = 10.0**digits
     if down:
-        return math.floor(value * 10**digits) / 10**digits
-    return round(value, digits)
+        return math.floor(value * scale) / scale
+    return float(round(value, digits))
 
 
 def rate_triple(base: float, factors: tuple[float, float, float]) -> tuple[float, float, float]:
