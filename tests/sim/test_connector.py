@@ -233,9 +233,15 @@ def test_a_streamed_prefill_publishes_but_streams_no_params(pair: Pair) -> None:
     events = raw.json_events()
     assert len(events) == 1 and events[0]["choices"][0]["finish_reason"] == "length"
     assert not any("kv_transfer_params" in e for e in events)
+    # The segment is published beside the stream (written to a .tmp name, then renamed):
+    # wait for the rename rather than catch the file half-way.
+    deadline = time.monotonic() + 10
     published = files(pair.shm)
-    assert len(published) == 1  # left to its lease, as vLLM's connector leaves it
-    (pair.shm / published[0]).unlink()
+    while any(name.endswith(".tmp") for name in published) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        published = files(pair.shm)
+    assert len(published) == 1 and not published[0].endswith(".tmp"), published
+    (pair.shm / published[0]).unlink()  # left to its lease, as vLLM's connector leaves it
 
 
 def test_an_engine_without_the_connector_ignores_kv_transfer_params(
