@@ -1,8 +1,9 @@
 """The agent's HTTP client of the control plane (docs/machine-api.md), with back-off.
 
 Transport failures, timeouts and 5xx answers raise :class:`Unreachable`, which callers retry
-with :func:`backoff_delay`; a 4xx is the agent's own fault and raises :class:`ApiError` with the
-control plane's error message, so it is logged rather than hammered.
+with :func:`backoff_delay`; a 4xx is the agent's own fault and raises
+:class:`ControlPlaneError` with the control plane's error message, so it is logged rather than
+hammered.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ class Unreachable(Exception):
     """The control plane could not be reached or failed (5xx): retry later."""
 
 
-class ApiError(Exception):
+class ControlPlaneError(Exception):
+    """The control plane refused the agent's request (4xx): its ``error.code`` and message."""
+
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(f"HTTP {status} {code}: {message}")
         self.status = status
@@ -96,7 +99,7 @@ class ControlPlaneClient:
                 code, message = str(error.get("code", code)), str(error.get("message", message))
             except (ValueError, KeyError, TypeError):
                 pass
-            raise ApiError(response.status_code, code, message)
+            raise ControlPlaneError(response.status_code, code, message)
         return response.json() if response.content else {}
 
     def agent_self(self) -> dict[str, Any]:

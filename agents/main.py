@@ -11,6 +11,7 @@ answers again the agent reconciles (inventory, the full container set, the outbo
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -25,7 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agents.client import ApiError, ControlPlaneClient, Unreachable, backoff_delay, jittered
+from tenacity import RetryCallState, Retrying, retry_if_exception
+
+from agents.client import (
+    ControlPlaneClient,
+    ControlPlaneError,
+    Unreachable,
+    backoff_delay,
+    jittered,
+)
 from agents.commands import CommandExecutor, safe_filename
 from agents.discovery import (
     EngineOnCards,
@@ -98,6 +107,55 @@ def parse_mounts(specs: list[str]) -> list[Mount]:
     return out
 
 
+def _worth_waiting_for(failure: BaseException) -> bool:
+    """An outage, or a revoked or not-yet-issued token: the agent keeps trying rather than
+    exit, so an operator can fix the token without touching the engines."""
+    return isinstance(failure, Unreachable) or (
+        isinstance(failure, ControlPlaneError) and failure.status in (401, 403)
+    )
+
+
+def _failure(state: RetryCallState) -> BaseException:
+    failure = state.outcome.exception() if state.outcome is not None else None
+    assert failure is not None, "tenacity waits only after a failure here"
+    return failure
+
+
+class _ControlPlaneWaits:
+    """The waits of :meth:`Agent.retry`, as tenacity's wait, before-sleep and sleep: a
+    jittered back-off that grows with each outage (a refused token does not grow it), the cap
+    after each refusal, each logged; a wait the stop event ends raises the failure it followed,
+    as the agent is stopping."""
+
+    def __init__(self, what: str, cap: float, stop_event: threading.Event) -> None:
+        self.what = what
+        self.cap = cap
+        self.stop_event = stop_event
+        self.outages = itertools.count()
+        self.failure: BaseException | None = None  # the one the coming wait follows
+
+    def delay(self, state: RetryCallState) -> float:
+        if isinstance(_failure(state), Unreachable):
+            return backoff_delay(next(self.outages), cap=self.cap)
+        return self.cap
+
+    def announce(self, state: RetryCallState) -> None:
+        self.failure = failure = _failure(state)
+        if isinstance(failure, Unreachable):
+            assert state.next_action is not None
+            delay = state.next_action.sleep
+            log.warning(
+                "%s: control plane unreachable (%s); retry in %.1fs", self.what, failure, delay
+            )
+        else:
+            log.error("%s: %s", self.what, failure)
+
+    def sleep(self, seconds: float) -> None:
+        if self.stop_event.wait(seconds):
+            assert self.failure is not None
+            raise self.failure
+
+
 class Agent:
     def __init__(self, config: AgentConfig, runtime: Runtime | None = None) -> None:
         self.config = config
@@ -130,25 +188,17 @@ class Agent:
     # ------------------------------------------------------------ retries
 
     def retry(self, fn: Callable[[], T], what: str) -> T:
-        """Call ``fn`` until it answers, backing off with jitter while unreachable."""
-        attempt = 0
-        while True:
-            try:
-                return fn()
-            except Unreachable as exc:
-                delay = backoff_delay(attempt, cap=self.config.backoff_cap)
-                log.warning("%s: control plane unreachable (%s); retry in %.1fs", what, exc, delay)
-                attempt += 1
-                if self.stop_event.wait(delay):
-                    raise
-            except ApiError as exc:
-                if exc.status not in (401, 403):
-                    raise
-                # A revoked or not-yet-issued token: keep trying slowly rather than exit, so an
-                # operator can fix the token without touching the engines.
-                log.error("%s: %s", what, exc)
-                if self.stop_event.wait(self.config.backoff_cap):
-                    raise
+        """Call ``fn`` until it answers: backing off with jitter while the control plane is
+        unreachable, every ``backoff_cap`` while it refuses the token (401/403); any other
+        failure is raised. Stopping the agent ends a wait by raising the failure before it."""
+        waits = _ControlPlaneWaits(what, self.config.backoff_cap, self.stop_event)
+        retrying = Retrying(
+            retry=retry_if_exception(_worth_waiting_for),
+            wait=waits.delay,
+            before_sleep=waits.announce,
+            sleep=waits.sleep,
+        )
+        return retrying(fn)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -295,7 +345,7 @@ class Agent:
                 log.warning(
                     "heartbeat failed (%s); engines keep running; retry in %.1fs", exc, delay
                 )
-            except ApiError as exc:
+            except ControlPlaneError as exc:
                 log.error("heartbeat refused: %s", exc)
                 delay = jittered(self.interval)
             except Exception:
@@ -318,7 +368,7 @@ class Agent:
                 log.warning("command fetch failed (%s); retry in %.1fs", exc, delay)
                 self.stop_event.wait(delay)
                 continue
-            except ApiError as exc:
+            except ControlPlaneError as exc:
                 # 401/403: a revoked token. Nothing runs until an operator issues a new one;
                 # the engines keep running.
                 log.error("command fetch refused: %s", exc)
@@ -380,7 +430,7 @@ class Agent:
             self.flush_outbox()
             assert self.executor is not None
             self.client.put_containers(self.node_id, self.executor.all_container_states())
-        except (Unreachable, ApiError) as exc:
+        except (Unreachable, ControlPlaneError) as exc:
             log.warning("result of %s kept in the outbox: %s", dispatch_id, exc)
 
     def flush_outbox(self) -> None:
@@ -389,7 +439,7 @@ class Agent:
                 item = json.loads(path.read_text())
                 try:
                     self.client.command_result(item["dispatch_id"], item["result"])
-                except ApiError as exc:
+                except ControlPlaneError as exc:
                     if exc.status >= 500 or exc.status in (401, 403):
                         raise
                     # 404 etc.: the control plane no longer knows this dispatch; drop it.

@@ -15,8 +15,15 @@ The rules, all from one ``random.Random(seed)``:
   ``TPOT_FACTORS``);
 - its three rates are drawn multiples (``RATE_FACTORS``) of the GPU's knee: GPU-only's
   highest rate at ``KNEE_ATTAINMENT`` % SLO attainment **measured in the virtual model**
-  (``gpu_knee``: the goodput search over ``default_rates``, ``KNEE_REQUESTS`` requests), at
-  the scenario's own SLO; the last factor is above 1, so the last rate is past the knee;
+  (``gpu_knee``: the goodput search over ``default_rates``), at the scenario's own SLO; the
+  last factor is above 1, so the last rate is past the knee; a decode-heavy scenario adds a
+  fourth, hetero's own knee in the virtual model (``hetero_knee``), where its gain shows:
+  the drawn rates are below both knees or past both, where the two modes tie or both fail;
+- a run at a rate sends ``steady_requests`` requests: at least ``KNEE_REQUESTS``, and enough
+  that arrivals last ``STEADY_LIFETIMES`` times a request's longest life within its SLO. A
+  shorter run is mostly ramp: a decode-heavy run of 60 requests ends its arrivals before the
+  first of them finishes, the GPU's batch never reaches the size the rate sustains, and
+  every rate looks comfortable (the first matrix's decode-heavy knees were 2-3x too high);
 - mixed scenario ``j`` runs ``MIXED_TRAFFIC`` on pair ``PAIR_ORDER[j % 2]`` at the pair's
   SLO (batch: ``BATCH_TPOT_FACTOR`` x its TPOT), the interactive rate held at what GPU-only
   alone serves at 99 % (``hetero.mixed.interactive_rate``), and three batch rates: drawn
@@ -54,6 +61,7 @@ TPOT_FACTORS = (0.8, 1.0, 1.25)  # few values: a router restarts when its knobs 
 RATE_FACTORS = ((0.4, 0.5, 0.6), (0.8, 1.0), (1.5, 2.0))
 KNEE_ATTAINMENT = 90.0
 KNEE_REQUESTS = 60
+STEADY_LIFETIMES = 3.0
 KNEE_BISECTIONS = 3
 # The interactive rate is found at as many requests as a mixed cell sends (hetero.live's
 # MIXED_REQUESTS): with fewer, a burst the GPU absorbs passes for a rate it sustains.
@@ -83,10 +91,11 @@ class MatrixScenario:
     output_tokens: int
     slo_ttft_ms: float
     slo_tpot_ms: float
-    rates: tuple[float, float, float]
+    rates: tuple[float, ...]  # increasing; three, or four for a decode-heavy scenario
     knee: float  # the GPU's knee (single-class) or the CPU's batch capacity (mixed), req/s
     traffic: str | None = None
     interactive_rate: float | None = None
+    hetero_knee: float | None = None  # decode-heavy: hetero's knee in the virtual model, req/s
 
     @property
     def mixed(self) -> bool:
@@ -99,6 +108,11 @@ class MatrixScenario:
     @property
     def scenario(self) -> Scenario:
         return custom_scenario(self.input_tokens, self.output_tokens)
+
+    def requests_at(self, rate: float, at_least: int) -> int:
+        """A single-class run's requests at ``rate``: ``steady_requests``, ``at_least``."""
+        steady = steady_requests(rate, self.output_tokens, self.slo_ttft_ms, self.slo_tpot_ms)
+        return max(at_least, steady)
 
     def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "decode_heavy": self.decode_heavy}
@@ -115,16 +129,36 @@ def scenario_pair(scenario: MatrixScenario) -> Pair:
     )
 
 
-def gpu_knee(pair: Pair, scenario: Scenario) -> float:
-    """GPU-only's highest rate at ``KNEE_ATTAINMENT`` % in the virtual model (req/s); where it
-    meets no rate swept, the lowest rate swept."""
+def steady_requests(rate: float, output_tokens: int, slo_ttft_ms: float, slo_tpot_ms: float) -> int:
+    """Requests for a run at ``rate`` to reach its steady state: arrivals that last
+    ``STEADY_LIFETIMES`` times the longest life of a request within its SLO (its TTFT target
+    plus every later token at the TPOT target), at least ``KNEE_REQUESTS``. By Little's law
+    that is ``STEADY_LIFETIMES`` times the concurrency the rate sustains."""
+    life_s = (slo_ttft_ms + max(output_tokens - 1, 0) * slo_tpot_ms) / 1000.0
+    return max(KNEE_REQUESTS, math.ceil(STEADY_LIFETIMES * rate * life_s))
+
+
+def knee(pair: Pair, scenario: Scenario, mode: str) -> float:
+    """``mode``'s highest rate at ``KNEE_ATTAINMENT`` % in the virtual model (req/s), each rate
+    run to its steady state; where it meets no rate swept, the lowest rate swept."""
     rates = default_rates(pair, scenario)
     search = GoodputSearch(rates, target=KNEE_ATTAINMENT, bisections=KNEE_BISECTIONS)
-    knobs = pair_knobs(pair, "gpu")
+    knobs = pair_knobs(pair, mode)
     while (rate := search.next_rate()) is not None:
-        point, _ = measure(pair, scenario, "gpu", rate, requests=KNEE_REQUESTS, knobs=knobs)
+        requests = steady_requests(rate, scenario.output_tokens, pair.slo_ttft_ms, pair.slo_tpot_ms)
+        point, _ = measure(pair, scenario, mode, rate, requests=requests, knobs=knobs)
         search.record(replace(point, bisection=rate not in rates))
     return search.max_goodput_rate or rates[0]
+
+
+def gpu_knee(pair: Pair, scenario: Scenario) -> float:
+    """GPU-only's knee (``knee``)."""
+    return knee(pair, scenario, "gpu")
+
+
+def hetero_knee(pair: Pair, scenario: Scenario) -> float:
+    """Hetero's knee (``knee``) under the matrix's hetero policy."""
+    return knee(pair, scenario, "hetero")
 
 
 def gpu_interactive_rate(pair: Pair, traffic: MixedScenario) -> float:
@@ -171,6 +205,7 @@ def generate(
     mixed: int = DEFAULT_MIXED,
     *,
     knee: Knee = gpu_knee,
+    knee_hetero: Knee = hetero_knee,
     interactive: InteractiveRate = gpu_interactive_rate,
     only: Collection[str] | None = None,
 ) -> tuple[MatrixScenario, ...]:
@@ -197,6 +232,11 @@ def generate(
         if only is not None and sid not in only:
             continue
         gpu = knee(slo_pair, custom_scenario(prompt, output))
+        rates: tuple[float, ...] = rate_triple(gpu, factors)
+        gain_rate = None
+        if is_decode_heavy(prompt, output):
+            gain_rate = two_figures(knee_hetero(slo_pair, custom_scenario(prompt, output)))
+            rates = tuple(sorted({*rates, gain_rate}))
         out.append(
             MatrixScenario(
                 id=sid,
@@ -206,8 +246,9 @@ def generate(
                 output_tokens=output,
                 slo_ttft_ms=slo_pair.slo_ttft_ms,
                 slo_tpot_ms=slo_pair.slo_tpot_ms,
-                rates=rate_triple(gpu, factors),
+                rates=rates,
                 knee=gpu,
+                hetero_knee=gain_rate,
             )
         )
     traffic = MIXED_SCENARIOS[MIXED_TRAFFIC]

@@ -10,8 +10,8 @@ Meanwhile a client asks for ``/api/v1/health`` on a new connection, one request 
 (each waits at most 10 s). ``report()`` gives the health latency (median, 90th percentile,
 worst), the probes left unanswered, and how long the slow connections were held. Everything
 stops after ``seconds``. scripts/bench/slow_clients.py prints the figures of several worker
-classes side by side; tests/controlplane/test_web_slow_clients.py runs the same clients with
-assertions.
+classes side by side; tests/controlplane/webworker/test_web_slow_clients.py runs the same
+clients with assertions.
 """
 
 from __future__ import annotations

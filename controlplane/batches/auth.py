@@ -20,7 +20,7 @@ from django.http import HttpRequest
 from common.tenants import KEY_PREFIX
 from controlplane.access.authentication import active_machine_credentials
 from controlplane.access.choices import CredentialKind
-from controlplane.batches.shapes import ApiError
+from controlplane.batches.shapes import BatchApiError
 from controlplane.tenants.choices import RESERVED_NAMES
 from controlplane.tenants.models import Tenant
 from controlplane.tenants.services import tenant_for_key
@@ -40,8 +40,8 @@ def allows_model(tenant: Tenant | None, model: str) -> bool:
     return tenant is None or not tenant.models or model in tenant.models
 
 
-def _unauthorized(message: str) -> ApiError:
-    return ApiError(401, message, code="invalid_api_key")
+def _unauthorized(message: str) -> BatchApiError:
+    return BatchApiError(401, message, code="invalid_api_key")
 
 
 def authenticate(request: HttpRequest) -> Caller:
@@ -57,7 +57,7 @@ def authenticate(request: HttpRequest) -> Caller:
         if tenant is None:
             raise _unauthorized("Incorrect API key, or one revoked, or its tenant inactive")
         if named and named != tenant.name:
-            raise ApiError(
+            raise BatchApiError(
                 403,
                 f"{TENANT_HEADER} is for routers; a tenant's key acts as its own tenant",
                 code="tenant_header_not_allowed",
@@ -72,7 +72,7 @@ def _for_router(token: str, named: str) -> Caller:
     if credential is None or credential.kind != CredentialKind.ROUTER:
         raise _unauthorized("Incorrect API key")
     if not named:
-        raise ApiError(
+        raise BatchApiError(
             400,
             f"a router forwards the Batch API with {TENANT_HEADER}: <tenant>",
             code="missing_tenant",
@@ -80,7 +80,7 @@ def _for_router(token: str, named: str) -> Caller:
         )
     if named in RESERVED_NAMES:
         return Caller(named, None)
-    raise ApiError(
+    raise BatchApiError(
         403,
         f"a router token acts only for the router's own callers ({', '.join(RESERVED_NAMES)}); "
         f"a tenant's requests carry its own key, not {TENANT_HEADER}: {named!r}",

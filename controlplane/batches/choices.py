@@ -34,7 +34,9 @@ BATCH_LIFECYCLE = Lifecycle(
     },
 )
 # A worker owns these: the sweep re-queues one whose worker went silent.
-ACTIVE_STATUSES = (_B.VALIDATING, _B.IN_PROGRESS, _B.CANCELLING)
+WORKER_OWNED_STATUSES = (_B.VALIDATING, _B.IN_PROGRESS, _B.CANCELLING)
+# Every status but a final one: the batch's counts may still change (its page refreshes itself).
+UNFINISHED_STATUSES = (_B.VALIDATING, _B.IN_PROGRESS, _B.FINALIZING, _B.CANCELLING)
 FINAL_STATUSES = (_B.FAILED, _B.COMPLETED, _B.EXPIRED, _B.CANCELLED)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +22,13 @@ from typing import Any
 import httpx
 from django.conf import settings
 from django.utils import timezone
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    retry_if_result,
+    stop_after_attempt,
+)
 
 from common.tenants import ROUTER_KEY_TENANT
 from controlplane.batches import services
@@ -75,28 +82,54 @@ def _retry_after(response: httpx.Response, attempt: int) -> float:
     return min(max(given, 0.0), MAX_BACKOFF_SECONDS)
 
 
-def call(client: httpx.Client, url: str, headers: dict[str, str], line: BatchLine) -> Outcome:
+def _busy(response: httpx.Response) -> bool:
+    return response.status_code in RETRIED
+
+
+def _pause(state: RetryCallState) -> float:
+    """The wait before the next try: a busy answer's Retry-After, else 1, 2, 4 ... s (at most
+    ``MAX_BACKOFF_SECONDS``)."""
+    attempt = state.attempt_number - 1
+    assert state.outcome is not None
+    if state.outcome.failed:
+        return min(2.0**attempt, MAX_BACKOFF_SECONDS)
+    return _retry_after(state.outcome.result(), attempt)
+
+
+def _last_answer(state: RetryCallState) -> httpx.Response:
+    """Out of tries: the last answer, or the last transport error raised."""
+    assert state.outcome is not None
+    response: httpx.Response = state.outcome.result()
+    return response
+
+
+def call(
+    client: httpx.Client,
+    url: str,
+    headers: dict[str, str],
+    line: BatchLine,
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Outcome:
     """One line to the router, at the batch class; 429 and 502-504 are tried again (after
-    the router's Retry-After), up to ``BATCH_MAX_ATTEMPTS`` tries."""
+    the router's Retry-After), and so is a router that does not answer, up to
+    ``BATCH_MAX_ATTEMPTS`` tries."""
     body = dict(line.body or {})
     body["service_tier"] = "flex"
     body["stream"] = False
-    attempts = settings.BATCH_MAX_ATTEMPTS
-    for attempt in range(attempts):
-        last = attempt == attempts - 1
-        try:
-            response = client.post(url, json=body, headers=headers)
-        except httpx.HTTPError as exc:
-            if last:
-                message = f"the router at {url} did not answer: {exc}"
-                return Outcome(False, None, {"code": "router_unreachable", "message": message})
-            time.sleep(min(2.0**attempt, MAX_BACKOFF_SECONDS))
-            continue
-        if response.status_code in RETRIED and not last:
-            time.sleep(_retry_after(response, attempt))
-            continue
-        return _outcome(response, line)
-    raise AssertionError("unreachable")  # the last attempt always returns
+    retrying = Retrying(
+        stop=stop_after_attempt(settings.BATCH_MAX_ATTEMPTS),
+        retry=retry_if_exception_type(httpx.HTTPError) | retry_if_result(_busy),
+        wait=_pause,
+        sleep=sleep,
+        retry_error_callback=_last_answer,
+    )
+    try:
+        response = retrying(client.post, url, json=body, headers=headers)
+    except httpx.HTTPError as exc:
+        message = f"the router at {url} did not answer: {exc}"
+        return Outcome(False, None, {"code": "router_unreachable", "message": message})
+    return _outcome(response, line)
 
 
 def _outcome(response: httpx.Response, line: BatchLine) -> Outcome:

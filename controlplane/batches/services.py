@@ -21,17 +21,17 @@ from django.utils import timezone
 
 from controlplane.batches.auth import Caller, allows_model
 from controlplane.batches.choices import (
-    ACTIVE_STATUSES,
     BATCH_LIFECYCLE,
     COMPLETION_WINDOWS,
     ENDPOINTS,
     RUN_BATCH_TASK,
+    WORKER_OWNED_STATUSES,
     BatchStatus,
     FilePurpose,
     LineStatus,
 )
 from controlplane.batches.models import Batch, BatchFile, BatchLine
-from controlplane.batches.shapes import ApiError, not_found
+from controlplane.batches.shapes import BatchApiError, not_found
 from controlplane.batches.validation import TooManyLines, parse_input, split_lines
 from controlplane.core import audit
 from controlplane.core.dispatch import enqueue
@@ -65,7 +65,7 @@ def create_file(
     """Store an upload of ``size`` bytes that arrives in ``pieces``, a chunk at a time, within
     the caller's quota (``check_quota``)."""
     if purpose != FilePurpose.BATCH:
-        raise ApiError(
+        raise BatchApiError(
             400,
             f"purpose must be 'batch' (the only purpose this server stores); got {purpose!r}",
             code="invalid_purpose",
@@ -92,7 +92,7 @@ def create_file(
 def check_file_size(size: int) -> None:
     limit = settings.BATCH_MAX_FILE_BYTES
     if size > limit:
-        raise ApiError(
+        raise BatchApiError(
             413,
             f"the file is {size} bytes; the limit is {limit} bytes (BATCH_MAX_FILE_BYTES)",
             code="file_too_large",
@@ -115,7 +115,7 @@ def check_quota(caller: Caller, size: int) -> None:
     max_files = settings.BATCH_MAX_FILES_PER_OWNER
     max_bytes = settings.BATCH_MAX_BYTES_PER_OWNER
     if files + 1 > max_files:
-        raise ApiError(
+        raise BatchApiError(
             403,
             f"{caller.owner!r} stores {files} files; the limit is {max_files} files "
             "(BATCH_MAX_FILES_PER_OWNER): delete files it no longer needs",
@@ -123,7 +123,7 @@ def check_quota(caller: Caller, size: int) -> None:
             param="file",
         )
     if used + size > max_bytes:
-        raise ApiError(
+        raise BatchApiError(
             403,
             f"{caller.owner!r} stores {used} bytes and this file has {size}; the limit is "
             f"{max_bytes} bytes (BATCH_MAX_BYTES_PER_OWNER): delete files it no longer needs",
@@ -153,9 +153,11 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
     if metadata is None:
         return None
     if not isinstance(metadata, dict):
-        raise ApiError(400, "metadata must be an object", code="invalid_metadata", param="metadata")
+        raise BatchApiError(
+            400, "metadata must be an object", code="invalid_metadata", param="metadata"
+        )
     if len(metadata) > MAX_METADATA_KEYS:
-        raise ApiError(
+        raise BatchApiError(
             400,
             f"metadata has {len(metadata)} keys; the limit is {MAX_METADATA_KEYS}",
             code="invalid_metadata",
@@ -163,14 +165,14 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
         )
     for key, value in metadata.items():
         if len(key) > MAX_METADATA_KEY:
-            raise ApiError(
+            raise BatchApiError(
                 400,
                 f"metadata key {key[:20]!r}... is over {MAX_METADATA_KEY} characters",
                 code="invalid_metadata",
                 param="metadata",
             )
         if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
-            raise ApiError(
+            raise BatchApiError(
                 400,
                 f"metadata[{key!r}] must be a string of at most {MAX_METADATA_VALUE} characters",
                 code="invalid_metadata",
@@ -189,14 +191,14 @@ def create_batch(
 ) -> Batch:
     """A batch in ``validating``; the worker checks its lines and runs them."""
     if endpoint not in ENDPOINTS:
-        raise ApiError(
+        raise BatchApiError(
             400,
             f"endpoint must be one of {', '.join(ENDPOINTS)}; got {endpoint!r}",
             code="invalid_endpoint",
             param="endpoint",
         )
     if completion_window not in COMPLETION_WINDOWS:
-        raise ApiError(
+        raise BatchApiError(
             400,
             f"completion_window must be '24h'; got {completion_window!r}",
             code="invalid_completion_window",
@@ -204,12 +206,12 @@ def create_batch(
         )
     checked = check_metadata(metadata)
     if not isinstance(input_file_id, str) or not input_file_id:
-        raise ApiError(
+        raise BatchApiError(
             400, "input_file_id must be a file's id", code="invalid_file", param="input_file_id"
         )
     source = owned_file(caller, input_file_id)
     if source.purpose != FilePurpose.BATCH:
-        raise ApiError(
+        raise BatchApiError(
             400,
             f"file {input_file_id!r} has purpose {source.purpose!r}; a batch reads a 'batch' file",
             code="invalid_file",
@@ -260,7 +262,7 @@ def cancel_batch(caller: Caller, batch_id: str) -> Batch:
     with transaction.atomic():
         if not move(batch.id, BatchStatus.CANCELLING, cancelling_at=timezone.now()):
             batch.refresh_from_db()
-            raise ApiError(
+            raise BatchApiError(
                 409,
                 f"a batch that is {batch.status} cannot be cancelled",
                 code="batch_not_cancellable",
@@ -278,11 +280,13 @@ def page(rows: Any, *, after: str | None, limit: Any, kind: str) -> tuple[list[A
     try:
         count = int(limit) if limit not in (None, "") else 20
     except (TypeError, ValueError):
-        raise ApiError(
+        raise BatchApiError(
             400, "limit must be an integer", code="invalid_limit", param="limit"
         ) from None
     if not 1 <= count <= 100:
-        raise ApiError(400, "limit must be between 1 and 100", code="invalid_limit", param="limit")
+        raise BatchApiError(
+            400, "limit must be between 1 and 100", code="invalid_limit", param="limit"
+        )
     if after:
         anchor = rows.filter(pk=after).values_list("created_at", flat=True).first()
         if anchor is None:
@@ -514,15 +518,14 @@ def _error_lines(batch: Batch) -> Iterator[bytes]:
 
 
 def requeue_stranded() -> list[str]:
-    """Queue again every active batch whose lease ran out (its worker died, or its task was
-    lost); each is marked queued first, so the next sweep leaves it to that task. One past
+    """Queue again every batch a worker owns whose lease ran out (its worker died, or its task
+    was lost); each is marked queued first, so the next sweep leaves it to that task. One past
     its window is ended here instead (``finish``: expired, or cancelled), so a batch whose
     task keeps failing still ends. Returns the ids it queued or ended."""
     now = timezone.now()
     lapsed = Q(lease_until__isnull=True) | Q(lease_until__lt=now)
-    rows = list(
-        Batch.objects.filter(lapsed, status__in=ACTIVE_STATUSES).values_list("pk", "expires_at")
-    )
+    stranded = Batch.objects.filter(lapsed, status__in=WORKER_OWNED_STATUSES)
+    rows = list(stranded.values_list("pk", "expires_at"))
     until = now + timedelta(seconds=settings.BATCH_QUEUED_SECONDS)
     taken = []
     for batch_id, expires_at in rows:

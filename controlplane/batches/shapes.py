@@ -7,11 +7,12 @@ from typing import Any
 
 from django.http import JsonResponse
 
+from common.openai_errors import openai_error
 from controlplane.batches.models import Batch, BatchFile
 
 
-class ApiError(Exception):
-    """Answered as OpenAI's ``{"error": {"message", "type", "param", "code"}}``."""
+class BatchApiError(Exception):
+    """A refusal of the Batch API, answered in OpenAI's error shape (common/openai_errors.py)."""
 
     def __init__(
         self,
@@ -30,19 +31,12 @@ class ApiError(Exception):
         self.type_ = type_
 
     def response(self) -> JsonResponse:
-        body = {
-            "error": {
-                "message": self.message,
-                "type": self.type_,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        body = openai_error(self.message, type_=self.type_, code=self.code, param=self.param)
         return JsonResponse(body, status=self.status)
 
 
-def not_found(kind: str, ident: str) -> ApiError:
-    return ApiError(404, f"No {kind} with id {ident!r}", code="not_found", param="id")
+def not_found(kind: str, ident: str) -> BatchApiError:
+    return BatchApiError(404, f"No {kind} with id {ident!r}", code="not_found", param="id")
 
 
 def _ts(value: datetime | None) -> int | None:

@@ -21,7 +21,7 @@ from controlplane.batches import services
 from controlplane.batches.auth import Caller, authenticate
 from controlplane.batches.choices import FilePurpose
 from controlplane.batches.models import CHUNK_BYTES, Batch, BatchFile
-from controlplane.batches.shapes import ApiError, batch_object, file_object, list_object
+from controlplane.batches.shapes import BatchApiError, batch_object, file_object, list_object
 
 log = logging.getLogger("controlplane.batches")
 
@@ -37,20 +37,20 @@ def openai_view(*methods: str) -> Callable[[Callable[..., HttpResponseBase]], Vi
         def view(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
             try:
                 if request.method not in methods:
-                    raise ApiError(
+                    raise BatchApiError(
                         405,
                         f"{request.method} is not allowed here; use {' or '.join(methods)}",
                         code="method_not_allowed",
                     )
                 caller = authenticate(request)
                 return handler(request, caller, *args, **kwargs)
-            except ApiError as err:
+            except BatchApiError as err:
                 return err.response()
             except RequestDataTooBig as exc:
-                return ApiError(413, str(exc), code="body_too_large").response()
+                return BatchApiError(413, str(exc), code="body_too_large").response()
             except Exception:
                 log.exception("unhandled error in %s %s", request.method, request.path)
-                return ApiError(
+                return BatchApiError(
                     500,
                     "the control plane could not answer this request; it is logged",
                     type_="server_error",
@@ -66,9 +66,9 @@ def _json_body(request: HttpRequest) -> dict[str, Any]:
     try:
         data = json.loads(request.body or b"{}")
     except ValueError as exc:
-        raise ApiError(400, f"the body is not JSON: {exc}", code="invalid_json") from None
+        raise BatchApiError(400, f"the body is not JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        raise BatchApiError(400, "the body must be a JSON object", code="invalid_json")
     return data
 
 
@@ -77,7 +77,7 @@ def files(request: HttpRequest, caller: Caller) -> HttpResponse:
     if request.method == "POST":
         upload = request.FILES.get("file")
         if upload is None:
-            raise ApiError(
+            raise BatchApiError(
                 400, "a multipart field 'file' is required", code="missing_file", param="file"
             )
         # Django spooled a large upload to a temporary file; it is stored a chunk at a time.
@@ -93,7 +93,7 @@ def files(request: HttpRequest, caller: Caller) -> HttpResponse:
     purpose = request.GET.get("purpose")
     if purpose:
         if purpose not in FilePurpose.values:
-            raise ApiError(
+            raise BatchApiError(
                 400,
                 f"purpose must be one of {', '.join(FilePurpose.values)}",
                 code="invalid_purpose",
@@ -157,6 +157,6 @@ def batch_cancel(request: HttpRequest, caller: Caller, batch_id: str) -> HttpRes
 
 @csrf_exempt
 def unknown(request: HttpRequest, rest: str = "") -> HttpResponse:
-    return ApiError(
+    return BatchApiError(
         404, f"no endpoint at {request.path} on the control plane", code="not_found"
     ).response()

@@ -27,8 +27,9 @@ def unstorable_text(value: Any) -> bool:
 class StrictJSONParser(JSONParser):
     """DRF's JSON parser, refusing the NUL character (``\\u0000``) and lone surrogates in any
     string: PostgreSQL's text and jsonb cannot hold them, so they would otherwise fail as a
-    server error in the write that stores them (found by tests/controlplane/test_api_fuzz.py
-    and tests/controlplane/test_gateway_readers.py)."""
+    server error in the write that stores them (found by
+    tests/controlplane/core/test_api_fuzz.py and
+    tests/controlplane/gateway/test_gateway_readers.py)."""
 
     def parse(self, stream: Any, media_type: Any = None, parser_context: Any = None) -> Any:
         data = super().parse(stream, media_type, parser_context)

@@ -4,7 +4,7 @@ Each function returns exactly what the control plane returns for the same input 
 parser, ``StrictJSONParser``, then its own validator, a DRF serializer), or None for
 anything it is not sure of: the gateway then hands the request to the control plane, whose
 parser and serializer stay the one validator and the one voice of every error
-(``tests/controlplane/test_gateway_readers.py`` holds the two to that over generated
+(``tests/controlplane/gateway/test_gateway_readers.py`` holds the two to that over generated
 payloads). So these may refuse more than the control plane does (a number sent as a string,
 a ``true`` for a number, a body in another charset) but never accept anything it refuses,
 or read it differently.

@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 from django.conf import settings
 
-from common.collections_timed import CollectionTimes, freeze_heap
+from common.gc_pauses import CollectionTimes, freeze_heap
 from common.inventory import inventory_hash
 from common.reports import AGENT_ONLY, CardReport
 from controlplane.access.throttling import MachineRateThrottle

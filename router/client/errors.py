@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from aiohttp import web
+
+from common.openai_errors import OpenAIErrorBody, openai_error
 
 
 class RouterError(Exception):
@@ -29,14 +30,8 @@ class RouterError(Exception):
         self.param = param
         self.retry_after = retry_after
 
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, type_=self.type_, code=self.code, param=self.param)
-
-
-def error_body(
-    message: str, *, type_: str, code: str | None = None, param: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    def body(self) -> OpenAIErrorBody:
+        return openai_error(self.message, type_=self.type_, code=self.code, param=self.param)
 
 
 def error_response(err: RouterError) -> web.Response:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from router.client.errors import error_body
+from common.openai_errors import openai_error
 
 DONE = b"data: [DONE]\n\n"
 
@@ -98,7 +98,7 @@ class ChunkBuilder:
         return self._encode([], usage=usage_dict(prompt_tokens, completion_tokens))
 
     def error(self, message: str, code: str) -> bytes:
-        body = error_body(message, type_="server_error", code=code)
+        body = openai_error(message, type_="server_error", code=code)
         return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 

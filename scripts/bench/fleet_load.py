@@ -71,7 +71,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.collections_timed import CollectionTimes, freeze_heap  # noqa: E402
+from common.gc_pauses import CollectionTimes, freeze_heap  # noqa: E402
 from common.supervisor import free_port  # noqa: E402
 from loadgen import wire  # noqa: E402
 from testbed import stall_probe  # noqa: E402

@@ -11,7 +11,7 @@ the targets of docs/benchmarks.md ("The live matrix"), each met or not with its 
     .venv/bin/python scripts/bench/live_matrix.py --virtual-only          # the virtual side
     .venv/bin/python scripts/bench/live_matrix.py --json var/live-matrix.json
     .venv/bin/python scripts/bench/live_matrix.py --only s0-04-a10-xeon-decode-heavy \\
-        --requests 20 --speed 20
+        --requests 20 --fixed-requests --speed 20
 """
 
 from __future__ import annotations
@@ -43,7 +43,18 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="the matrix's and the arrivals'")
     parser.add_argument("--count", type=int, default=DEFAULT_COUNT, help="single-class scenarios")
     parser.add_argument("--mixed", type=int, default=DEFAULT_MIXED, help="mixed scenarios")
-    parser.add_argument("--requests", type=int, default=60, help="per rate and mode")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=60,
+        help="per rate and mode: at least these, more where the rate needs them to reach its "
+        "steady state (hetero.matrix.steady_requests)",
+    )
+    parser.add_argument(
+        "--fixed-requests",
+        action="store_true",
+        help="exactly --requests per rate and mode, steady or not (a quick look)",
+    )
     parser.add_argument(
         "--mixed-requests",
         type=int,
@@ -77,6 +88,7 @@ def main() -> int:
     print(TABLE_HEAD, flush=True)
     run = MatrixRun(
         requests=args.requests,
+        steady=not args.fixed_requests,
         mixed_requests=args.mixed_requests,
         seed=args.seed,
         speed=args.speed,

@@ -15,7 +15,8 @@ asks for ``/api/v1/health`` on a new connection, one request after another (each
 most 10 s), and the figures for every worker class are printed side by side: the health
 latency (median, 90th percentile, worst), the probes left unanswered, and how long the slow
 connections were held. Everything stops after ``--seconds``. The clients and the server are
-testbed/slow_clients.py; tests/controlplane/test_web_slow_clients.py runs them with assertions.
+testbed/slow_clients.py; tests/controlplane/webworker/test_web_slow_clients.py runs them with
+assertions.
 """
 
 from __future__ import annotations

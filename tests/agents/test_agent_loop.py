@@ -22,8 +22,8 @@ from agent_helpers import PROJECT, http_engine_spec
 from standin_control_plane import StandInControlPlane
 
 from agents.client import (
-    ApiError,
     ControlPlaneClient,
+    ControlPlaneError,
     Unreachable,
     backoff_delay,
     jittered,
@@ -66,7 +66,7 @@ def test_client_tells_unreachable_from_refused(tmp_path: Path) -> None:
     plane.start()
     try:
         assert ControlPlaneClient(plane.url, "sxa_test").agent_self()["node"]["id"] == 5
-        with pytest.raises(ApiError) as refused:
+        with pytest.raises(ControlPlaneError) as refused:
             ControlPlaneClient(plane.url, "sxa_wrong").agent_self()
         assert refused.value.status == 401 and refused.value.code == "not_authenticated"
     finally:

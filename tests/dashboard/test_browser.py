@@ -1,7 +1,7 @@
 """The dashboard in a real browser: Playwright drives Debian's Chromium against a live server.
 
 The server is pytest-django's live server on the test database. Celery tasks run eagerly in
-it (the worker itself is covered by tests/controlplane/test_celery_live.py), while commands
+it (the worker itself is covered by tests/controlplane/core/test_celery_live.py), while commands
 for the node still travel through the real broker queue to a stand-in agent that answers
 through the REST API with an agent token.
 """

@@ -18,7 +18,9 @@ def test_one_scenario_live_and_virtual() -> None:
         slo_ttft_ms=3000, slo_tpot_ms=100, rates=(2.0, 4.0, 8.0), knee=3.0,
     )  # fmt: skip
     seen = []
-    run = MatrixRun(requests=6, speed=20.0, connector=connector_config, on_cell=seen.append)
+    run = MatrixRun(
+        requests=6, steady=False, speed=20.0, connector=connector_config, on_cell=seen.append
+    )
     cells = run_matrix([scenario], run)
     assert seen == cells and [c.rate for c in cells] == [2.0, 4.0, 8.0]
     for cell in cells:

@@ -8,17 +8,22 @@ import math
 from hetero.live import Cell, Point, document, format_table, targets
 from hetero.matrix import (
     DECODE_HEAVY_RATIO,
+    KNEE_REQUESTS,
     PAIRS,
     MatrixScenario,
     context_limit,
     generate,
     rate_triple,
+    steady_requests,
 )
 
 
 def cheap(seed: int = 0, count: int = 12, mixed: int = 2) -> tuple[MatrixScenario, ...]:
     """The matrix with a fixed knee and interactive rate: the draws without the model."""
-    return generate(seed, count, mixed, knee=lambda p, s: 1.0, interactive=lambda p, t: 10.0)
+    return generate(
+        seed, count, mixed, knee=lambda p, s: 1.0, knee_hetero=lambda p, s: 1.3,
+        interactive=lambda p, t: 10.0,
+    )  # fmt: skip
 
 
 def test_the_same_seed_gives_the_same_matrix() -> None:
@@ -29,8 +34,8 @@ def test_the_same_seed_gives_the_same_matrix() -> None:
         ("s0-01-a100-kunpeng-prompt-heavy", 2048, 128, 5000.0, 187.5, (0.4, 0.8, 2.0)),
         ("s0-02-a10-xeon-balanced", 256, 128, 3000.0, 100.0, (0.6, 0.8, 2.0)),
         ("s0-03-a100-kunpeng-balanced", 256, 384, 3750.0, 187.5, (0.5, 1.0, 1.5)),
-        ("s0-04-a10-xeon-decode-heavy", 256, 2048, 2000.0, 125.0, (0.6, 0.8, 2.0)),
-        ("s0-05-a100-kunpeng-decode-heavy", 256, 4096, 5000.0, 120.0, (0.6, 0.8, 1.5)),
+        ("s0-04-a10-xeon-decode-heavy", 256, 2048, 2000.0, 125.0, (0.6, 0.8, 1.3, 2.0)),
+        ("s0-05-a100-kunpeng-decode-heavy", 256, 4096, 5000.0, 120.0, (0.6, 0.8, 1.3, 1.5)),
     ]
     assert [s.id for s in cheap()[-2:]] == ["s0-m0-a10-xeon-mixed", "s0-m1-a100-kunpeng-mixed"]
     assert cheap() == cheap()
@@ -45,7 +50,9 @@ def test_every_scenario_fits_and_its_rates_climb_past_the_knee() -> None:
         assert {s.shape for s in single} == {"prompt-heavy", "balanced", "decode-heavy"}
         for s in single:
             assert s.input_tokens + s.output_tokens <= context_limit(PAIRS[s.pair])
-            assert s.rates[0] < s.rates[1] < s.rates[2] and s.rates[2] > s.knee
+            assert list(s.rates) == sorted(set(s.rates)) and s.rates[-1] > s.knee
+            assert len(s.rates) == (4 if s.decode_heavy else 3)
+            assert (s.hetero_knee in s.rates) if s.decode_heavy else s.hetero_knee is None
             assert s.decode_heavy == (s.shape == "decode-heavy")
             assert s.decode_heavy == (s.output_tokens >= DECODE_HEAVY_RATIO * s.input_tokens)
         for s in matrix:
@@ -60,8 +67,16 @@ def test_only_keeps_the_ids_named_and_draws_the_rest_alike() -> None:
         calls.append("knee")
         return 1.0
 
-    one = generate(0, only={"s0-04-a10-xeon-decode-heavy"}, knee=knee, interactive=lambda p, t: 1)
-    assert [s.id for s in one] == ["s0-04-a10-xeon-decode-heavy"] and calls == ["knee"]
+    def hetero(pair: object, scenario: object) -> float:
+        calls.append("hetero")
+        return 1.3
+
+    one = generate(
+        0, only={"s0-04-a10-xeon-decode-heavy"}, knee=knee, knee_hetero=hetero,
+        interactive=lambda p, t: 1,
+    )  # fmt: skip
+    assert [s.id for s in one] == ["s0-04-a10-xeon-decode-heavy"]
+    assert calls == ["knee", "hetero"]
     assert one[0] == cheap()[4]
 
 
@@ -124,3 +139,33 @@ def test_mixed_below_interactive_target_and_virtual_only() -> None:
     assert doc["judged_on"] == "virtual" and doc["cells"][0]["live"] is None
     assert doc["scenarios"][0]["traffic"] == "chat-and-batch"
     assert math.isclose(doc["cells"][0]["ratio_virtual"], 95.0 / 50.0)
+
+
+def test_a_run_lasts_three_lives_of_a_request_at_its_rate() -> None:
+    # 2,000 ms + 2,047 x 125 ms = 257.9 s a life; 3 lives at 0.5 req/s = 387 requests.
+    assert steady_requests(0.5, 2048, 2000.0, 125.0) == math.ceil(3 * 0.5 * 257.875)
+    assert steady_requests(0.01, 128, 1500.0, 100.0) == KNEE_REQUESTS  # never fewer
+    s = cheap()[4]
+    assert s.requests_at(0.5, 60) == steady_requests(0.5, 2048, 2000.0, 125.0)
+    assert s.requests_at(0.5, 1000) == 1000
+
+
+def test_decode_heavy_gain_is_goodput_at_slo_not_the_best_rate() -> None:
+    s = cheap()[4]  # decode-heavy, rates (0.6, 0.8, 1.3, 2.0)
+    shape = {  # rate: (GPU-only attainment, hetero attainment)
+        0.6: (100.0, 100.0),
+        0.8: (95.0, 100.0),
+        1.3: (40.0, 92.0),
+        2.0: (30.0, 60.0),
+    }
+    canned = [
+        Cell(s, r, {"gpu": point(r * g / 100, g), "hetero": point(r * h / 100, h)}, None)
+        for r, (g, h) in shape.items()
+    ]
+    # GPU-only's best good req/s (0.76 at 0.8) beats its 0.6 at 2.0 req/s, and hetero's
+    # 1.2 at 2.0 req/s misses the SLO: at SLO, 1.196 against 0.76.
+    verdict = next(t for t in targets(canned, "virtual") if t.name.startswith("decode-heavy"))
+    assert verdict.met and "1.57x" in verdict.worst
+    canned[2].virtual["hetero"] = point(1.3 * 0.8, 80.0)  # now hetero's best is 0.8 too
+    verdict = next(t for t in targets(canned, "virtual") if t.name.startswith("decode-heavy"))
+    assert verdict.met is False and "1.05x" in verdict.worst

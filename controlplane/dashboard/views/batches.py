@@ -11,16 +11,9 @@ from django.db.models import Count, Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 
-from controlplane.batches.choices import BatchStatus, LineStatus
+from controlplane.batches.choices import UNFINISHED_STATUSES, BatchStatus, LineStatus
 from controlplane.batches.models import Batch, BatchLine
 
-# States in which a batch's counts still change (the page refreshes itself in them).
-ACTIVE = (
-    BatchStatus.VALIDATING,
-    BatchStatus.IN_PROGRESS,
-    BatchStatus.FINALIZING,
-    BatchStatus.CANCELLING,
-)
 # Batches a page lists, newest first, and failed lines shown on a batch's page.
 LIST_LIMIT = 200
 FAILED_SHOWN = 50
@@ -28,7 +21,8 @@ FAILED_SHOWN = 50
 
 def _progress(batch: Batch) -> dict[str, Any]:
     percent = 100.0 * batch.finished / batch.total if batch.total else 0.0
-    return {"batch": batch, "percent": round(percent), "active": batch.status in ACTIVE}
+    active = batch.status in UNFINISHED_STATUSES
+    return {"batch": batch, "percent": round(percent), "active": active}
 
 
 @login_required
@@ -85,6 +79,6 @@ def batch_detail(request: HttpRequest, batch_id: str) -> HttpResponse:
         "failed": failed,
         "failed_shown": FAILED_SHOWN,
         "timeline": timeline,
-        "refresh": batch.status in ACTIVE,
+        "refresh": batch.status in UNFINISHED_STATUSES,
     }
     return render(request, "dashboard/batch_detail.html", context)

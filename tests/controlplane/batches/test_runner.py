@@ -1,5 +1,6 @@
 """The batch worker: resuming after a crash without running a finished line again, the lease
-that keeps two workers off one batch, retries, expiry and the sweep."""
+that keeps two workers off one batch, retries and the waits between them, expiry and the
+sweep."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from datetime import timedelta
 from typing import Any
 
+import httpx
 import pytest
 from django.utils import timezone
 
@@ -193,3 +195,84 @@ def test_the_request_headers_act_for_the_tenant(settings) -> None:
     assert "X-Syshax-Tenant" not in runner.request_headers("router-key")
     settings.ROUTER_API_KEY = ""
     assert "Authorization" not in runner.request_headers("anonymous")
+
+
+NO_ANSWER = "no answer"  # the router's port refuses the connection
+
+
+def send(
+    *answers: httpx.Response | str, tries: int, settings: Any
+) -> tuple[runner.Outcome, list[float], int]:
+    """One line through ``runner.call`` to a router that gives ``answers`` in turn: the
+    outcome, the pauses between the tries and how many tries there were."""
+    settings.BATCH_MAX_ATTEMPTS = tries
+    left = iter(answers)
+    sent: list[httpx.Request] = []
+
+    def router(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        answer = next(left)
+        if answer == NO_ANSWER:
+            raise httpx.ConnectError("connection refused", request=request)
+        assert isinstance(answer, httpx.Response)
+        return answer
+
+    pauses: list[float] = []
+    batch_line = BatchLine(body=line("a", "x")["body"], request_id="req-a")
+    with httpx.Client(transport=httpx.MockTransport(router)) as client:
+        outcome = runner.call(
+            client, "http://router/v1/chat/completions", {}, batch_line, sleep=pauses.append
+        )
+    return outcome, pauses, len(sent)
+
+
+def test_busy_answers_wait_their_retry_after_and_silence_waits_1_2_4_s(settings) -> None:
+    outcome, pauses, tries = send(
+        httpx.Response(503, headers={"Retry-After": "2"}),
+        NO_ANSWER,
+        httpx.Response(429),  # no Retry-After: 2**attempt
+        httpx.Response(502, headers={"Retry-After": "120"}),  # at most MAX_BACKOFF_SECONDS
+        httpx.Response(504, headers={"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}),
+        httpx.Response(503, headers={"Retry-After": "-3"}),
+        httpx.Response(200, json={"id": "chatcmpl-1"}),
+        tries=8,
+        settings=settings,
+    )
+    assert pauses == [2.0, 2.0, 4.0, 60.0, 16.0, 0.0]
+    assert tries == 7
+    assert outcome == runner.Outcome(
+        True, {"status_code": 200, "request_id": "req-a", "body": {"id": "chatcmpl-1"}}, None
+    )
+
+
+def test_out_of_tries_the_line_gets_the_last_answer(settings) -> None:
+    overloaded = {"error": {"code": "overloaded", "message": "every engine is busy"}}
+    outcome, pauses, tries = send(
+        httpx.Response(429, headers={"Retry-After": "0"}),
+        NO_ANSWER,
+        httpx.Response(503, json=overloaded, headers={"X-Request-Id": "req-router"}),
+        tries=3,
+        settings=settings,
+    )
+    assert (pauses, tries) == ([0.0, 2.0], 3)
+    assert outcome == runner.Outcome(
+        False,
+        {"status_code": 503, "request_id": "req-router", "body": overloaded},
+        {"code": "overloaded", "message": "every engine is busy"},
+    )
+
+
+def test_a_router_silent_for_every_try_fails_the_line_as_unreachable(settings) -> None:
+    outcome, pauses, tries = send(NO_ANSWER, NO_ANSWER, NO_ANSWER, tries=3, settings=settings)
+    assert (pauses, tries) == ([1.0, 2.0], 3)
+    message = "the router at http://router/v1/chat/completions did not answer: connection refused"
+    assert outcome == runner.Outcome(
+        False, None, {"code": "router_unreachable", "message": message}
+    )
+
+
+@pytest.mark.parametrize("status", [400, 500])
+def test_any_other_answer_is_the_lines_at_once(settings, status: int) -> None:
+    outcome, pauses, tries = send(httpx.Response(status), tries=3, settings=settings)
+    assert (pauses, tries) == ([], 1)
+    assert outcome.error == {"code": "request_failed", "message": f"the router answered {status}"}

@@ -100,7 +100,7 @@ def test_a_batchs_results_are_always_written_and_count_toward_the_cap(
     assert batch.output_file is not None and batch.error_file is not None
     assert batch.input_file is not None
     caller = services.Caller("acme", batch.input_file.tenant)
-    with pytest.raises(services.ApiError, match="stores 3 files; the limit is 1 files"):
+    with pytest.raises(services.BatchApiError, match="stores 3 files; the limit is 1 files"):
         services.create_file(caller, filename="more.jsonl", purpose="batch", size=1, pieces=[b"x"])
 
 

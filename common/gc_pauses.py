@@ -1,4 +1,4 @@
-"""Python's garbage collections, timed: while one runs, nothing else in the process does.
+"""Garbage-collector pauses, timed: while a collection runs, nothing else in the process does.
 
 Both the machine gateway (its event loop's longest stall, in its 30 s report) and the fleet
 load generator (its own pauses, which it would otherwise time as the control plane's

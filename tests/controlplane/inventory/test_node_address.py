@@ -16,7 +16,7 @@ from controlplane.benchmarks.services import check_target, known_targets
 from controlplane.deployments import services, workflow
 from controlplane.deployments.models import AgentCommand, Deployment
 from controlplane.inventory.models import Node
-from tests.controlplane.test_inventory import KUNPENG
+from tests.controlplane.inventory.test_inventory import KUNPENG
 
 BAD = ["10.0.0.5:22#", "10.0.0.5:22", "evil.example/x", "[2001:db8::5]", "127.1", "a b"]
 

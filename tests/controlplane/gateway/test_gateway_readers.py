@@ -29,7 +29,7 @@ from controlplane.inventory.api.serializers import (
 )
 from controlplane.routers.api.serializers import StatsSerializer
 from controlplane.routers.choices import DECISIONS
-from tests.controlplane.test_inventory import KUNPENG as _KUNPENG
+from tests.controlplane.inventory.test_inventory import KUNPENG as _KUNPENG
 
 Reader = Callable[[Any], dict[str, Any] | None]
 KUNPENG: dict[str, Any] = _KUNPENG

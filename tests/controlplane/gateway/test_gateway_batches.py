@@ -25,7 +25,7 @@ from controlplane.inventory.models import Heartbeat
 from controlplane.routers.api.serializers import StatsSerializer
 from controlplane.routers.models import RouterInstance
 from controlplane.routers.services import record_stats_batch
-from tests.controlplane.test_gateway import (
+from tests.controlplane.gateway.test_gateway import (
     _agent,
     _beat,
     _next_snapshot,

@@ -24,7 +24,7 @@ from controlplane.deployments.choices import (
 from controlplane.deployments.models import AgentCommand, ContainerInstance
 from controlplane.inventory.choices import NODE_LIFECYCLE, NodeStatus
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "lifecycles.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "lifecycles.md"
 STATES = [s.value for s in DeploymentState]
 
 

@@ -36,7 +36,7 @@ from controlplane.routers.models import RouterInstance
 from controlplane.routers.services import record_stats_batch, register_router
 from syshax.commands.gateway import add_arguments
 from testbed.factories import build_node
-from tests.controlplane.test_inventory import KUNPENG
+from tests.controlplane.inventory.test_inventory import KUNPENG
 from tests.support.gateway import Running, serving_gateway
 
 pytestmark = pytest.mark.django_db(transaction=True)

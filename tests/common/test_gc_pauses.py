@@ -1,10 +1,10 @@
-"""The garbage-collection timer the gateway and the fleet load generator register."""
+"""The garbage-collector pause timer the gateway and the fleet load generator register."""
 
 from __future__ import annotations
 
 import gc
 
-from common.collections_timed import CollectionTimes
+from common.gc_pauses import CollectionTimes
 
 
 def test_a_collection_is_timed_and_a_long_one_kept() -> None:

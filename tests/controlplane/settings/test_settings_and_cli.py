@@ -16,7 +16,7 @@ from controlplane.settings.env import (
 )
 from syshax.cli import main as syshax_main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
