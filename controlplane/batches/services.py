@@ -72,7 +72,7 @@ def create_file(
             param="purpose",
         )
     check_file_size(size)
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         check_quota(caller, size)
         created = BatchFile.objects.create(
             tenant=caller.tenant,
@@ -218,7 +218,7 @@ def create_batch(
             param="input_file_id",
         )
     now = timezone.now()
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         batch = Batch.objects.create(
             tenant=caller.tenant,
             owner=caller.owner,
@@ -259,7 +259,7 @@ def cancel_batch(caller: Caller, batch_id: str) -> Batch:
     batch = owned_batch(caller, batch_id)
     if batch.status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
         return batch
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         if not move(batch.id, BatchStatus.CANCELLING, cancelling_at=timezone.now()):
             batch.refresh_from_db()
             raise BatchApiError(
@@ -333,14 +333,14 @@ def validate(batch_id: str) -> None:
             f"the input file could not be validated ({type(exc).__name__}); "
             "the control plane logged why"
         )
-        with transaction.atomic():
+        with transaction.atomic(durable=True):
             batch = Batch.objects.select_for_update().filter(pk=batch_id).first()
             if batch is not None and batch.status == BatchStatus.VALIDATING:
                 _fail(batch, [_file_error("validation_error", message)])
 
 
 def _validate(batch_id: str) -> None:
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         batch = Batch.objects.select_for_update().get(pk=batch_id)
         if batch.status != BatchStatus.VALIDATING or batch.expires_at <= timezone.now():
             return
@@ -423,7 +423,7 @@ def record_result(
     """Store one line's result and count it, in a transaction of its own; False when the line
     was no longer pending (nothing is counted twice)."""
     status = LineStatus.DONE if ok else LineStatus.FAILED
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         changed = BatchLine.objects.filter(pk=line.pk, status=LineStatus.PENDING).update(
             status=status, response=response, error=error, finished_at=timezone.now()
         )
@@ -438,7 +438,7 @@ def finish(batch_id: str) -> str:
     to its last state: ``completed`` once no line is pending, ``cancelled`` after a cancel,
     ``expired`` past its window (its unfinished lines fail as ``batch_expired``). Returns the
     status it ends in."""
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         batch = Batch.objects.select_for_update().get(pk=batch_id)
         now = timezone.now()
         if batch.status == BatchStatus.CANCELLING:

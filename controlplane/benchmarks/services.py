@@ -87,7 +87,7 @@ def create_run(*, acting_user: Any, **fields: Any) -> BenchmarkRun:
     """Create a run and queue it once the row is committed."""
     if fields.get("target_url"):
         check_target(str(fields["target_url"]))
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         run = BenchmarkRun(**fields)
         user, _ = audit.split_actor(acting_user)
         if user is not None:
@@ -123,7 +123,7 @@ def queue_run(run: BenchmarkRun) -> None:
 
 def request_cancel(run: BenchmarkRun, *, acting_user: Any) -> BenchmarkRun:
     """Queued runs cancel at once; a running one stops at its next progress check."""
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         locked = BenchmarkRun.objects.select_for_update().get(pk=run.pk)
         if locked.status not in ACTIVE_STATUSES:
             return locked

@@ -108,7 +108,7 @@ def create_deployment(
         draft.affinity_plan = placement_plan(profile, node, draft)
     node = draft.node
     user, _ = audit.split_actor(acting_user)
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         draft.policy = policy or ensure_default_policy()
         draft.created_by = user
         draft.save(force_insert=True)
@@ -178,7 +178,7 @@ def _sync_replicas(first: Deployment, *, acting_user: Any) -> None:
 
 def set_replicas(first: Deployment, replicas: int, *, acting_user: Any) -> Deployment:
     """Change the replica count; new replicas deploy at once when the deployment should run."""
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         locked = Deployment.objects.select_for_update().get(pk=first.pk)
         if locked.replica_of_id is not None:
             raise PlacementError("replicas", "set the count on the first replica")
@@ -355,7 +355,7 @@ def save_profile(
     changed = sorted(k for k, v in values.items() if created or getattr(target, k) != v)
     for field, value in values.items():
         setattr(target, field, value)
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         target.save()
         audit.record(
             "profile.created" if created else "profile.updated",
@@ -413,7 +413,7 @@ def stranded_deployments() -> list[int]:
 def reschedule(deployment_id: int) -> str:
     """Place a stranded deployment on another node and deploy it there; with no room, say why
     in its state reason (beat tries again). Returns the node it went to, or ""."""
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         locked = (
             Deployment.objects.select_for_update()
             .select_related("profile", "node")
@@ -504,7 +504,7 @@ def sync_containers(node: Node, reported: list[dict[str, Any]]) -> int:
 
     updated = 0
     actor = f"agent:{node.name}"
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         own = {d.pk: d for d in Deployment.objects.filter(node=node)}
         # One read of the node's containers: their statuses before this report (for the
         # audit) and, for those it no longer names, the rows to mark missing.
@@ -557,7 +557,7 @@ def reconcile_returning_node(node_id: int) -> int:
 
     settled = 0
     for deployment in Deployment.objects.filter(node_id=node_id, state=DeploymentState.UNKNOWN):
-        with transaction.atomic():
+        with transaction.atomic(durable=True):
             locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
             if locked.state != DeploymentState.UNKNOWN:
                 continue

@@ -71,7 +71,7 @@ def delete_accelerator(accelerator: Accelerator, *, acting_user: Any) -> None:
 def apply_inventory(node: Node, payload: dict[str, Any], *, acting_user: Any) -> bool:
     """Rewrite the node's topology and accelerators if they changed. Returns whether they did."""
     digest = inventory_hash(payload)
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         node = Node.objects.select_for_update().get(pk=node.pk)
         if node.inventory_hash == digest:
             return False
@@ -156,7 +156,7 @@ def record_heartbeat(node: Node, payload: dict[str, Any]) -> Node:
     """
     now = timezone.now()
     readings = payload.get("accelerators", [])
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         Heartbeat.objects.create(
             node=node,
             received_at=now,
@@ -215,7 +215,7 @@ def _record_steady_transaction(
         f" WHERE {pk} = r.column1 AND {status} IN ({', '.join(['%s'] * len(steady))})"
         f" RETURNING {pk}, {status}, {quote('inventory_hash')}"
     )
-    with transaction.atomic(), connection.cursor() as cursor:
+    with transaction.atomic(durable=True), connection.cursor() as cursor:
         cursor.execute(mark, [now, *params, *steady])
         seen = {int(row[0]): (str(row[1]), str(row[2])) for row in cursor.fetchall()}
         recorded = [(node_id, payload) for node_id, payload in reports if node_id in seen]
@@ -478,7 +478,7 @@ def mark_lost_nodes() -> list[int]:
     lost: list[int] = []
     candidates = Node.objects.filter(status=NodeStatus.ONLINE, last_heartbeat_at__lt=cutoff)
     for node_id in candidates.values_list("pk", flat=True):
-        with transaction.atomic():
+        with transaction.atomic(durable=True):
             changed = Node.objects.filter(
                 pk=node_id, status=NodeStatus.ONLINE, last_heartbeat_at__lt=cutoff
             ).update(status=NodeStatus.OFFLINE)

@@ -52,7 +52,7 @@ def create_policy(
     name: str, *, acting_user: Any, reason: str, description: str = "", **knobs: Any
 ) -> SchedulingPolicy:
     validated = validate_knobs(knobs, partial=True)
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         policy = SchedulingPolicy.objects.create(
             name=name, description=description, **validated.as_dict()
         )

@@ -30,7 +30,7 @@ def register_router(
     credential: MachineCredential, *, name: str, version: str, listen_url: str
 ) -> RouterInstance:
     """Idempotent by name: a restarted router gets its own row back."""
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         router, created = RouterInstance.objects.select_for_update().get_or_create(
             name=name,
             defaults={"credential": credential, "version": version, "listen_url": listen_url},
@@ -89,7 +89,7 @@ def record_stats_batch(
             ).values_list("pk", "credential_id")
         )
         stored = set()
-        with transaction.atomic():
+        with transaction.atomic(durable=True):
             for router_id, credential_id, stats in reports:
                 if owners.get(router_id) == credential_id:
                     record_stats(RouterInstance(pk=router_id), stats, now=now)

@@ -147,7 +147,7 @@ def revoke_key(key: TenantKey, *, acting_user: Any) -> bool:
     """Revoke ``key`` unless it is revoked already (compare-and-set), with an audit row; True
     if it was revoked now. Routers refuse it from their next poll of ``routing/tenants``."""
     now = timezone.now()
-    with transaction.atomic():
+    with transaction.atomic(durable=True):
         changed = TenantKey.objects.filter(pk=key.pk, revoked_at__isnull=True).update(
             revoked_at=now
         )
