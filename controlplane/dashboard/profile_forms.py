@@ -214,8 +214,8 @@ def judge(form: ProfileForm) -> dict[str, Any] | None:
             serializer.validate(passed)
         except serializers.ValidationError as exc:
             detail = exc.detail if isinstance(exc.detail, dict) else {}
-            for name, messages in detail.items():
-                errors.setdefault(name, messages)
+            for key, messages in detail.items():
+                errors.setdefault(str(key), messages)
     for name, messages in errors.items():
         field = name if name in form.fields else None
         if field is not None and field in form.errors:

@@ -185,9 +185,10 @@ class DeploymentSerializer(serializers.ModelSerializer):  # type: ignore[type-ar
         if instance is not None and instance.state not in ("stopped", "pending", "failed"):
             for field in ("node", "profile"):
                 if field in attrs and attrs[field] != getattr(instance, field):
-                    raise serializers.ValidationError(
-                        {field: f"stop the deployment first (it is {instance.state})"}
-                    )
+                    refused: dict[str, str] = {
+                        field: f"stop the deployment first (it is {instance.state})"
+                    }
+                    raise serializers.ValidationError(refused)
         if instance is not None and "node" in attrs:
             attrs["pinned"] = True  # an operator who names the node pins it there
         if instance is not None and instance.replica_of_id is not None:
