@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import psutil
+
 from common.policy_schema import PolicyKnobs
 from hetero.matrix import KNEE_ATTAINMENT, MatrixScenario, scenario_pair
 from hetero.mixed import (
@@ -348,21 +350,9 @@ async def live_mixed(
 HOST_BOUND = 90.0
 
 
-def cpu_times() -> tuple[int, int] | None:
-    """(busy, total) jiffies of the host's CPUs from /proc/stat; None where there is none."""
-    try:
-        with open("/proc/stat", encoding="ascii") as stat:
-            fields = [int(v) for v in stat.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + fields[4]  # idle + iowait
-    return sum(fields) - idle, sum(fields)
-
-
-def busy_percent(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    if before is None or after is None or after[1] <= before[1]:
-        return None
-    return 100.0 * (after[0] - before[0]) / (after[1] - before[1])
+def busy_since_last_call() -> float:
+    """% of the host's CPU busy (not idle, not waiting on I/O) since the previous call."""
+    return float(psutil.cpu_percent(interval=None))
 
 
 def live_point(
@@ -377,7 +367,7 @@ def live_point(
 ) -> Point:
     knobs = knobs_for(scenario, mode)
     url = live.router(mode, knobs)
-    before = cpu_times()
+    busy_since_last_call()  # starts the interval
     if scenario.mixed:
         point = asyncio.run(
             live_mixed(
@@ -388,7 +378,7 @@ def live_point(
         point = asyncio.run(
             live_single(url, scenario, rate, requests=requests, seed=seed, speed=live.speed)
         )
-    return replace(point, host_busy=busy_percent(before, cpu_times()))
+    return replace(point, host_busy=busy_since_last_call())
 
 
 @dataclass

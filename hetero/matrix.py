@@ -138,7 +138,7 @@ def steady_requests(rate: float, output_tokens: int, slo_ttft_ms: float, slo_tpo
     return max(KNEE_REQUESTS, math.ceil(STEADY_LIFETIMES * rate * life_s))
 
 
-def knee(pair: Pair, scenario: Scenario, mode: str) -> float:
+def mode_knee(pair: Pair, scenario: Scenario, mode: str) -> float:
     """``mode``'s highest rate at ``KNEE_ATTAINMENT`` % in the virtual model (req/s), each rate
     run to its steady state; where it meets no rate swept, the lowest rate swept."""
     rates = default_rates(pair, scenario)
@@ -152,13 +152,13 @@ def knee(pair: Pair, scenario: Scenario, mode: str) -> float:
 
 
 def gpu_knee(pair: Pair, scenario: Scenario) -> float:
-    """GPU-only's knee (``knee``)."""
-    return knee(pair, scenario, "gpu")
+    """GPU-only's knee (``mode_knee``)."""
+    return mode_knee(pair, scenario, "gpu")
 
 
 def hetero_knee(pair: Pair, scenario: Scenario) -> float:
-    """Hetero's knee (``knee``) under the matrix's hetero policy."""
-    return knee(pair, scenario, "hetero")
+    """Hetero's knee (``mode_knee``) under the matrix's hetero policy."""
+    return mode_knee(pair, scenario, "hetero")
 
 
 def gpu_interactive_rate(pair: Pair, traffic: MixedScenario) -> float:
