@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the node's sxa_ token (env SYSHAX_AGENT_TOKEN)",
     )
     parser.add_argument("--name", help="node name; must match the token's node if given")
-    parser.add_argument("--runtime", choices=["docker", "process"], help="default process")
+    parser.add_argument(
+        "--runtime", choices=["docker", "kubernetes", "process"], help="default process"
+    )
     parser.add_argument(
         "--heartbeat-interval",
         type=float,
@@ -120,6 +122,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bind mount for every engine container (docker runtime; repeatable), e.g. a "
         "model cache; read-only unless :rw, and a spec cannot make it writable",
     )
+    kube = parser.add_argument_group(
+        "kubernetes runtime", "engine pairs as pods on this agent's node (docs/kubernetes.md)"
+    )
+    kube.add_argument(
+        "--kubernetes-namespace",
+        default=os.environ.get("SYSHAX_KUBERNETES_NAMESPACE"),
+        help="the namespace of the engine pods (env SYSHAX_KUBERNETES_NAMESPACE; default "
+        "syshax-engines)",
+    )
+    kube.add_argument(
+        "--kubernetes-node",
+        default=os.environ.get("SYSHAX_KUBERNETES_NODE"),
+        help="the Kubernetes node this agent runs on (env SYSHAX_KUBERNETES_NODE)",
+    )
+    kube.add_argument(
+        "--kubernetes-model-claim",
+        default=os.environ.get("SYSHAX_KUBERNETES_MODEL_CLAIM"),
+        metavar="CLAIM",
+        help="a PersistentVolumeClaim holding the models, mounted read-only at "
+        "--kubernetes-model-root (default: each model's directory on the node, as a hostPath)",
+    )
+    kube.add_argument("--kubernetes-model-root", help="where the claim is mounted (/models)")
+    kube.add_argument(
+        "--kubernetes-connector-image",
+        default=os.environ.get("SYSHAX_KUBERNETES_CONNECTOR_IMAGE"),
+        help="the project image the KV connector is copied from (default: this version's)",
+    )
+    parser.add_argument("--sys-root", help="the host's /sys, for the inventory (default /sys)")
+    parser.add_argument("--proc-root", help="the host's /proc, for the inventory (default /proc)")
     parser.add_argument("--address", help="address reported in the inventory")
     parser.add_argument(
         "--config",
@@ -171,7 +202,18 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         docker_url=str(pick("docker_url")) if pick("docker_url") else None,
         address=str(pick("address")) if pick("address") else None,
         mounts=[str(m) for m in mounts],
+        kubernetes_namespace=str(pick("kubernetes_namespace", "syshax-engines")),
+        kubernetes_node=_optional(pick("kubernetes_node")),
+        kubernetes_model_claim=_optional(pick("kubernetes_model_claim")),
+        kubernetes_model_root=str(pick("kubernetes_model_root", "/models")),
+        kubernetes_connector_image=_optional(pick("kubernetes_connector_image")),
+        sys_root=str(pick("sys_root", "/sys")),
+        proc_root=str(pick("proc_root", "/proc")),
     )
+
+
+def _optional(value: object) -> str | None:
+    return str(value) if value else None
 
 
 def _flag(name: str) -> str:

@@ -22,7 +22,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -78,7 +78,17 @@ class AgentConfig:
     docker_url: str | None = None
     address: str | None = None
     backoff_cap: float = 30.0
-    mounts: list[str] = field(default_factory=list)  # SRC[:DST][:ro|rw], docker runtime only
+    mounts: list[str] = field(default_factory=list)  # SRC[:DST][:ro|rw], container runtimes
+    # The kubernetes runtime (docs/kubernetes.md): the engines' namespace, the agent's own node,
+    # and where the models come from.
+    kubernetes_namespace: str = "syshax-engines"
+    kubernetes_node: str | None = None
+    kubernetes_model_claim: str | None = None
+    kubernetes_model_root: str = "/models"
+    kubernetes_connector_image: str | None = None
+    # Where the inventory reads the host's /sys and /proc (read-only mounts in a pod).
+    sys_root: str = "/sys"
+    proc_root: str = "/proc"
 
 
 def make_runtime(config: AgentConfig) -> Runtime:
@@ -92,7 +102,21 @@ def make_runtime(config: AgentConfig) -> Runtime:
         from agents.runtimes.process import ProcessRuntime
 
         return ProcessRuntime(config.state_dir, pass_env=config.pass_env)
-    raise ValueError(f"--runtime must be docker or process, got {config.runtime!r}")
+    if config.runtime == "kubernetes":
+        # lazy: only the chosen runtime's client library loads (the Kubernetes client's)
+        from agents.runtimes.kubernetes import KubernetesRuntime, PodOptions
+
+        options = PodOptions(
+            namespace=config.kubernetes_namespace,
+            node=config.kubernetes_node,
+            model_claim=config.kubernetes_model_claim,
+            model_root=config.kubernetes_model_root,
+            host_mounts=tuple(parse_mounts(config.mounts)),
+        )
+        if config.kubernetes_connector_image:
+            options = replace(options, connector_image=config.kubernetes_connector_image)
+        return KubernetesRuntime(options)
+    raise ValueError(f"--runtime must be docker, kubernetes or process, got {config.runtime!r}")
 
 
 def parse_mounts(specs: list[str]) -> list[Mount]:
@@ -261,6 +285,8 @@ class Agent:
             node_name=self.node_name,
             simulated=self.config.simulate,
             address=self.config.address or _address_towards(self.config.control_plane),
+            sys_root=self.config.sys_root,
+            proc_root=self.config.proc_root,
         )
 
     def sync_inventory(self) -> None:

@@ -27,7 +27,10 @@ from common.engine_spec import (
     kv_connector_dir,
 )
 
-__all__ = ["EnginePolicy"]
+__all__ = ["CONTAINER_RUNTIMES", "EnginePolicy"]
+
+# The runtimes that run images (the program is the image's, paths are the image's).
+CONTAINER_RUNTIMES = ("docker", "kubernetes")
 
 
 def _own_interpreter() -> tuple[str, ...]:
@@ -65,13 +68,13 @@ class EnginePolicy:
         return lines
 
     def check(self, spec: EngineSpec, runtime: str) -> EngineSpec:
-        """``spec`` as the runtime named ``runtime`` (``process`` or ``docker``) may run it:
-        on the process runtime its program is the absolute path that was checked. Raises
+        """``spec`` as the runtime named ``runtime`` (``process``, ``docker`` or ``kubernetes``)
+        may run it: on the process runtime its program is the absolute path that was checked. Raises
         ``SpecError`` naming the field and the rule."""
         self._check_mounts(spec)
         if self.allow_any_engine:
             return spec
-        if runtime == "docker":
+        if runtime in CONTAINER_RUNTIMES:
             check_image(spec.image, self.allow_images)
             engine_args = container_engine(
                 spec.command, spec.args, self.interpreters, self.allow_commands
@@ -109,7 +112,7 @@ class EnginePolicy:
     def _check_working_dir(self, working_dir: str | None, runtime: str) -> None:
         if working_dir is None:
             return
-        if runtime == "docker":  # a path in the image: no symlinks of the host to follow
+        if runtime in CONTAINER_RUNTIMES:  # a path in the image: no symlinks of the host to follow
             path, roots = posixpath.normpath(working_dir), self.workdir_roots
         else:
             path = os.path.realpath(working_dir)

@@ -37,7 +37,15 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "syshax"
 VALUES_DIR = Path(__file__).resolve().parent / "helm_values"
 # The values files of the matrix; "defaults" is the chart's values.yaml alone.
-VALUES = ("defaults", "trial", "external", "keda", "router-replicas", "networkpolicy-ipblock")
+VALUES = (
+    "defaults",
+    "trial",
+    "external",
+    "keda",
+    "router-replicas",
+    "networkpolicy-ipblock",
+    "agent-daemonset",
+)
 KUBERNETES_VERSIONS = ("1.34", "1.35", "1.36", "1.37")
 RELEASE, NAMESPACE = "rel", "syshax"
 PREFIX = f"{RELEASE}-syshax"
@@ -104,7 +112,7 @@ def pod_specs(name: str) -> list[tuple[str, dict[str, Any]]]:
     specs = []
     for obj in render(name):
         label = f"{obj['kind']}/{obj['metadata']['name']}"
-        if obj["kind"] in {"Deployment", "StatefulSet", "Job"}:
+        if obj["kind"] in {"Deployment", "StatefulSet", "Job", "DaemonSet"}:
             specs.append((label, obj["spec"]["template"]["spec"]))
         elif obj["kind"] == "Pod":
             specs.append((label, obj["spec"]))
@@ -246,7 +254,9 @@ def test_no_key_or_password_appears_in_clear(name: str) -> None:
 def test_every_container_has_resources_and_a_locked_down_security_context(name: str) -> None:
     for label, spec in pod_specs(name):
         assert spec["securityContext"]["runAsNonRoot"] is True, label
-        assert spec["automountServiceAccountToken"] is False, label
+        # Only the agent calls the Kubernetes API, with a ServiceAccount of its own.
+        agent = label == f"DaemonSet/{PREFIX}-agent"
+        assert spec["automountServiceAccountToken"] is agent, label
         for container in spec.get("initContainers", []) + spec["containers"]:
             where = f"{label} {container['name']}"
             resources = container["resources"]
@@ -268,7 +278,8 @@ def test_every_long_running_container_has_probes_on_its_real_health_endpoints(na
     )
     http_paths = {"web": {"/api/v1/health"}, "gateway": {"/api/v1/health"}}
     http_paths["router"] = {"/metrics", "/health"}
-    for kind in ("Deployment", "StatefulSet"):
+    http_paths["agent"] = set()  # no port: its process is checked
+    for kind in ("Deployment", "StatefulSet", "DaemonSet"):
         for obj in objects(name, kind).values():
             component = obj["metadata"]["labels"]["app.kubernetes.io/component"]
             for container in obj["spec"]["template"]["spec"]["containers"]:
@@ -291,6 +302,7 @@ def test_the_chart_runs_what_docker_compose_runs() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     deployments = objects("defaults", "Deployment")
     assert set(deployments) == {f"{PREFIX}-{c}" for c in COMPOSE_COMPONENTS}
+    assert not objects("defaults", "DaemonSet")  # the agent is off by default
     for component in COMPOSE_COMPONENTS:
         args = main_container("defaults", component)["args"]
         command = compose[component]["command"]
@@ -441,6 +453,67 @@ def test_several_router_replicas_behind_one_service() -> None:
     assert annotations["prometheus.io/port"] == "7010"
 
 
+def test_the_agent_daemonset_runs_on_accelerator_nodes_with_the_kubernetes_runtime() -> None:
+    name = "agent-daemonset"
+    agent = f"{PREFIX}-agent"
+    spec = objects(name, "DaemonSet")[agent]["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"node.example.com/pool": "gpu"}
+    assert {t["key"] for t in spec["tolerations"]} == {"nvidia.com/gpu", "huawei.com/Ascend910"}
+    assert spec["serviceAccountName"] == agent
+    (container,) = spec["containers"]
+    args = container["args"]
+    assert args[:2] == ["syshax", "agent"]
+    assert args[args.index("--runtime") + 1] == "kubernetes"
+    assert args[args.index("--control-plane") + 1] == f"http://{PREFIX}-gateway:8010"
+    assert args[args.index("--config") + 1] == "/etc/syshax/agent/$(SYSHAX_KUBERNETES_NODE).json"
+    assert args[args.index("--kubernetes-model-claim") + 1] == "models"
+    assert args[args.index("--sys-root") + 1] == "/host/sys"
+    assert args[-2:] == ["--heartbeat-interval", "5"]
+    env = env_of(container)
+    assert env["SYSHAX_KUBERNETES_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["SYSHAX_KUBERNETES_NAMESPACE"]["value"] == "inference-engines"
+    # The host's /sys and /proc, read-only, for the inventory; the token from the Secret.
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    for path in ("/sys", "/proc"):
+        (host,) = [v for v in volumes.values() if v.get("hostPath", {}).get("path") == path]
+        assert mounts[f"/host{path}"] == {
+            "name": host["name"],
+            "mountPath": f"/host{path}",
+            "readOnly": True,
+        }
+    assert volumes["tokens"]["secret"]["secretName"] == "gpu-agent-tokens"
+    # The gateway lets the agents in.
+    peers = gateway_peers(name)
+    assert peers[2]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "agent"
+
+
+def test_the_agents_rights_are_pods_in_the_engines_namespace_and_nothing_more() -> None:
+    name = "agent-daemonset"
+    agent = f"{PREFIX}-agent"
+    (role,) = objects(name, "Role").values()
+    assert role["metadata"]["namespace"] == "inference-engines"
+    assert {tuple(r["resources"]): tuple(r["verbs"]) for r in role["rules"]} == {
+        ("pods",): ("create", "get", "list", "watch", "delete"),
+        ("pods/log",): ("get",),
+        ("events",): ("get", "list", "watch"),
+    }
+    assert all(r["apiGroups"] == [""] for r in role["rules"])
+    (binding,) = objects(name, "RoleBinding").values()
+    assert binding["metadata"]["namespace"] == "inference-engines"
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": agent,
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": agent, "namespace": NAMESPACE}
+    ]
+    kinds = {o["kind"] for o in render(name)}
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding"}
+    assert set(objects(name, "ServiceAccount")) == {agent}
+
+
 def test_helm_test_pods_call_the_health_endpoints() -> None:
     pods = objects("defaults", "Pod")
     urls = {}
@@ -538,6 +611,16 @@ BAD_VALUES = [
         "root",
         {"podSecurityContext": {"runAsNonRoot": False}},
         "podSecurityContext.runAsNonRoot",
+    ),
+    (
+        "an-agent-token-on-the-command-line",
+        {"agent": {"extraArgs": ["--token", "sxa_x"]}},
+        "agent.extraArgs.0: Must not validate",
+    ),
+    (
+        "an-engines-namespace-that-is-no-name",
+        {"agent": {"enginesNamespace": "Engines_A"}},
+        "agent.enginesNamespace: Does not match pattern",
     ),
     (
         "keda-without-prometheus",
