@@ -100,16 +100,28 @@ class Engine:
         slab_kib: int = 2048,
         lease_seconds: float = 30.0,
         isa: str | None = None,
+        engine_id: str | None = None,
+        dp_rank: int = 0,
+        draft_layers: int = 0,
+        model_name: str = "tiny",
+        extra: dict[str, Any] | None = None,
+        parallel: dict[str, Any] | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
+        """``draft_layers``: a draft model's attention layers beside the target's, in the
+        KV cache the connector is given (EAGLE's are); ``engine_id``: the configured id when
+        it is not ``name`` (two engines, or two data-parallel ranks, given one)."""
         module = load_connector()
         self.module = module
         self.geometry = geometry
         self.device = torch.device(device)
         self.backend = backend
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(geometry.layers)]
+        self.draft_names = [f"drafter.layers.{i}.self_attn.attn" for i in range(draft_layers)]
+        self.all_layers = self.layer_names + self.draft_names
         impl = type(backend, (), {})()
-        self.context = NS(no_compile_layers={n: NS(impl=impl, isa=isa) for n in self.layer_names})
-        self.caches = {n: self._cache(num_blocks) for n in self.layer_names}
+        self.context = NS(no_compile_layers={n: NS(impl=impl, isa=isa) for n in self.all_layers})
+        self.caches = {n: self._cache(num_blocks) for n in self.all_layers}
         self.free_blocks = list(range(num_blocks))
         random.Random(name).shuffle(self.free_blocks)  # scattered blocks, as in a busy engine
         extra = {
@@ -118,8 +130,9 @@ class Engine:
             "reap_interval_seconds": 3600,
             "arena_mib": arena_mib,
             "slab_kib": slab_kib,
-            "engine_id": name,
+            "engine_id": engine_id or name,
             "peer_engine_id": peer,
+            **(extra or {}),
         }
         model = NS(
             use_mla=False,
@@ -127,19 +140,24 @@ class Engine:
             get_num_layers=lambda parallel: geometry.layers,
             get_total_num_kv_heads=lambda: geometry.kv_heads,
             get_head_size=lambda: geometry.head_size,
+            served_model_name=model_name,
         )
         config = NS(
             kv_transfer_config=NS(
                 kv_connector_extra_config=extra, engine_id=name, is_kv_producer=True
             ),
-            cache_config=NS(block_size=geometry.block_size, cache_dtype="auto"),
-            parallel_config=NS(tensor_parallel_size=1),
+            cache_config=NS(block_size=geometry.block_size, cache_dtype=kv_cache_dtype),
+            parallel_config=NS(
+                **{"tensor_parallel_size": 1, "data_parallel_rank": dp_rank, **(parallel or {})}
+            ),
             model_config=model,
+            # The attention layers vLLM knows at start (its static forward context).
+            compilation_config=NS(static_forward_context=self.context.no_compile_layers),
         )
         kv_config = NS(
             kv_cache_groups=[
                 NS(
-                    layer_names=self.layer_names,
+                    layer_names=self.all_layers,
                     kv_cache_spec=NS(page_size_bytes=geometry.page_bytes),
                 )
             ]
@@ -255,6 +273,48 @@ def plan_prefill(producer: Engine, tokens: int) -> Prefill:
     blocks = producer.allocate(rid, tokens)
     meta = producer.scheduler.build_connector_meta(scheduled(rid, tokens, blocks))
     return Prefill(rid, prompt, meta)
+
+
+def plan_together(
+    producer: Engine, count: int, tokens: int, *, last_chunk: int | None = None
+) -> list[Prefill]:
+    """``count`` prefills of ``tokens`` each whose prompts complete in one step; their
+    ``meta`` is that step's. With ``last_chunk``, each was computed up to its last
+    ``last_chunk`` tokens in an earlier step (run here, its saves included), as chunked
+    prefill, a prefix hit or a resumed preemption leaves it: with ``last_chunk=1`` the
+    finishing step schedules one token per request, a uniform decode that vLLM replays as
+    a full CUDA graph (no ``save_kv_layer``; run it with no saves)."""
+    prefills, new = [], []
+    for _ in range(count):
+        rid = f"prefill-{next(_ids)}"
+        base = 1000 * next(_ids)
+        prompt = list(range(base, base + tokens))  # distinct prompts, distinct digests
+        req = request(rid, prompt, {"do_remote_decode": True})
+        assert producer.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        blocks = producer.allocate(rid, tokens)
+        new.append(NS(req_id=rid, num_computed_tokens=0, block_ids=(blocks,)))
+        prefills.append(Prefill(rid, prompt, None))
+    step = idle()
+    if last_chunk is None:
+        step.scheduled_new_reqs = new
+        step.num_scheduled_tokens = {p.rid: tokens for p in prefills}
+    else:
+        first = idle()
+        first.scheduled_new_reqs = new
+        first.num_scheduled_tokens = {p.rid: tokens - last_chunk for p in prefills}
+        early = producer.scheduler.build_connector_meta(first)
+        assert not early.stores  # nothing completes in the earlier step
+        with producer.step(early):
+            save_layers(producer)
+        step.scheduled_cached_reqs = NS(
+            req_ids=[p.rid for p in prefills],
+            num_computed_tokens=[tokens - last_chunk] * count,
+        )
+        step.num_scheduled_tokens = {p.rid: last_chunk for p in prefills}
+    meta = producer.scheduler.build_connector_meta(step)
+    for p in prefills:
+        p.meta = meta
+    return prefills
 
 
 def save_layers(producer: Engine, layer_hook: Callable[[int], None] | None = None) -> None:

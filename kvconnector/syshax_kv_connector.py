@@ -100,11 +100,11 @@ class SyshaxShmConnector(KVConnectorBase_V1):
         )
         parallel = vllm_config.parallel_config
         model = vllm_config.model_config
-        if getattr(model, "use_mla", False):
-            raise ValueError("SyshaxShmConnector does not support MLA models")
         groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
-        if len(groups) > 1:
-            raise ValueError("SyshaxShmConnector does not support hybrid (several KV group) models")
+        refuse_unsupported(vllm_config, cfg, groups)
+        served = getattr(model, "served_model_name", None)
+        if isinstance(served, list | tuple):
+            served = served[0] if served else None
         engine = Engine(
             cfg=cfg,
             block_size=vllm_config.cache_config.block_size,
@@ -119,10 +119,20 @@ class SyshaxShmConnector(KVConnectorBase_V1):
                 "kv_dtype": str(vllm_config.cache_config.cache_dtype),
                 "model_dtype": str(model.dtype),
             },
+            dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
+            # What the digest binds a transfer to: the name both engines serve (the router
+            # sends one name to both), else the model's path.
+            model_name=str(served or getattr(model, "model", "") or ""),
         )
         os.makedirs(cfg.shm_dir, exist_ok=True)
         self._planner: Planner | None = None
         self._copier = Copier(engine)
+        self._layers = dict(
+            getattr(
+                getattr(vllm_config, "compilation_config", None), "static_forward_context", None
+            )
+            or {}
+        )
         if role == KVConnectorRole.SCHEDULER:
             # A load that fails on the worker (a segment gone bad after its checks passed)
             # recomputes the prompt, as a refused one does; vLLM's default fails the request.
@@ -178,8 +188,22 @@ class SyshaxShmConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker side
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """False: nothing of this connector runs inside the forward. The saves gather in
+        ``wait_for_save`` and the loads run in ``start_load_kv``, both outside any CUDA
+        graph, so a full-graph (uniform decode) step saves what it finishes like any other."""
+        return False
+
+    def counts(self) -> dict[str, int]:
+        """How often each cause (``syshax_kv_shm.Cause``) happened on this side."""
+        tally = shm.Tally(self._copier.tally)
+        if self._planner is not None:
+            tally.update(self._planner.tally)
+        return dict(tally)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._copier.register_kv_caches(kv_caches)
+        self._copier.register_kv_caches(kv_caches, self._layers)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._copier.start_load_kv(self._connector_metadata, forward_context)
@@ -194,10 +218,10 @@ class SyshaxShmConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        self._copier.save_kv_layer(self._connector_metadata, layer_name, kv_layer)
+        return  # gathered in wait_for_save, which full CUDA graphs do not skip
 
     def wait_for_save(self) -> None:
-        self._copier.wait_for_save()
+        self._copier.wait_for_save(self._connector_metadata)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent, received, failed = self._copier.get_transfer_results(
@@ -215,6 +239,41 @@ class SyshaxShmConnector(KVConnectorBase_V1):
         if self._planner is not None:
             self._planner.shutdown()
         self._copier.shutdown()
+
+
+def refuse_unsupported(vllm_config: Any, cfg: Settings, groups: list[Any]) -> None:
+    """Stop the engine at start, naming the setting, on what this connector cannot serve:
+    each would otherwise fail or recompute every transfer, one request at a time."""
+    parallel = vllm_config.parallel_config
+    model = vllm_config.model_config
+    name = "SyshaxShmConnector"
+    if getattr(model, "use_mla", False):
+        raise ValueError(f"{name} does not support MLA models")
+    if len(groups) > 1:
+        raise ValueError(f"{name} does not support hybrid (several KV group) models")
+    for setting in ("pipeline_parallel_size", "decode_context_parallel_size"):
+        value = int(getattr(parallel, setting, 1) or 1)
+        if value > 1:
+            raise ValueError(f"{name} does not support {setting} {value} (only 1)")
+    dtype = str(vllm_config.cache_config.cache_dtype)
+    if dtype.startswith("fp8"):
+        raise ValueError(
+            f"{name} does not support kv_cache_dtype {dtype!r}: the copies and the CPU writer "
+            "carry no fp8 scales; run both engines with kv_cache_dtype 'auto'"
+        )
+    tp = int(parallel.tensor_parallel_size)
+    heads = int(model.get_total_num_kv_heads())
+    if tp > heads or heads % tp:
+        raise ValueError(
+            f"{name} does not support tensor_parallel_size {tp} over the model's {heads} KV "
+            "heads: each rank must hold a whole, equal share of them"
+        )
+    role = str(getattr(vllm_config.kv_transfer_config, "kv_role", "kv_both") or "kv_both")
+    if tp > 1 and (role == "kv_consumer" or not cfg.arena_bytes):
+        raise ValueError(
+            f"{name}: a decode engine (arena_mib 0 or kv_role kv_consumer) must have "
+            f"tensor_parallel_size 1, not {tp}: it loads every rank's segment into one cache"
+        )
 
 
 def _page_bytes(engine: Engine, groups: list[Any], model: Any) -> int:

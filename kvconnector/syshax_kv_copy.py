@@ -1,5 +1,6 @@
-"""The worker side of SyshaxShmConnector: the copies into the producer's arena and out of it
-into the consumer's paged cache (docs/kv-connector.md).
+"""The worker side of SyshaxShmConnector: the hooks, the loads out of a producer's arena
+into the consumer's paged cache; the saves into this engine's own arena are the
+:class:`~syshax_kv_save.Saver`'s (docs/kv-connector.md).
 
 An exception in the copies of one transfer fails that transfer alone: a save publishes its
 segment with the error (its decode recomputes), a load is reported failed (vLLM recomputes
@@ -9,39 +10,19 @@ the prompt), with the cause logged. Only an exception that says the engine itsel
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import syshax_kv_shm as shm
 import torch
-from syshax_kv_plan import Engine, LoadOp, StoreOp, SyshaxShmMetadata, cause, engine_broken
+from syshax_kv_plan import Engine, LoadOp, SyshaxShmMetadata, cause, engine_broken
+from syshax_kv_save import PLAIN_TOKEN_BACKENDS, SPOKEN_BACKENDS, Saver, layout_of
 from vllm.logger import init_logger
 
 logger = init_logger("vllm.syshax_kv_connector")
 SegmentError = shm.SegmentError
-# Attention backends whose page view holds each token's K|V as one row (vLLM 0.32's CUDA
-# backends): they write and read the per-token segment format.
-PLAIN_TOKEN_BACKENDS = frozenset({"FlashAttentionImpl", "TritonAttentionImpl"})
-
-
-@dataclass
-class _Save:
-    """Worker side: one transfer's copies in flight."""
-
-    op: StoreOp
-    layers: dict[str, dict[str, Any]] = field(default_factory=dict)
-    fmt: str = ""
-    layout: dict[str, Any] = field(default_factory=dict)
-    keep: list[torch.Tensor] = field(default_factory=list)  # device sources of pending copies
-    done: Any = None  # the side stream's completion event (CUDA); None: copies are complete
-    error: str | None = None
-    cancelled: bool = False
-    settled: bool = False  # published or discarded
-    index: tuple[torch.Tensor, ...] | None = None
 
 
 class Copier:
@@ -52,6 +33,8 @@ class Copier:
         self._engine_id = engine.cfg.engine_id
         self._block_size = engine.block_size
         self._ipc_ns = engine.ipc_ns
+        self.tally = shm.Tally()
+        self.saver = Saver(engine, self.tally)
         # One token's keys (and values) in this engine's cache: [heads on this rank, size].
         self._token_shape = (
             int(engine.geometry["kv_heads"]) // max(1, engine.tp),
@@ -59,41 +42,48 @@ class Copier:
         )
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layouts: dict[str, dict[str, Any]] = {}
-        self._rank = 0
-        self._arena: shm.Arena | None = None  # the producer's
-        self._arena_t: torch.Tensor | None = None
-        self._arena_registered = False
-        self._stream: Any = None
-        self._saves: dict[str, _Save] = {}  # req id -> copies in flight or landed
         self._told_finished: set[str] = set()
         self._waiting_loads: dict[str, LoadOp] = {}
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
         self._views: dict[str, shm.ArenaView] = {}
 
-    def shutdown(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
-        if self._arena_registered and self._arena_t is not None:
-            with contextlib.suppress(Exception):
-                torch.cuda.cudart().cudaHostUnregister(self._arena_t.data_ptr())
-            self._arena_registered = False
-        if self._arena is not None:
-            self._arena_t = None
-            self._arena.close(unlink=True)  # its transfers end with this engine
-            self._arena = None
+    @property
+    def _arena(self) -> shm.Arena | None:
+        return self.saver.arena
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def shutdown(self) -> None:
+        self.saver.close()
+
+    def register_kv_caches(
+        self, kv_caches: dict[str, torch.Tensor], layers: dict[str, Any] | None = None
+    ) -> None:
+        """The engine's caches, with its attention layers (vLLM's static forward context)
+        when known: a backend whose layout this connector does not speak stops the engine
+        here, naming it, rather than recompute every decode."""
         self._kv_caches = dict(kv_caches)
+        rank = 0
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            self._rank = get_tensor_model_parallel_rank()
+            rank = get_tensor_model_parallel_rank()
         except (AssertionError, ImportError, RuntimeError):
-            self._rank = 0
+            rank = 0
+        for name, cache in kv_caches.items():
+            layer = (layers or {}).get(name)
+            if layer is None:
+                continue
+            layout = layout_of(getattr(layer, "impl", None), getattr(layer, "isa", None), cache)
+            if layout["backend"] not in SPOKEN_BACKENDS:
+                raise ValueError(
+                    f"SyshaxShmConnector does not speak the KV layout of attention backend "
+                    f"{layout['backend']!r} (layer {name}); it speaks "
+                    f"{', '.join(sorted(SPOKEN_BACKENDS))}: choose one of those "
+                    "(--attention-backend / VLLM_ATTENTION_BACKEND) or drop the connector"
+                )
+            self._layouts[name] = layout
         first = next(iter(kv_caches.values()), None)
-        if self._cfg.arena_bytes and first is not None:
-            self._open_arena(first.device)
+        self.saver.open(self._kv_caches, self._layout, rank)
         logger.info(
             "SyshaxShmConnector %s: %d KV layers, layer view %s %s on %s, rank %d, arena %s",
             self._engine_id,
@@ -101,32 +91,15 @@ class Copier:
             tuple(first.shape) if first is not None else None,
             first.dtype if first is not None else None,
             first.device if first is not None else None,
-            self._rank,
+            rank,
             "registered with CUDA"
-            if self._arena_registered
-            else ("mapped" if self._arena_t is not None else "none (decode only)"),
+            if self.saver.registered
+            else (
+                "mapped"
+                if self.saver.arena_t is not None and self.saver.unregistered is None
+                else (self.saver.unregistered or "none (decode only)")
+            ),
         )
-
-    def _open_arena(self, device: torch.device) -> None:
-        path = os.path.join(self._cfg.shm_dir, shm.arena_name(self._engine_id, self._rank))
-        self._arena = shm.create_arena(path, self._cfg.arena_bytes)
-        self._arena_t = torch.frombuffer(self._arena.buffer, dtype=torch.uint8)
-        if device.type != "cuda":
-            return
-        self._stream = torch.cuda.Stream(device=device)
-        err = torch.cuda.cudart().cudaHostRegister(
-            self._arena_t.data_ptr(), self._cfg.arena_bytes, 0
-        )
-        code = int(getattr(err, "value", err))
-        if code == 0:
-            self._arena_registered = True
-        else:
-            logger.warning(
-                "SyshaxShmConnector %s: cudaHostRegister of the arena failed (error %d): "
-                "copies into it are pageable and slow",
-                self._engine_id,
-                code,
-            )
 
     def _layout(self, layer_name: str, cache: torch.Tensor, context: Any = None) -> dict[str, Any]:
         """What a page of this engine's cache holds: the attention backend, its CPU
@@ -142,13 +115,7 @@ class Copier:
 
             with contextlib.suppress(AssertionError, AttributeError, RuntimeError):
                 layer = get_forward_context().no_compile_layers.get(layer_name)
-        impl = getattr(layer, "impl", None)
-        layout = {
-            "backend": type(impl).__name__ if impl is not None else "",
-            "isa": getattr(layer, "isa", None),
-            "page": list(cache.shape[1:]),
-            "dtype": str(cache.dtype).removeprefix("torch."),
-        }
+        layout = layout_of(getattr(layer, "impl", None), getattr(layer, "isa", None), cache)
         if layer is not None:
             self._layouts[layer_name] = layout
         return layout
@@ -160,124 +127,38 @@ class Copier:
             positions % self._block_size
         )
 
-    def save_kv_layer(self, meta: Any, layer_name: str, kv_layer: torch.Tensor) -> None:
-        """Start this layer's copies of the step's stores (``meta``): never wait for them."""
-        if not isinstance(meta, SyshaxShmMetadata) or not meta.stores:
-            return
-        for op in meta.stores:
-            save = self._saves.get(op.request_id)
-            if save is None:
-                save = self._saves[op.request_id] = _Save(op)
-            if save.error is not None:
-                continue
-            try:
-                self._save_layer(save, layer_name, kv_layer)
-            except Exception as exc:  # the engine goes on; the segment names the failure
-                if engine_broken(exc):
-                    raise
-                save.error = f"layer {layer_name}: {cause(exc)}"
-                logger.error(
-                    "SyshaxShmConnector %s: copying transfer %s failed: %s",
-                    self._engine_id,
-                    op.transfer_id,
-                    save.error,
-                )
-
-    def _save_layer(self, save: _Save, layer_name: str, kv_layer: torch.Tensor) -> None:
-        op = save.op
-        if self._arena_t is None:
-            raise RuntimeError("this engine has no arena")
-        layout = self._layout(layer_name, kv_layer)
-        cuda = kv_layer.device.type == "cuda"
-        if layout["backend"] in PLAIN_TOKEN_BACKENDS:
-            # Per-token K|V rows: canonical [2, tokens, heads, head_size], K then V.
-            if save.index is None:
-                slots = _on(self._slots(op.block_ids, 0, op.num_tokens), kv_layer.device)
-                kernel_block = kv_layer.shape[2]
-                save.index = (slots // kernel_block, slots % kernel_block)
-            rows = kv_layer[save.index[0], :, save.index[1]]
-            tokens, heads, width = rows.shape
-            shape = [2, tokens, heads, width // 2]
-            fmt = "tokens"
-        else:
-            # Packed pages (the CPU backend): copied whole, for a consumer of the same
-            # backend and instruction set.
-            used = -(-op.num_tokens // self._block_size)
-            if save.index is None:
-                save.index = (
-                    _on(torch.tensor(op.block_ids[:used], dtype=torch.long), kv_layer.device),
-                )
-            shape = [used, *kv_layer.shape[1:]]
-            fmt = "pages"
-        offset = op.run.offset(self._cfg.slab_bytes) + sum(
-            shm.align_up(p["nbytes"]) for p in save.layers.values()
-        )
-        nbytes = math.prod(shape) * kv_layer.element_size()
-        if offset + nbytes > op.run.offset(self._cfg.slab_bytes) + op.run.length(
-            self._cfg.slab_bytes
-        ):
-            raise RuntimeError(f"the run of {op.run.count} slabs is too small for the transfer")
-        dst = self._arena_t[offset : offset + nbytes].view(kv_layer.dtype).view(shape)
-        if fmt == "tokens":
-            data = rows.view(tokens, heads, 2, width // 2).permute(2, 0, 1, 3).contiguous()
-        if cuda:
-            if fmt == "pages":
-                data = torch.index_select(kv_layer, 0, save.index[0])
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(kv_layer.device))
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(ready)
-                dst.copy_(data, non_blocking=True)
-            save.keep.append(data)  # freed only once the side stream has read it
-        elif fmt == "pages":
-            torch.index_select(kv_layer, 0, save.index[0], out=dst)
-        else:
-            dst.copy_(data)
-        save.fmt, save.layout = fmt, layout
-        save.layers[layer_name] = {
-            "offset": offset,
-            "nbytes": nbytes,
-            "shape": shape,
-            "dtype": str(kv_layer.dtype).removeprefix("torch."),
-        }
-
-    def wait_for_save(self) -> None:
-        """Record when this step's copies land; never wait for them."""
-        for save in self._saves.values():
-            if save.keep and save.done is None and self._stream is not None:
-                save.done = torch.cuda.Event()
-                save.done.record(self._stream)
+    def wait_for_save(self, meta: Any) -> None:
+        """Gather the step's stores (``meta``) and start their copies; never wait."""
+        self.saver.gather(meta)
 
     def get_transfer_results(
         self, meta: Any, finished_req_ids: set[str]
     ) -> tuple[set[str], set[str], set[str]]:
         """(sent, received, failed to receive): requests whose copies landed and that the
         scheduler has finished, loads done (failed ones included), loads that failed."""
+        saves = self.saver.saves
+        # When finalising is deferred, this step's stores still count (an idempotent call).
+        self.saver.gather(meta)
         if isinstance(meta, SyshaxShmMetadata):
-            for op in meta.stores:
-                if op.request_id not in self._saves:
-                    # save_kv_layer never ran for it: the segment says so, the blocks go back.
-                    self._saves[op.request_id] = _Save(op, error="no layer was saved")
             cancelled = set(meta.cancels)
-            for save in self._saves.values():
+            for save in saves.values():
                 if save.op.transfer_id in cancelled:
                     save.cancelled = True
                     if save.settled:  # published before the scheduler knew: take it back
-                        self._discard(save.op)
-        self.wait_for_save()  # when finalising is deferred, this step's copies still count
-        self._told_finished |= finished_req_ids & self._saves.keys()
+                        self.saver.discard(save.op)
+        self._told_finished |= finished_req_ids & saves.keys()
         for rid in finished_req_ids & self._waiting_loads.keys():
             # The decode was aborted while it waited: its blocks are freed once reported.
             op = self._waiting_loads.pop(rid)
             shm.unlink_transfer(self._cfg.shm_dir, op.transfer_id, op.ranks, op.expires_at)
             self._recv_done.add(rid)
         sending = set()
-        for rid, save in list(self._saves.items()):
+        for rid, save in list(saves.items()):
             if save.done is not None and not save.done.query():
                 continue  # still copying
             if not save.settled:
                 try:
-                    self._settle(save)
+                    self.saver.settle(save, self._ipc_ns)
                 except Exception as exc:  # not published: its decode finds it gone
                     if engine_broken(exc):
                         raise
@@ -287,66 +168,15 @@ class Copier:
                         save.op.transfer_id,
                         cause(exc),
                     )
-                    self._discard(save.op)
+                    self.saver.discard(save.op)
                 save.settled = True
             if rid in self._told_finished:
                 sending.add(rid)
-                del self._saves[rid]
+                del saves[rid]
                 self._told_finished.discard(rid)
         received, failed = self._recv_done | self._recv_failed, self._recv_failed
         self._recv_done, self._recv_failed = set(), set()
         return sending, received, failed
-
-    def _discard(self, op: StoreOp) -> None:
-        base = os.path.join(
-            self._cfg.shm_dir, shm.segment_name(op.transfer_id, self._rank, op.expires_at)
-        )
-        for path in (base + ".tmp", base):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-
-    def _settle(self, save: _Save) -> None:
-        """Publish a transfer whose copies have landed, or discard it."""
-        op, cfg = save.op, self._cfg
-        save.keep.clear()
-        save.done = None
-        if save.cancelled:
-            self._discard(op)
-            return
-        header = {
-            **shm.segment_header(
-                op.transfer_id,
-                self._rank,
-                engine_id=self._engine_id,
-                run=op.run,
-                slab_bytes=cfg.slab_bytes,
-                num_tokens=op.num_tokens,
-                expires_at=op.expires_at,
-            ),
-            "ipc_namespace": self._ipc_ns,
-            "format": save.fmt,
-            "layout": save.layout,
-            "layers": {
-                name: {k: v for k, v in piece.items() if k != "nbytes"}
-                for name, piece in save.layers.items()
-            },
-        }
-        if save.error is not None or set(save.layers) != set(self._kv_caches):
-            header["error"] = save.error or "not every layer was copied"
-        base = os.path.join(
-            cfg.shm_dir, shm.segment_name(op.transfer_id, self._rank, op.expires_at)
-        )
-        try:
-            # A .tmp the reaper removed (its lease over) stays gone: nothing is published.
-            shm.write_file(base + ".tmp", shm.encode_header(header), create=False)
-            os.rename(base + ".tmp", base)
-        except OSError as exc:
-            logger.warning(
-                "SyshaxShmConnector %s: transfer %s not published: %s",
-                self._engine_id,
-                op.transfer_id,
-                exc,
-            )
 
     def start_load_kv(self, meta: Any, forward_context: Any) -> None:
         """Load every waiting transfer whose segment is published (``meta`` adds new ones)."""
@@ -409,7 +239,7 @@ class Copier:
                 f"segment {os.path.basename(base)} vanished before loading (its lease ended, "
                 "or the producer discarded it)"
             )
-        if time.time() > op.expires_at:
+        if time.time() > shm.lease_end(bases[0], op.expires_at, cfg.lease_seconds):
             raise SegmentError("its lease ended before the load (the reaper may free it now)")
         for base in bases:
             try:
@@ -547,11 +377,3 @@ class Copier:
             )
             return
         raise SegmentError(f"no token writer for attention backend {layout['backend']!r}")
-
-
-def _on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small index tensor on ``device``: on CUDA through pinned memory and a copy queued
-    on the compute stream, so the forward's host thread never waits for the device."""
-    if device.type != "cuda":
-        return index
-    return index.pin_memory().to(device, non_blocking=True)

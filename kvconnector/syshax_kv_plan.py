@@ -66,6 +66,7 @@ class Settings:
     slab_bytes: int
     engine_id: str
     peer_engine_id: str | None
+    staging_bytes: int = 512 << 20
 
     @classmethod
     def parse(cls, extra: dict[str, Any], default_engine_id: str) -> Settings:
@@ -91,6 +92,7 @@ class Settings:
             slab_bytes=slab_kib * 1024,
             engine_id=str(extra.get("engine_id") or default_engine_id),
             peer_engine_id=str(extra.get("peer_engine_id") or "") or None,
+            staging_bytes=int(number("staging_mib", 512, 1, 1 << 20) * 2**20),
         )
 
 
@@ -143,6 +145,28 @@ class Engine:
     tp: int
     ipc_ns: str
     geometry: dict[str, Any]
+    dp_rank: int = 0
+    model_name: str = ""
+
+    def arena_file(self, rank: int) -> str:
+        """The name of this engine's arena of tensor-parallel ``rank`` (pipeline
+        parallelism is refused at start, so its rank is 0)."""
+        return shm.arena_name(self.cfg.engine_id, rank, dp_rank=self.dp_rank)
+
+
+class Unbound(shm.SegmentError):
+    """The transfer's KV is not bound to this request's prompt: its digest differs or is
+    missing."""
+
+    def __init__(self, message: str, why: shm.Cause) -> None:
+        super().__init__(message)
+        self.cause = why
+
+
+def adapter_of(request: Any) -> str | None:
+    """The LoRA adapter a request runs with (its name), or None."""
+    lora = getattr(request, "lora_request", None)
+    return None if lora is None else str(getattr(lora, "lora_name", lora))
 
 
 class Planner:
@@ -154,6 +178,11 @@ class Planner:
         cfg = engine.cfg
         self._cfg = cfg
         self._engine_id = cfg.engine_id
+        self._engine = engine
+        self.tally = shm.Tally()
+        self._local_hits: set[str] = set()  # req ids whose transfer the local cache covered
+        self._host_unregistered: str | None = None  # why every prefill falls back
+        self._owner_checked = False
         self._block_size = engine.block_size
         self._tp = engine.tp
         self._ipc_ns = engine.ipc_ns
@@ -162,7 +191,8 @@ class Planner:
         self._num_layers = layers
         self._block_ids_of = block_ids
         self._slabs = shm.SlabAllocator(cfg.arena_bytes // cfg.slab_bytes, cfg.slab_bytes)
-        self._want_store: dict[str, tuple[str, int]] = {}  # req id -> (transfer id, tokens)
+        # req id -> (transfer id, tokens, prompt digest)
+        self._want_store: dict[str, tuple[str, int, str]] = {}
         self._planned: dict[str, _Planned] = {}  # req id -> store in flight
         self._published: dict[str, tuple[shm.Run, float]] = {}  # tid -> run, lease expiry
         self._fallbacks: dict[str, str] = {}  # req id -> why its KV was not published
@@ -207,35 +237,46 @@ class Planner:
         try:
             if wants_store is not True:
                 raise SegmentError(f"do_remote_decode {shm.show(wants_store, 32)} is not true")
-            prompt = len(request.prompt_token_ids or ())
+            token_ids = list(request.prompt_token_ids or ())
+            model = self._engine.model_name
+            digest = shm.prompt_digest(token_ids, model, adapter_of(request))
         except Exception as exc:
             if engine_broken(exc):
                 raise
             self._fall_back(rid, cause(exc))
             return
-        self._want_store[rid] = (uuid.uuid4().hex, prompt)
+        self._want_store[rid] = (uuid.uuid4().hex, len(token_ids), digest)
 
     def _match_load(
         self, request: Request, params: dict[str, Any], num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         rid = request.request_id
-        if rid in self._load_errors:
-            return 0, False  # refused, or its load failed: it recomputes its prompt
+        if rid in self._load_errors or rid in self._local_hits:
+            return 0, False  # refused, failed, or held locally: nothing to load
         try:
             op = self._check_transfer(request, params)
             if op.end <= num_computed_tokens:
-                return 0, False  # the local prefix cache already holds all of it
+                # The local prefix cache already holds all of it: its slabs go back now,
+                # not at the end of its lease.
+                shm.unlink_transfer(self._cfg.shm_dir, op.transfer_id, op.ranks, op.expires_at)
+                self._local_hits.add(rid)
+                self.tally.add(shm.Cause.LOCAL_HIT)
+                return 0, False
             op.start = num_computed_tokens
         except Exception as exc:  # any bad field: recompute, never fail the engine
             if engine_broken(exc):
                 raise
             self._need_load.pop(rid, None)
             self._load_errors[rid] = why = cause(exc)
+            kind = getattr(exc, "cause", shm.Cause.REFUSED)
             logger.error(
-                "SyshaxShmConnector %s: request %s recomputes its prompt, transfer %s unusable: %s",
+                "SyshaxShmConnector %s: request %s recomputes its prompt, transfer %s unusable "
+                "(%s, %d so far): %s",
                 self._engine_id,
                 rid,
                 shm.show(params.get("transfer_id")),
+                kind.value,
+                self.tally.add(kind),
                 why,
             )
             return 0, False
@@ -254,8 +295,24 @@ class Planner:
             max_lease_seconds=self._cfg.lease_seconds,
         )
         tid, ranks, expires = checked.transfer_id, checked.ranks, checked.expires_at
+        prompt = list(request.prompt_token_ids or ())[: checked.num_tokens]
+        unbound = shm.check_digest(params, prompt, self._engine.model_name, adapter_of(request))
+        if unbound is shm.Cause.DIGEST_MISSING:
+            raise Unbound(
+                f"transfer {tid} carries no prompt_digest (a producer older than the digest, "
+                "or parameters stripped of it): nothing binds its KV to this prompt",
+                unbound,
+            )
+        if unbound is not None:
+            raise Unbound(
+                f"transfer {tid} holds the KV of another prompt, model or adapter: its "
+                f"prompt_digest is not that of this request's first {checked.num_tokens} "
+                f"tokens on model {self._engine.model_name!r}",
+                unbound,
+            )
         now = time.time()
-        if now > expires:
+        first = os.path.join(self._cfg.shm_dir, shm.segment_name(tid, 0, expires))
+        if now > shm.lease_end(first, expires, self._cfg.lease_seconds):
             shm.unlink_transfer(self._cfg.shm_dir, tid, ranks, expires)
             raise SegmentError(
                 f"segment {shm.segment_name(tid, 0, expires)} expired {now - expires:.1f}s "
@@ -296,7 +353,7 @@ class Planner:
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             computed[rid] = cached.num_computed_tokens[i]
-        for rid, (tid, prompt) in list(self._want_store.items()):
+        for rid, (tid, prompt, digest) in list(self._want_store.items()):
             scheduled = scheduler_output.num_scheduled_tokens.get(rid)
             if scheduled is None or rid not in computed:
                 continue
@@ -304,7 +361,7 @@ class Planner:
                 continue  # chunked prefill: the prompt completes in a later step
             del self._want_store[rid]
             try:
-                op = self._plan_store(rid, tid, prompt)
+                op = self._plan_store(rid, tid, prompt, digest)
             except Exception as exc:  # never fail the engine: the request falls back
                 if engine_broken(exc):
                     raise
@@ -315,11 +372,17 @@ class Planner:
                 meta.stores.append(op)
         return meta
 
-    def _plan_store(self, rid: str, tid: str, prompt: int) -> StoreOp | None:
+    def _plan_store(self, rid: str, tid: str, prompt: int, digest: str) -> StoreOp | None:
         cfg = self._cfg
+        unregistered = self._arena_unregistered()
+        if unregistered is not None:
+            self.tally.add(shm.Cause.HOST_REGISTER)
+            self._fall_back(rid, unregistered)
+            return None
         need = self._transfer_bytes(prompt)
         run = self._allocate(need)
         if run is None:
+            self.tally.add(shm.Cause.ARENA_FULL)
             self._fall_back(
                 rid,
                 "this engine has no KV arena (arena_mib 0)"
@@ -338,6 +401,7 @@ class Planner:
                 tid,
                 rank,
                 engine_id=self._engine_id,
+                arena_file=self._engine.arena_file(rank),
                 run=run,
                 slab_bytes=cfg.slab_bytes,
                 num_tokens=prompt,
@@ -351,6 +415,7 @@ class Planner:
             "transfer_id": tid,
             "segment": shm.segment_name(tid, 0, expires_at),
             "num_tokens": prompt,
+            "prompt_digest": digest,
             "ranks": self._tp,
             "lease_expires_at": int(expires_at),
             "producer_engine_id": self._engine_id,
@@ -358,6 +423,22 @@ class Planner:
             "geometry": self._geometry,
         }
         return StoreOp(rid, tid, prompt, blocks, expires_at, run)
+
+    def _arena_unregistered(self) -> str | None:
+        """Why this engine's arena cannot take copies (CUDA refused to register it, as its
+        workers wrote in their owner records), or None. Read until every rank's record says
+        it is ready (the workers write them before the engine serves), then kept."""
+        if self._owner_checked or not self._slabs.slabs:
+            return self._host_unregistered
+        records = []
+        for rank in range(self._tp):
+            path = os.path.join(self._cfg.shm_dir, self._engine.arena_file(rank))
+            records.append(shm.arena.read_owner(path))
+        for record in records:
+            if record is not None and record.get("host_registered") is False:
+                self._host_unregistered = str(record.get("fallback") or "arena not registered")
+        self._owner_checked = all(r is not None and r.get("ready") for r in records)
+        return self._host_unregistered
 
     def _fall_back(self, rid: str, why: str) -> None:
         self._fallbacks[rid] = why
@@ -396,7 +477,7 @@ class Planner:
         """After a restart: runs that live segments of this engine's arena still hold."""
         if not self._slabs.slabs:
             return
-        arena = shm.arena_name(self._engine_id, 0)
+        arena = self._engine.arena_file(0)
         for tid, run, _rank, expires_at in shm.live_runs(self._cfg.shm_dir, arena):
             with contextlib.suppress(ValueError):
                 self._slabs.mark(run, True)
@@ -420,6 +501,7 @@ class Planner:
             if rid in failed and rid in self._loading:
                 # vLLM recomputes it (kv_load_failure_policy "recompute") and asks again.
                 self._load_errors.setdefault(rid, "its load failed (logged above)")
+                self.tally.add(shm.Cause.LOAD_FAILED)
             self._loading.discard(rid)
 
     def _sent(self, rid: str) -> None:
@@ -456,6 +538,7 @@ class Planner:
         self._need_load.pop(rid, None)
         self._ready_loads.pop(rid, None)
         self._loading.discard(rid)
+        self._local_hits.discard(rid)
         error = self._load_errors.pop(rid, None)
         fallback = self._fallbacks.pop(rid, None)
         planned = self._planned.get(rid)
@@ -475,7 +558,11 @@ class Planner:
     def _reap_forever(self) -> None:
         while not self._stop.wait(self._cfg.reap_interval_seconds):
             try:
-                shm.reap_expired(self._cfg.shm_dir, claim_grace=self._cfg.claim_grace_seconds)
+                shm.reap_expired(
+                    self._cfg.shm_dir,
+                    claim_grace=self._cfg.claim_grace_seconds,
+                    lease=self._cfg.lease_seconds,
+                )
                 shm.reap_arenas(self._cfg.shm_dir)
             except OSError as exc:  # keep reaping; a transient error must not kill leases
                 logger.warning("SyshaxShmConnector: reaping %s failed: %s", self._cfg.shm_dir, exc)

@@ -3,13 +3,12 @@
 Standard library only (no vLLM, no torch), so the layout can be read, checked and tested
 without an engine. The connector (``syshax_kv_connector.py``) moves the bytes.
 
-The arena
-    One file per producing engine and tensor-parallel rank,
-    ``<shm_dir>/syshax-arena-<engine id>-r<rank>``, of ``slabs x slab_bytes`` bytes, created
-    once when the engine starts: space reserved with ``posix_fallocate`` (a full tmpfs is a
-    clear error at start, not a SIGBUS later), pages faulted in, and on CUDA registered with
-    the driver so copies into it are DMA. A transfer takes a run of consecutive slabs; its
-    layers lie in the run one after another, each aligned to ``ALIGN`` bytes.
+The arena (``syshax_kv_arena.py``)
+    One file per producing engine and rank, named by arena_name() (the engine id, a hash
+    of it, the data-parallel, pipeline and tensor-parallel ranks), owned by one live process
+    (an exclusive lock; a second is refused, naming the first). A transfer takes a run of
+    consecutive slabs; its layers lie in the run one after another, each aligned to
+    ``ALIGN`` bytes.
 
 A segment
     One small file per transfer and rank, ``syshax-kv-<transfer id>-r<rank>-<lease expiry>``:
@@ -19,7 +18,8 @@ A segment
     - ``<name>.tmp``: written by the producer's scheduler when it plans the copy (the header
       has the run, no layers yet). A consumer that sees it waits: the copy is under way.
     - ``<name>``: renamed from ``.tmp`` by the producer's worker once every layer's copy has
-      landed, with the full header (or with an ``error``, if a copy failed).
+      landed, with the full header (or with an ``error``, if a copy failed). Its lease
+      counts from here (its mtime), never ending before the time its name carries.
     - ``<name>.claimed``: renamed by the consumer that loads it, then touched, so its mtime
       is the claim time; unlinked when the load is done.
 
@@ -28,40 +28,59 @@ A segment
     a claimed one ``claim_grace`` seconds after its claim. So a crash of either engine holds
     a slab no longer than a lease (or the claim grace).
 
-An arena's owner holds a shared ``flock`` on it for its life; the reaper removes an arena
-nobody holds and no segment points into (:func:`reap_arenas`): a producer that crashed
+An arena's owner holds an exclusive ``flock`` on it for its life; the reaper removes an
+arena nobody holds and no segment points into (:func:`reap_arenas`): a producer that crashed
 leaves no arena behind for longer than its segments' leases. A clean shutdown removes it.
+
+A transfer is bound to its prompt: its parameters carry :func:`prompt_digest` of the
+prompt's first ``num_tokens`` token ids, the served model and the LoRA adapter, which the
+consumer checks against its own prompt (:func:`check_digest`) before loading.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import hashlib
 import json
 import math
-import mmap
 import os
 import re
 import time
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
+
+if __package__:  # imported as kvconnector.syshax_kv_shm (the simulator, the tests)
+    from . import syshax_kv_arena as arena
+else:  # loaded from this directory by an engine, as a top-level module
+    import syshax_kv_arena as arena  # type: ignore[no-redef]
+
+ALIGN = arena.ALIGN
+ARENA_PREFIX = arena.ARENA_PREFIX
+ARENA_RE = arena.ARENA_RE
+Arena = arena.Arena
+ArenaOwned = arena.ArenaOwned
+ArenaView = arena.ArenaView
+Run = arena.Run
+SlabAllocator = arena.SlabAllocator
+arena_name = arena.arena_name
+create_arena = arena.create_arena
+size = arena.size
 
 MAGIC = b"SYSHAXKV"
 FORMAT_VERSION = 2
 PREAMBLE = 16  # magic (8), format version (4), header length (4)
 HEADER_LIMIT = 1 << 16  # a header larger than this is refused unread
-ALIGN = 4096  # every layer's bytes start on a page
 MAX_RANKS = 64  # tensor-parallel ranks a transfer may come from
 MAX_LEASE_SECONDS = 3600.0  # a lease further away than this is refused as a lie
 SEGMENT_PREFIX = "syshax-kv-"
-ARENA_PREFIX = "syshax-arena-"
 SEGMENT_RE = re.compile(
     r"^syshax-kv-(?P<tid>[0-9a-f]{32})-r(?P<rank>\d+)-(?P<exp>\d+)"
     r"(?P<state>\.tmp|\.claimed)?$"
 )
 TRANSFER_ID_RE = re.compile(r"[0-9a-f]{32}")
-# What arena_name() makes: one file name in the shm directory, no separator, nothing above it.
-ARENA_RE = re.compile(r"syshax-arena-[A-Za-z0-9._-]{1,100}-r\d{1,3}")
 # dtypes a segment may name, with their size in bytes (torch's names without "torch.").
 DTYPE_SIZES = {
     "bfloat16": 2,
@@ -73,9 +92,6 @@ DTYPE_SIZES = {
     "int8": 1,
 }
 FORMATS = ("tokens", "pages")
-# Linux 5.14's madvise advices; older kernels answer EINVAL and pages fault in on first use.
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 class SegmentError(Exception):
@@ -94,175 +110,13 @@ def segment_name(transfer_id: str, rank: int, expires_at: float) -> str:
     return f"{SEGMENT_PREFIX}{transfer_id}-r{rank}-{int(expires_at)}"
 
 
-def arena_name(engine_id: str, rank: int) -> str:
-    """The arena's file name: the engine id with anything but ``[A-Za-z0-9._-]`` replaced."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", engine_id)[:100] or "engine"
-    return f"{ARENA_PREFIX}{safe}-r{rank}"
-
-
-def size(nbytes: int) -> str:
-    """``nbytes`` for a message: MiB from one MiB up, KiB below."""
-    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.0f} KiB"
-
-
 def align_up(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
 
 
-# ---------------------------------------------------------------------------- the arena
-
-
-@dataclass(frozen=True)
-class Run:
-    """Consecutive slabs ``first .. first + count - 1`` of an arena."""
-
-    first: int
-    count: int
-
-    def offset(self, slab_bytes: int) -> int:
-        return self.first * slab_bytes
-
-    def length(self, slab_bytes: int) -> int:
-        return self.count * slab_bytes
-
-
-class SlabAllocator:
-    """First-fit runs of fixed-size slabs: bookkeeping only, no memory."""
-
-    def __init__(self, slabs: int, slab_bytes: int) -> None:
-        if slabs < 0 or slab_bytes < ALIGN or slab_bytes % ALIGN:
-            raise ValueError(f"bad arena shape: {slabs} slabs of {slab_bytes} bytes")
-        self.slabs = slabs
-        self.slab_bytes = slab_bytes
-        self._used = bytearray(slabs)
-
-    @property
-    def capacity(self) -> int:
-        return self.slabs * self.slab_bytes
-
-    def slabs_for(self, nbytes: int) -> int:
-        return max(1, -(-nbytes // self.slab_bytes))
-
-    def largest_free_run(self) -> int:
-        best = length = 0
-        for used in self._used:
-            length = 0 if used else length + 1
-            best = max(best, length)
-        return best
-
-    def allocate(self, nbytes: int) -> Run | None:
-        """A run that holds ``nbytes``, marked used; None when no run is free."""
-        want = self.slabs_for(nbytes)
-        start = length = 0
-        for i, used in enumerate(self._used):
-            if used:
-                start, length = i + 1, 0
-                continue
-            length += 1
-            if length == want:
-                self.mark(Run(start, want), True)
-                return Run(start, want)
-        return None
-
-    def mark(self, run: Run, used: bool) -> None:
-        if run.first < 0 or run.count < 1 or run.first + run.count > self.slabs:
-            raise ValueError(f"run {run} is outside the arena's {self.slabs} slabs")
-        self._used[run.first : run.first + run.count] = bytes([used]) * run.count
-
-
-def _populate(mm: mmap.mmap, advice: int) -> None:
-    with contextlib.suppress(OSError, ValueError):
-        mm.madvise(advice)
-
-
-@dataclass
-class Arena:
-    """A producer's arena: its mapping, and the open file whose shared lock says that its
-    owner is alive."""
-
-    path: str
-    fd: int
-    buffer: mmap.mmap
-
-    def close(self, *, unlink: bool) -> None:
-        if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
-        with contextlib.suppress(BufferError, ValueError):
-            self.buffer.close()  # tensors over it may still be alive: the exit frees it then
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-
-
-def _open_held(path: str) -> int:
-    """``path`` opened (created if missing) with a shared lock held on that very file: one
-    the reaper removed between the open and the lock is opened again."""
-    for _ in range(3):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        try:
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                return fd
-        except FileNotFoundError:
-            pass
-        os.close(fd)
-    raise OSError(f"the KV arena {path} was removed three times while it was being opened")
-
-
-def create_arena(path: str, size: int) -> Arena:
-    """The producer's arena, ``size`` bytes at ``path``, mapped read-write and faulted in,
-    held (a shared lock) for as long as it is open.
-
-    An existing file of that name (this engine's own, from before a restart) is reused: live
-    segments may still point into it. Raises OSError naming the directory and the shortfall
-    when its file system cannot hold ``size`` bytes."""
-    fd = _open_held(path)
-    try:
-        if os.fstat(fd).st_size != size:
-            os.ftruncate(fd, size)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            stat = os.statvfs(os.path.dirname(path) or ".")
-            free = stat.f_bavail * stat.f_frsize
-            raise OSError(
-                exc.errno,
-                f"cannot reserve a {size / 2**20:.0f} MiB KV arena in {os.path.dirname(path)} "
-                f"({free / 2**20:.0f} MiB free): give the GPU container a larger /dev/shm "
-                "(--shm-size, the profile's gpu_shm_size_gb) or a smaller arena_mib",
-            ) from None
-        mm = mmap.mmap(fd, size)
-    except BaseException:
-        os.close(fd)
-        raise
-    _populate(mm, MADV_POPULATE_WRITE)
-    return Arena(path, fd, mm)
-
-
-@dataclass
-class ArenaView:
-    """A consumer's read-only mapping of a producer's arena."""
-
-    path: str
-    inode: int
-    size: int
-    buffer: mmap.mmap
-
-
 def open_arena(path: str) -> ArenaView:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise SegmentError(f"the producer's arena {os.path.basename(path)} is gone") from None
-    try:
-        stat = os.fstat(fd)
-        if stat.st_size == 0:
-            raise SegmentError(f"the producer's arena {os.path.basename(path)} is empty")
-        mm = mmap.mmap(fd, stat.st_size, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    _populate(mm, MADV_POPULATE_READ)
-    return ArenaView(path, stat.st_ino, stat.st_size, mm)
+    """A consumer's read-only mapping of the arena at ``path``; SegmentError when gone."""
+    return arena.open_arena(path, SegmentError)
 
 
 # ---------------------------------------------------------------------------- segments
@@ -292,18 +146,19 @@ def segment_header(
     rank: int,
     *,
     engine_id: str,
+    arena_file: str,
     run: Run,
     slab_bytes: int,
     num_tokens: int,
     expires_at: float,
 ) -> dict[str, Any]:
     """What every header of a transfer's segment says, pending or published: whose it is and
-    where its run lies in which arena."""
+    where its run lies in which arena (``arena_file``, the name arena_name() gave it)."""
     return {
         "transfer_id": transfer_id,
         "rank": rank,
         "producer_engine_id": engine_id,
-        "arena": arena_name(engine_id, rank),
+        "arena": arena_file,
         "run": [run.first, run.count],
         "offset": run.offset(slab_bytes),
         "length": run.length(slab_bytes),
@@ -518,6 +373,58 @@ def not_found(path: str, shm_dir: str, ipc_ns: str) -> str:
     )
 
 
+# ---------------------------------------------------------------------------- binding
+
+
+class Cause(StrEnum):
+    """Why a transfer was not used as planned: each is counted (:class:`Tally`) and named in
+    its log line. The values are what logs and ``SyshaxShmConnector.counts()`` say."""
+
+    REFUSED = "refused"  # a field of the parameters failed its check
+    DIGEST_MISMATCH = "digest_mismatch"  # the KV is of another prompt, model or adapter
+    DIGEST_MISSING = "digest_missing"  # parameters from before the digest: not loaded
+    LOCAL_HIT = "local_hit"  # the consumer's own cache held it all: released at once
+    LOAD_FAILED = "load_failed"  # the load failed after the checks
+    HOST_REGISTER = "host_register_failed"  # CUDA refused the arena: every prefill falls back
+    ARENA_FULL = "arena_full"  # no run free for the transfer
+    SAVE_FAILED = "save_failed"  # the producer's copy failed (published with the error)
+
+
+class Tally(Counter[str]):
+    """How often each :class:`Cause` happened in this engine."""
+
+    def add(self, cause: Cause) -> int:
+        """Count ``cause`` once; how often it has happened now."""
+        self[cause.value] += 1
+        return self[cause.value]
+
+
+def prompt_digest(token_ids: Sequence[int], model: str, adapter: str | None) -> str:
+    """What binds a transfer to its prompt: a hash of the served model's name, the LoRA
+    adapter's (empty without one) and the token ids, each as eight little-endian bytes."""
+    h = hashlib.sha256()
+    for part in (model, adapter or ""):
+        blob = part.encode("utf-8", "surrogatepass")
+        h.update(len(blob).to_bytes(4, "little") + blob)
+    h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids))
+    return "sha256:" + h.hexdigest()
+
+
+def check_digest(
+    params: dict[str, Any], token_ids: Sequence[int], model: str, adapter: str | None
+) -> Cause | None:
+    """None when ``params`` carry the digest of ``token_ids`` (the decode's own prompt, cut
+    at the transfer's ``num_tokens``), ``model`` and ``adapter``; otherwise why not:
+    DIGEST_MISSING for parameters without one (produced before the digest existed, or
+    stripped), DIGEST_MISMATCH for another prompt, model or adapter."""
+    theirs = params.get("prompt_digest")
+    if theirs is None:
+        return Cause.DIGEST_MISSING
+    if not isinstance(theirs, str) or theirs != prompt_digest(token_ids, model, adapter):
+        return Cause.DIGEST_MISMATCH
+    return None
+
+
 # ---------------------------------------------------------------------------- leases
 
 
@@ -540,11 +447,15 @@ def unlink_transfer(shm_dir: str, transfer_id: str, ranks: int, expires_at: floa
             os.unlink(path)
 
 
-def reap_expired(shm_dir: str, *, claim_grace: float, now: float | None = None) -> list[str]:
+def reap_expired(
+    shm_dir: str, *, claim_grace: float, lease: float = 0.0, now: float | None = None
+) -> list[str]:
     """Unlink expired segments (any producer's) in ``shm_dir``; returns their names.
 
-    A published or pending segment expires with its lease; a claimed one ``claim_grace``
-    seconds after its claim (its mtime), so a consumer that died mid-load frees the run."""
+    A pending segment expires at the time its name carries (its copy must land by then); a
+    published one ``lease`` seconds after its publication (its mtime) and never before its
+    name's time; a claimed one ``claim_grace`` seconds after its claim (its mtime), so a
+    consumer that died mid-load frees the run."""
     now = time.time() if now is None else now
     removed = []
     for name in os.listdir(shm_dir):
@@ -552,13 +463,17 @@ def reap_expired(shm_dir: str, *, claim_grace: float, now: float | None = None) 
         if match is None:
             continue
         path = os.path.join(shm_dir, name)
-        if match.group("state") == ".claimed":
-            try:
+        state = match.group("state")
+        named = float(match.group("exp"))
+        try:
+            if state == ".claimed":
                 expires = os.stat(path).st_mtime + claim_grace
-            except FileNotFoundError:
-                continue
-        else:
-            expires = int(match.group("exp"))
+            elif state is None:
+                expires = max(named, os.stat(path).st_mtime + lease)
+            else:
+                expires = named
+        except FileNotFoundError:
+            continue
         if now > expires:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -566,29 +481,35 @@ def reap_expired(shm_dir: str, *, claim_grace: float, now: float | None = None) 
     return removed
 
 
+def lease_end(path: str, named: float, lease: float) -> float:
+    """When the lease of the published segment at ``path`` ends: ``lease`` seconds after its
+    publication, never before the time its name carries; ``named`` when it is not there."""
+    try:
+        return max(named, os.stat(path).st_mtime + lease)
+    except OSError:
+        return named
+
+
 def reap_arenas(shm_dir: str) -> list[str]:
     """Unlink the arenas in ``shm_dir`` whose owner is gone (nobody holds their lock) and
-    into which no segment points any more; returns their names."""
+    into which no segment points any more, with their owner records; returns their names."""
     removed: list[str] = []
     referenced: set[str] | None = None
     for name in os.listdir(shm_dir):
         if not name.startswith(ARENA_PREFIX):
             continue
         path = os.path.join(shm_dir, name)
+        fd = arena.unowned(path)
+        if fd is None:
+            continue  # its producer is alive
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # its producer is alive
             if referenced is None:
                 referenced = _referenced_arenas(shm_dir)
             if name in referenced or os.stat(path).st_ino != os.fstat(fd).st_ino:
                 continue
             os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.unlink(arena.owner_path(path))
             removed.append(name)
         except OSError:
             continue
@@ -602,15 +523,15 @@ def _referenced_arenas(shm_dir: str) -> set[str]:
     for name in os.listdir(shm_dir):
         if SEGMENT_RE.match(name):
             with contextlib.suppress(SegmentError):
-                arena = read_header(os.path.join(shm_dir, name)).get("arena")
-                if isinstance(arena, str):
-                    names.add(arena)
+                named = read_header(os.path.join(shm_dir, name)).get("arena")
+                if isinstance(named, str):
+                    names.add(named)
     return names
 
 
-def live_runs(shm_dir: str, arena: str) -> list[tuple[str, Run, int, float]]:
+def live_runs(shm_dir: str, arena_file: str) -> list[tuple[str, Run, int, float]]:
     """(transfer id, run, rank, lease expiry) of every segment file in ``shm_dir`` that points
-    into ``arena``: what a restarted producer must not hand out again. Unreadable files are
+    into ``arena_file``: what a restarted producer must not hand out again. Unreadable files are
     skipped (the reaper removes them at their lease)."""
     found = []
     for name in os.listdir(shm_dir):
@@ -621,7 +542,7 @@ def live_runs(shm_dir: str, arena: str) -> list[tuple[str, Run, int, float]]:
             header = read_header(os.path.join(shm_dir, name))
         except SegmentError:
             continue
-        if header.get("arena") != arena:
+        if header.get("arena") != arena_file:
             continue
         run = header.get("run")
         if (

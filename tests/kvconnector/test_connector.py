@@ -410,18 +410,22 @@ def test_the_header_is_json_after_the_magic(pair: Any, shm_dir: Path) -> None:
     data = (shm_dir / prefill.params["segment"]).read_bytes()
     assert data[:8] == b"SYSHAXKV"
     header = json.loads(data[16:])
-    assert header["arena"] == "syshax-arena-gpu-r0" and header["format"] == "pages"
+    assert header["arena"] == shm.arena_name("gpu", 0) and header["format"] == "pages"
 
 
 def arenas(shm_dir: Path) -> list[str]:
     return sorted(p.name for p in shm_dir.iterdir() if p.name.startswith("syshax-arena-"))
 
 
+def owners(shm_dir: Path) -> list[str]:
+    return sorted(p.name for p in shm_dir.iterdir() if p.name.startswith("syshax-owner-"))
+
+
 def test_a_clean_shutdown_removes_the_arena(shm_dir: Path) -> None:
     engines = make_pair(shm_dir)
-    assert arenas(shm_dir) == ["syshax-arena-gpu-r0"]
+    assert arenas(shm_dir) == [shm.arena_name("gpu", 0)]
     close(engines)
-    assert arenas(shm_dir) == []
+    assert arenas(shm_dir) == [] and owners(shm_dir) == []
 
 
 def test_the_arena_of_a_crashed_producer_goes_once_its_segments_do(shm_dir: Path) -> None:
@@ -432,5 +436,5 @@ def test_the_arena_of_a_crashed_producer_goes_once_its_segments_do(shm_dir: Path
     assert shm.reap_arenas(str(shm_dir)) == []  # a published segment still points into it
     time.sleep(1.4)
     assert shm.reap_expired(str(shm_dir), claim_grace=0.3) == [prefill.params["segment"]]
-    assert shm.reap_arenas(str(shm_dir)) == ["syshax-arena-gpu-r0"]
-    assert arenas(shm_dir) == []
+    assert shm.reap_arenas(str(shm_dir)) == [shm.arena_name("gpu", 0)]
+    assert arenas(shm_dir) == [] and owners(shm_dir) == []

@@ -377,10 +377,10 @@ def test_a_broken_engine_is_not_hidden_behind_a_recompute(
     monkeypatch.setattr(consumer.worker._copier, "_load", broken)
     with pytest.raises(type(exc)):
         harness.run_load(consumer, decode)
-    # and the worker's save.
+    # and the worker's save (the step's gather, in wait_for_save).
     again = harness.plan_prefill(producer, 20)
-    monkeypatch.setattr(producer.worker._copier, "_save_layer", broken)
-    with producer.step(again.meta), pytest.raises(type(exc)):
+    monkeypatch.setattr(producer.worker._copier.saver, "_gather_host", broken)
+    with pytest.raises(type(exc)), producer.step(again.meta):
         harness.save_layers(producer)
 
 
