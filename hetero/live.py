@@ -20,7 +20,8 @@ import asyncio
 import contextlib
 import math
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from loadgen.records import RequestRecord
 from loadgen.runner import LoadSpec, run_load
 from loadgen.scenarios import MIXED_SCENARIOS, SERVICE_TIERS
 from loadgen.simproc import knob_flags_for_speed, running_router, running_sim
-from loadgen.stats import SLO
+from loadgen.stats import SLO, Timed
 from loadgen.wire import ConnectionPool
 from loadgen.workload import WARMUP_INDEX, RequestSpec, build_requests
 
@@ -72,6 +73,15 @@ class Point:
     goodput: float
     batch_tokens_per_s: float | None = None
     host_busy: float | None = None  # live: % of the host's CPU busy during the run
+    # Live: the load generator's send lateness (``RequestRecord.send_lateness``), p99, in
+    # simulated ms. Past a few % of the TTFT target the client, not the system, set the load.
+    late_p99_ms: float | None = None
+    # Which route served the judged requests and the decider's reason code
+    # (``route:code``, e.g. ``pd:gpu-queue``; the route alone where it gave none), and why
+    # those that missed did (``loadgen.stats.SLO.missed``): where a live and a
+    # virtual cell differ, these say which part of the model to look at.
+    routes: dict[str, int] = field(default_factory=dict)
+    misses: dict[str, int] = field(default_factory=dict)
 
     @property
     def figure(self) -> float:
@@ -158,17 +168,40 @@ def virtual_point(
         traffic = MIXED_SCENARIOS[scenario.traffic]
         mixed_mode = "gpu" if mode == "gpu" else "class-aware"
         load = mixed_load(scenario, rate, mixed_requests)
-        point, _ = measure_mixed(pair, traffic, mixed_mode, load, seed=seed)
+        point, stats = measure_mixed(pair, traffic, mixed_mode, load, seed=seed)
         i = point.interactive
+        inter = [r for r in stats.requests if r.slo_class in (None, "interactive")]
+        routes, misses = tally(
+            inter,
+            (_label(r.route, r.reason) for r in inter),
+            class_slo(mixed_knobs(pair, mixed_mode), "interactive"),
+        )
         return Point(
             i.requests, i.good, i.attainment, i.good / load.window_s,
-            point.batch.window_good_tokens_per_s,
+            point.batch.window_good_tokens_per_s, routes=routes, misses=misses,
         )  # fmt: skip
     knobs = knobs_for(scenario, mode)
-    rate_point, _ = measure(
+    rate_point, stats = measure(
         pair, scenario.scenario, mode, rate, requests=requests, seed=seed, knobs=knobs
     )
-    return Point(rate_point.requests, rate_point.good, rate_point.attainment, rate_point.goodput)
+    slo = SLO(scenario.slo_ttft_ms, scenario.slo_tpot_ms)
+    routes, misses = tally(stats.requests, (_label(r.route, r.reason) for r in stats.requests), slo)
+    return Point(
+        rate_point.requests, rate_point.good, rate_point.attainment, rate_point.goodput,
+        routes=routes, misses=misses,
+    )  # fmt: skip
+
+
+def _label(route: str, code: str) -> str:
+    return f"{route}:{code}" if code else route
+
+
+def tally(
+    items: Iterable[Timed], routes: Iterable[str], slo: SLO
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Requests by route, and the missed ones by their cause (``Point.routes``/``misses``)."""
+    missed = Counter(why for item in items if (why := slo.missed(item)))
+    return dict(sorted(Counter(routes).items())), dict(sorted(missed.items()))
 
 
 # -- live --------------------------------------------------------------------------------
@@ -254,6 +287,14 @@ def _scaled(records: Sequence[RequestRecord], speed: float) -> list[RequestRecor
     return [r.scaled(speed) for r in records]
 
 
+def late_p99_ms(records: Sequence[RequestRecord], speed: float) -> float | None:
+    """The p99 of the records' send lateness in simulated ms (None: none was due)."""
+    late = sorted(x for r in records if (x := r.send_lateness) is not None)
+    if not late:
+        return None
+    return 1000.0 * speed * late[min(len(late) - 1, math.ceil(0.99 * len(late)) - 1)]
+
+
 async def live_single(
     url: str, scenario: MatrixScenario, rate: float, *, requests: int, seed: int, speed: float
 ) -> Point:
@@ -272,9 +313,14 @@ async def live_single(
     finally:
         pool.close()
     slo = SLO(scenario.slo_ttft_ms, scenario.slo_tpot_ms)
-    good = sum(1 for r in _scaled(result.records, speed) if slo.met_by(r))
+    scaled = _scaled(result.records, speed)
+    good = sum(1 for r in scaled if slo.met_by(r))
     attainment = 100.0 * good / len(specs)
-    return Point(len(specs), good, attainment, rate * attainment / 100.0)
+    routes, misses = tally(scaled, (_label(r.decision, r.reason) for r in scaled), slo)
+    return Point(
+        len(specs), good, attainment, rate * attainment / 100.0,
+        late_p99_ms=late_p99_ms(result.records, speed), routes=routes, misses=misses,
+    )  # fmt: skip
 
 
 def _tiered(specs: list[RequestSpec], tier: str) -> list[RequestSpec]:
@@ -332,7 +378,11 @@ async def live_mixed(
     finally:
         pool.close()
     i_slo, b_slo = class_slo(knobs, "interactive"), class_slo(knobs, "batch")
-    good = sum(1 for r in _scaled(inter_records, speed) if i_slo.met_by(r))
+    inter_scaled = _scaled(inter_records, speed)
+    good = sum(1 for r in inter_scaled if i_slo.met_by(r))
+    routes, misses = tally(
+        inter_scaled, (_label(r.decision, r.reason) for r in inter_scaled), i_slo
+    )
     # The window in the generator's clock (perf_counter, unscaled): from the batch stream's
     # start, the warm-up and then the window, in wall seconds.
     low = batch_start + load.warmup_s / speed
@@ -342,7 +392,11 @@ async def live_mixed(
         if b_slo.met_by(scaled):
             tokens += sum(1 for at in record.chunk_times if low <= at < high)
     attainment = 100.0 * good / n_inter
-    return Point(n_inter, good, attainment, good / load.window_s, tokens / load.window_s)
+    late = late_p99_ms([*inter_records, *batch_records], speed)
+    return Point(
+        n_inter, good, attainment, good / load.window_s, tokens / load.window_s,
+        late_p99_ms=late, routes=routes, misses=misses,
+    )  # fmt: skip
 
 
 # A live cell whose host was busier than this measured the harness as much as the system:
@@ -491,7 +545,8 @@ def _mixed(point: Point | None) -> str:
 TABLE_HEAD = (
     "| scenario | pair | shape | tokens | SLO TTFT/TPOT (ms) | rate | live GPU-only "
     "| live hetero | live ratio | virtual GPU-only | virtual hetero | virtual ratio "
-    "| virtual error | host CPU |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| virtual error | host CPU | send late p99 (ms) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -511,7 +566,7 @@ def table_row(cell: Cell) -> str:
         f"| {rate} | {show(live.get('gpu'))} | {show(live.get('hetero'))} "
         f"| {_x(cell.ratio('live'))} | {show(cell.virtual['gpu'])} "
         f"| {show(cell.virtual['hetero'])} | {_x(cell.ratio('virtual'))} | {_err(cell.error())} "
-        f"| {_host(cell)} |"
+        f"| {_host(cell)} | {_late(cell)} |"
     )
 
 
@@ -524,6 +579,14 @@ def _host(cell: Cell) -> str:
         busy = cell.live[m].host_busy
         shown.append("?" if busy is None else f"{busy:.0f}%" + ("!" if busy > HOST_BOUND else ""))
     return " / ".join(shown)
+
+
+def _late(cell: Cell) -> str:
+    """The generator's send lateness p99 (GPU-only / hetero), simulated ms."""
+    if cell.live is None:
+        return "-"
+    late = [cell.live[m].late_p99_ms for m in MODES]
+    return " / ".join("?" if x is None else f"{x:.0f}" for x in late)
 
 
 def format_table(cells: Sequence[Cell]) -> str:

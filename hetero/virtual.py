@@ -80,6 +80,7 @@ class Request:
     tokens: int = 0
     error: str | None = None
     route: str = ""
+    reason: str = ""  # the decision's code (the router's X-Syshax-Reason)
     cpu_tokens: int = 0  # tokens the CPU engine decoded
     slo_class: str | None = None  # an SLO class name; None: judged without a class
     queued_s: float = 0.0  # how long it waited in the router's flow control
@@ -331,7 +332,7 @@ class VirtualDeployment:
     def _route(self, req: Request, decision: Decision, slo: SloClass | None, now: float) -> None:
         """Act on ``req``'s final decision (counted here, as the router counts it)."""
         self._count(decision, slo)
-        req.route = decision.route.value
+        req.route, req.reason = decision.route.value, decision.code
         if decision.route is Route.GPU_ONLY and self.gpu is not None:
             self._submit(self.gpu, Leg(req, "whole"), now)
         elif decision.route is Route.CPU_ONLY and self.cpu is not None:

@@ -26,6 +26,8 @@ APIS = ("completions", "chat")
 FORCED_MODE_HEADER = "X-Syshax-Mode"
 # The router answers with the route it chose (router/request.py); recorded per request.
 DECISION_HEADER = "X-Syshax-Route"
+# Why the router chose it: the decider's short code (the router's REASON_HEADER).
+REASON_HEADER = "X-Syshax-Reason"
 _ERROR_BODY_LIMIT = 500
 
 
@@ -120,6 +122,7 @@ class StreamClient:
             return record
         record.status = response.head.status
         record.decision = response.head.headers.get(DECISION_HEADER.lower(), "")
+        record.reason = response.head.headers.get(REASON_HEADER.lower(), "")
         if record.status != 200:
             text = b"".join(piece for _, piece in response.pieces).decode(errors="replace")
             record.error = f"HTTP {record.status}: {text[:_ERROR_BODY_LIMIT].strip()}"

@@ -22,6 +22,10 @@ class RequestRecord:
     prompt_tokens: int
     max_tokens: int
     sent_at: float = 0.0
+    # Open loop: when the arrival process had it due. A generator whose event loop is busy
+    # sends late (``send_lateness``), offering less load than asked and measuring from the
+    # late send; None in a closed loop, where nothing is due before the previous answer.
+    due_at: float | None = None
     # Arrival time of every SSE chunk that carried generated text, in order.
     chunk_times: list[float] = field(default_factory=list)
     # Tokens the server reported in its usage chunk; None when it sent none.
@@ -32,6 +36,8 @@ class RequestRecord:
     response_id: str = ""
     # The router's routing decision for this request, when it reports one in a header.
     decision: str = ""
+    # And its reason code, when it reports one (``X-Syshax-Reason``).
+    reason: str = ""
 
     @property
     def output_tokens(self) -> int:
@@ -46,6 +52,13 @@ class RequestRecord:
         if not self.chunk_times:
             return None
         return self.chunk_times[0] - self.sent_at
+
+    @property
+    def send_lateness(self) -> float | None:
+        """Seconds the request was sent after it was due (open loop), else None."""
+        if self.due_at is None:
+            return None
+        return max(0.0, self.sent_at - self.due_at)
 
     @property
     def latency(self) -> float | None:
@@ -91,6 +104,7 @@ class RequestRecord:
             "status": self.status,
             "response_id": self.response_id,
             "decision": self.decision,
+            "reason": self.reason,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "ttft_ms": ms(self.ttft),

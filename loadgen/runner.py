@@ -89,12 +89,13 @@ async def _open_loop(
     cap = asyncio.Semaphore(load.concurrency) if load.concurrency is not None else None
     records: list[RequestRecord] = []
 
-    async def one(spec: RequestSpec) -> None:
+    async def one(spec: RequestSpec, due: float) -> None:
         if cap is None:
             record = await client.send(spec)
         else:
             async with cap:
                 record = await client.send(spec)
+        record.due_at = due
         records.append(record)
         if on_done is not None:
             on_done(record)
@@ -102,10 +103,11 @@ async def _open_loop(
     start = time.perf_counter()
     tasks = []
     for spec, offset in zip(specs, offsets, strict=True):
-        delay = start + offset - time.perf_counter()
+        due = start + offset
+        delay = due - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(spec)))
+        tasks.append(asyncio.create_task(one(spec, due)))
     await asyncio.gather(*tasks)
     return records
 

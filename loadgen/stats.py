@@ -108,19 +108,24 @@ class SLO:
 
     def met_by(self, record: Timed) -> bool:
         """Whether a request succeeded and met every SLO given (a bound is inclusive)."""
+        return not self.missed(record)
+
+    def missed(self, record: Timed) -> str:
+        """Why a request did not meet the SLOs: ``error``, or the first target it missed
+        (``ttft``, ``tpot``, ``e2e``); "" when it met them all."""
         if not record.ok:
-            return False
+            return "error"
         checks = (
-            (self.ttft_ms, record.ttft),
-            (self.tpot_ms, record.tpot),
-            (self.e2e_ms, record.latency),
+            ("ttft", self.ttft_ms, record.ttft),
+            ("tpot", self.tpot_ms, record.tpot),
+            ("e2e", self.e2e_ms, record.latency),
         )
-        for bound_ms, value in checks:
+        for name, bound_ms, value in checks:
             if bound_ms is None:
                 continue
             if value is None or value * 1000.0 > bound_ms:
-                return False
-        return True
+                return name
+        return ""
 
 
 @dataclass(frozen=True)

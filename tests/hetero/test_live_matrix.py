@@ -29,6 +29,16 @@ def test_one_scenario_live_and_virtual() -> None:
             assert cell.live[mode].requests == 6 and cell.virtual[mode].requests == 6
             # A light load at a loose SLO: every request meets it, live and virtual.
             assert cell.live[mode].attainment == 100.0, cell.live
+            # Which route served each request, live and virtual, for a newcomer comparing
+            # the two; nothing missed, and the generator's lateness is measured.
+            for side in (cell.live[mode], cell.virtual[mode]):
+                assert sum(side.routes.values()) == 6 and side.misses == {}, side
+            assert cell.live[mode].late_p99_ms is not None
+        # GPU-only mode: every request on the GPU, live and virtual, for the same reason.
+        live_routes, virtual_routes = cell.live["gpu"].routes, cell.virtual["gpu"].routes
+        assert live_routes == virtual_routes and all(
+            r.startswith("gpu-only") for r in live_routes
+        ), (live_routes, virtual_routes)
         assert cell.error() is not None and cell.error() < 0.01
     no_harm = next(t for t in targets(cells) if t.name.startswith("no harm"))
     assert no_harm.met

@@ -138,6 +138,10 @@ def test_request_rate_never_sends_early(fast_sim: str) -> None:
     start = result.started_at - result.wall_offset
     for record, offset in zip(result.records, planned, strict=True):
         assert record.sent_at - start >= offset - 1e-3
+        # Each record knows when it was due, so a late generator is seen, not hidden.
+        assert record.due_at == pytest.approx(start + offset, abs=1e-3)
+        lateness = record.send_lateness
+        assert lateness == pytest.approx(max(0.0, record.sent_at - record.due_at))
     assert math.isclose(planned[-1], 0.5)
 
 

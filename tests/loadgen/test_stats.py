@@ -107,6 +107,10 @@ def test_goodput_needs_every_slo() -> None:
     assert ttft_only.good_requests == 2
     e2e_only = summarize(records, 1.0, SLO(e2e_ms=70))  # the bound is inclusive
     assert e2e_only.good_requests == 1
+    # Why each missed: the first target it fails, in TTFT, TPOT, E2E order.
+    slo = SLO(ttft_ms=100, tpot_ms=50)
+    assert [slo.missed(r) for r in records] == ["", "ttft", "tpot", "error"]
+    assert SLO(e2e_ms=60).missed(fast) == "e2e"
 
 
 def test_slo_rejects_non_positive_bounds() -> None:
