@@ -1,0 +1,141 @@
+"""Shared limits across router processes (docs/router.md, "Shared limits"): two standalone
+routers started with ``--shared-limits-url`` hold a tenant to one RPM bucket, burst then
+refill, exactly; a ``--workers 2`` router's workers likewise; a router whose Redis is killed
+keeps serving on its local share and says so in ``/metrics``."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from recording_engine import RecordingEngine
+from redis_server import OwnRedis, suite_redis_url
+from router_procs import MODEL, Proc, metric, wait_for
+
+from common.tenants import hash_key
+
+pytestmark = pytest.mark.process  # routers and a stand-in engine
+
+KEY = "sk-shx-shared-limits"
+# A bound that a busy 2-core test machine keeps to.
+TIMEOUT = "0.05"
+
+
+@pytest.fixture
+def engine() -> Iterator[RecordingEngine]:
+    stub = RecordingEngine()
+    yield stub
+    stub.close()
+
+
+@pytest.fixture
+def own_redis() -> Iterator[OwnRedis]:
+    server = OwnRedis()
+    yield server
+    server.stop()
+
+
+def tenants_file(workdir: Path, rpm: int) -> tuple[Path, str]:
+    """A tenants file of one tenant, named afresh so the suite's Redis holds no bucket of it."""
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    path = workdir / f"{name}.json"
+    path.write_text(
+        json.dumps({"tenants": [{"name": name, "keys": [hash_key(KEY)], "rpm_limit": rpm}]})
+    )
+    return path, name
+
+
+def status(router: Proc) -> int:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    return httpx.post(
+        router.url + "/v1/chat/completions", json=body, headers=headers, timeout=10
+    ).status_code
+
+
+def until_admitted(router: Proc) -> float:
+    """When the router next lets the tenant in (asked every 50 ms)."""
+    deadline = time.monotonic() + 10
+    while status(router) != 200:
+        assert time.monotonic() < deadline, "never let in again"
+        time.sleep(0.05)
+    return time.monotonic()
+
+
+def shared_router(
+    router_factory: Callable[..., Proc],
+    engine: RecordingEngine,
+    tenants: Path,
+    url: str,
+    *extra: str,
+) -> Proc:
+    return router_factory(
+        engine.url,
+        None,
+        "--tenants-file",
+        str(tenants),
+        "--shared-limits-url",
+        url,
+        "--shared-limits-timeout",
+        TIMEOUT,
+        *extra,
+    )
+
+
+def test_two_router_processes_hold_a_tenant_to_one_rpm_burst_then_refill(
+    tmp_path: Path, engine: RecordingEngine, router_factory: Callable[..., Proc]
+) -> None:
+    url = suite_redis_url()
+    tenants, _ = tenants_file(tmp_path, rpm=30)  # refills one request every 2 s
+    a = shared_router(router_factory, engine, tenants, url)
+    b = shared_router(router_factory, engine, tenants, url)
+    answers = [status(a if i % 2 else b) for i in range(36)]
+    assert answers == [200] * 30 + [429] * 6
+    # Then one request every 2 s, whichever router it reaches, and never two at once.
+    admitted = []
+    for i in range(2):
+        admitted.append(until_admitted(a if i else b))
+        assert [status(a), status(b)] == [429, 429]
+    assert admitted[1] - admitted[0] == pytest.approx(2.0, abs=0.3)
+    for router in (a, b):
+        assert metric(router, "syshax_router_limits_local") == 0
+        assert metric(router, "syshax_router_limits_fallbacks_total") == 0
+    assert wait_for(lambda: metric(a, "syshax_router_limits_routers") == 2)
+
+
+def test_the_workers_of_one_router_share_the_bucket(
+    tmp_path: Path, engine: RecordingEngine, router_factory: Callable[..., Proc]
+) -> None:
+    url = suite_redis_url()
+    tenants, _ = tenants_file(tmp_path, rpm=20)
+    router = shared_router(router_factory, engine, tenants, url, "--workers", "2")
+    # Fresh connections, spread over both workers by the kernel.
+    answers = [status(router) for _ in range(26)]
+    assert answers == [200] * 20 + [429] * 6
+
+
+def test_a_router_that_loses_redis_serves_on_its_share_and_says_so(
+    tmp_path: Path,
+    engine: RecordingEngine,
+    router_factory: Callable[..., Proc],
+    own_redis: OwnRedis,
+) -> None:
+    tenants, _ = tenants_file(tmp_path, rpm=20)
+    a = shared_router(router_factory, engine, tenants, own_redis.url)
+    b = shared_router(router_factory, engine, tenants, own_redis.url)
+    assert wait_for(lambda: metric(a, "syshax_router_limits_routers") == 2)
+    assert status(a) == 200
+    own_redis.kill()
+    answers = [status(a) for _ in range(12)]
+    assert answers == [200] * 10 + [429] * 2  # 20 / 2 routers, its local share
+    assert metric(a, "syshax_router_limits_local") == 1
+    assert metric(a, "syshax_router_limits_fallbacks_total") == 1
+    own_redis.start()
+    assert wait_for(lambda: metric(a, "syshax_router_limits_local") == 0, timeout=10)
+    assert wait_for(lambda: metric(b, "syshax_router_limits_local") == 0, timeout=10)
+    assert status(b) == 200  # a fresh shared bucket: the flushed Redis forgot the old one
