@@ -455,6 +455,12 @@ class SharedLimitsMetrics:
             "Times this router lost the shared limits' Redis and fell back to local limits",
             registry=registry,
         )
+        self.local_admissions = Counter(
+            "syshax_router_limits_local_admissions",
+            "Admissions decided on this router's local buckets: Redis did not answer within "
+            "the bound, or the router holds the limits locally",
+            registry=registry,
+        )
         self.routers = Gauge(
             "syshax_router_limits_routers",
             "Router processes registered in the shared limits' Redis at the last heartbeat",

@@ -44,6 +44,9 @@ HEARTBEAT_SECONDS = 1.0
 ROUTER_TTL_SECONDS = 5.0
 # The heartbeat's own bound: it runs beside the requests, never in front of one.
 PROBE_TIMEOUT = 1.0
+# Admissions in a row past the bound before the router stops asking Redis (one late answer
+# on a busy host is decided locally, alone).
+SLOW_IN_A_ROW = 3
 
 # Shared by both scripts: Redis's clock, and a bucket refilled to ``now`` (a missing key is
 # a full bucket; a lowered limit caps what was left).
@@ -155,6 +158,7 @@ class SharedLimits:
         # Called with the new count when it changes (the tenants re-divide their limits).
         self.on_routers: Callable[[int], None] = lambda count: None
         self._pending: set[asyncio.Task[Any]] = set()
+        self._slow_in_a_row = 0
 
     def _key(self, tenant: str, limit: str) -> str:
         return f"{self.prefix}:{{{tenant}}}:{limit}"
@@ -166,14 +170,23 @@ class SharedLimits:
         limits locally (Redis failed or was slow now or before, until the heartbeat sees it
         back): the caller then uses its local buckets."""
         if self.local:
+            self.metrics.local_admissions.inc()
             return None
         keys = (self._key(tenant, "rpm"), self._key(tenant, "tpm"))
         try:
             async with asyncio.timeout(self.timeout):
                 reason, value = await self._admit(keys, (rpm, tpm, charge))
-        except (RedisError, OSError, TimeoutError) as exc:
+        except TimeoutError as exc:  # past the bound (the script may still have run)
+            self.metrics.local_admissions.inc()
+            self._slow_in_a_row += 1
+            if self._slow_in_a_row >= SLOW_IN_A_ROW:
+                self._fall_back(exc)
+            return None
+        except (RedisError, OSError) as exc:
+            self.metrics.local_admissions.inc()
             self._fall_back(exc)
             return None
+        self._slow_in_a_row = 0
         return Verdict(reason.decode() if isinstance(reason, bytes) else str(reason), float(value))
 
     def settle(self, tenant: str, tpm: int, delta: int) -> None:
@@ -198,6 +211,7 @@ class SharedLimits:
         if self.local:
             return
         self.local = True
+        self._slow_in_a_row = 0
         self.metrics.local.set(1)
         self.metrics.fallbacks.inc()
         log.warning(

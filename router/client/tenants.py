@@ -135,6 +135,16 @@ class Limits:
             bucket(record.tpm_limit, before.tpm if before else None),
         )
 
+    def mirror(self, tokens: int, now: float) -> None:
+        """Take a request let in by the shared buckets from these local ones too (down to
+        empty, no further), so that they hold this router's share of what the tenant has
+        used when they stand in: a router falling back under a tenant's flood finds them
+        empty rather than hands out a fresh burst, however often Redis comes and goes."""
+        for bucket, amount in ((self.rpm, 1), (self.tpm, tokens)):
+            if bucket is not None and amount:
+                bucket.refill(now)
+                bucket.level = max(0.0, bucket.level - amount)
+
 
 @dataclass
 class Admission:
@@ -145,7 +155,7 @@ class Admission:
     charged: int
     limits: Limits | None
     done: bool = False
-    # Charged to the shared buckets in Redis (settled there), not to ``limits``.
+    # Charged to the shared buckets in Redis (settled there too; ``limits`` mirror them).
     shared: bool = False
 
 
@@ -334,13 +344,17 @@ class Tenants:
         verdict = await shared.admit(tenant.name, tenant.rpm_limit, tenant.tpm_limit, charge)
         if verdict is None:
             return self.admit(tenant, model, token_estimate)
+        limits = self._limits.get(tenant.name)
         if verdict.reason == "rpm":
             self._rejected(tenant.name, "rpm")
             raise _limited(tenant, "requests", "RPM", tenant.rpm_limit, verdict.value)
         if verdict.reason == "tpm":
             self._rejected(tenant.name, "tpm")
             raise _limited(tenant, "tokens", "TPM", tenant.tpm_limit, verdict.value)
-        return Admission(tenant, model or "", int(verdict.value), None, shared=True)
+        charged = int(verdict.value)
+        if limits is not None:
+            limits.mirror(charged, self.clock())
+        return Admission(tenant, model or "", charged, limits, shared=True)
 
     def settle(
         self, admission: Admission, prompt_tokens: int, completion_tokens: int, ok: bool

@@ -185,11 +185,12 @@ def test_redis_killed_falls_back_to_divided_local_limits_and_converges(
         own_redis.kill()
         with caplog.at_level(logging.WARNING, logger="syshax.router"):
             started = time.perf_counter()
-            results = [await a.admit(acme) for _ in range(31)]
+            results = [await a.admit(acme) for _ in range(21)]
             elapsed = time.perf_counter() - started
             await a.shared.beat()  # the heartbeat fails too: still one transition
-        # Served on a local bucket of 60 / 2 routers: a burst of 30, then refused.
-        assert codes(results) == ["ok"] * 30 + ["rpm_limit_exceeded"]
+        # Served on a local bucket of 60 / 2 routers, less the 10 it let in while shared.
+        assert codes(results) == ["ok"] * 20 + ["rpm_limit_exceeded"]
+        assert a.sample("syshax_router_limits_local_admissions_total") == 21
         assert elapsed < BOUND + SLACK
         assert a.sample("syshax_router_limits_local") == 1
         assert a.sample("syshax_router_limits_fallbacks_total") == 1

@@ -132,7 +132,8 @@ def test_a_router_that_loses_redis_serves_on_its_share_and_says_so(
     assert status(a) == 200
     own_redis.kill()
     answers = [status(a) for _ in range(12)]
-    assert answers == [200] * 10 + [429] * 2  # 20 / 2 routers, its local share
+    # 20 / 2 routers, its local share, less the one request it let in while shared.
+    assert answers == [200] * 9 + [429] * 3
     assert metric(a, "syshax_router_limits_local") == 1
     assert metric(a, "syshax_router_limits_fallbacks_total") == 1
     own_redis.start()
