@@ -25,6 +25,7 @@ from common.routing import PD_PROTOCOLS, DeploymentSpec
 from common.tenants import TenantError
 from router.api.app import build_app
 from router.client.access import MODE_HEADER_OFF, MODE_HEADER_POLICIES
+from router.client.shared_limits import DEFAULT_TIMEOUT
 from router.engines.backends import Timeouts
 from router.engines.scrape import scrape_forever
 from router.policy.managed import ControlPlaneClient
@@ -40,6 +41,7 @@ log = logging.getLogger("syshax.router")
 BENCHMARK_KEY_ENV = "SYSHAX_ROUTER_BENCHMARK_KEY"
 MODE_HEADER_ENV = "SYSHAX_ROUTER_MODE_HEADER"
 METRICS_TOKEN_ENV = "SYSHAX_ROUTER_METRICS_TOKEN"
+SHARED_LIMITS_ENV = "SYSHAX_ROUTER_SHARED_LIMITS_URL"
 
 
 def parse_size(text: str) -> int:
@@ -103,6 +105,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_const",
         const=MODE_HEADER_OFF,
         help="the same as --mode-header off",
+    )
+    parser.add_argument(
+        "--shared-limits-url",
+        default=os.environ.get(SHARED_LIMITS_ENV) or None,
+        help="a Redis (redis://[:PASSWORD@]HOST:6379/0) the tenants' RPM/TPM limits are shared "
+        "through, by every router process and replica; without one each process holds its "
+        f"own (default: env {SHARED_LIMITS_ENV})",
+    )
+    parser.add_argument(
+        "--shared-limits-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help="seconds an admission waits for that Redis before the router holds the limits "
+        f"locally, divided by the routers it last saw (default {DEFAULT_TIMEOUT})",
     )
     parser.add_argument("--connect-timeout", type=float, default=3.0)
     parser.add_argument("--first-byte-timeout", type=float, default=120.0)
@@ -305,12 +321,18 @@ async def compose(args: argparse.Namespace) -> tuple[Router, web.Application, Po
     """The router the flags describe: its state, its app and its policy source, wired
     together. The one place the parts meet; raises StartupError."""
     keys = benchmark_keys(args)
+    if not args.shared_limits_timeout > 0:
+        raise StartupError(
+            f"--shared-limits-timeout must be more than 0 seconds; got {args.shared_limits_timeout}"
+        )
     config = ServerConfig(
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
         benchmark_keys=keys,
         mode_header=args.mode_header,
         metrics_token=metrics_token(args, keys),
+        shared_limits_url=args.shared_limits_url,
+        shared_limits_timeout=args.shared_limits_timeout,
         timeouts=Timeouts(
             args.connect_timeout,
             args.first_byte_timeout,
@@ -322,21 +344,33 @@ async def compose(args: argparse.Namespace) -> tuple[Router, web.Application, Po
         log.info("X-Syshax-Mode: honoured for %d benchmark key(s)", len(config.benchmark_keys))
     else:
         log.info("X-Syshax-Mode: --mode-header %s", config.mode_header)
-    router = Router(config)
+    try:
+        router = Router(config)
+    except ValueError as exc:  # redis-py's word on a malformed URL
+        raise StartupError(f"--shared-limits-url / {SHARED_LIMITS_ENV}: {exc}") from None
+    if router.shared_limits is not None:
+        log.info(
+            "tenants' limits shared through Redis (bound %.1f ms)",
+            1000 * config.shared_limits_timeout,
+        )
     source = await _policy_source(router, args)
     return router, build_app(router), source
 
 
 def background(router: Router, source: PolicySource) -> list[asyncio.Task[None]]:
-    """What runs beside the listener: the policy source and the engine scrapes."""
+    """What runs beside the listener: the policy source, the engine scrapes and, with
+    shared limits, this router's heartbeat in their Redis."""
 
     def interval() -> float:
         return router.state.default_policy().knobs.metrics_interval_seconds
 
-    return [
+    tasks = [
         asyncio.create_task(source.run()),
         asyncio.create_task(scrape_forever(lambda: list(router.state.backends.values()), interval)),
     ]
+    if router.shared_limits is not None:
+        tasks.append(asyncio.create_task(router.shared_limits.run()))
+    return tasks
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -345,6 +379,8 @@ async def serve(args: argparse.Namespace) -> int:
     except StartupError as exc:
         log.error("%s", exc)
         return 2
+    if router.shared_limits is not None:
+        await router.shared_limits.start()
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, backlog=1024, reuse_port=args.reuse_port)
@@ -369,6 +405,8 @@ async def serve(args: argparse.Namespace) -> int:
             await task
     await runner.cleanup()
     await router.state.close()
+    if router.shared_limits is not None:
+        await router.shared_limits.close()
     return 0
 
 

@@ -439,6 +439,36 @@ class RouterMetrics:
         }
 
 
+class SharedLimitsMetrics:
+    """Whether the tenants' limits are shared through Redis or held locally for now
+    (router/client/shared_limits.py), registered beside the router's own metrics."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.local = Gauge(
+            "syshax_router_limits_local",
+            "1 while the shared limits' Redis is unreachable or slow and this router holds "
+            "each tenant's limits locally, divided by the routers it last saw; 0 while shared",
+            registry=registry,
+        )
+        self.fallbacks = Counter(
+            "syshax_router_limits_fallbacks",
+            "Times this router lost the shared limits' Redis and fell back to local limits",
+            registry=registry,
+        )
+        self.local_admissions = Counter(
+            "syshax_router_limits_local_admissions",
+            "Admissions decided on this router's local buckets: Redis did not answer within "
+            "the bound, or the router holds the limits locally",
+            registry=registry,
+        )
+        self.routers = Gauge(
+            "syshax_router_limits_routers",
+            "Router processes registered in the shared limits' Redis at the last heartbeat",
+            registry=registry,
+        )
+        self.local.set(0)
+
+
 # The router's TTFT histogram bounds as serving keys (ms), the last one past every bound.
 _TTFT_KEYS = (*(bucket_key(1000.0 * b) for b in _LATENCY_BUCKETS), "+Inf")
 

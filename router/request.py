@@ -64,7 +64,7 @@ async def serve(router: Router, http: web.Request) -> web.StreamResponse:
     req = await _read_request(router, http)
     tenant = req.tenant or ANONYMOUS
     estimate = estimate_tokens(len(req.raw), req.max_tokens)
-    admission = router.tenants.admit(tenant, req.model, estimate)
+    admission = await router.tenants.admit_shared(tenant, req.model, estimate)
     try:
         deployment = _replica(router, req.model)
         decision, knobs = await _route(router, req, deployment)

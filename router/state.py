@@ -21,12 +21,13 @@ from aiohttp import web
 from common.policy_schema import PolicyError, PolicyKnobs, validate_knobs
 from common.routing import DeploymentSpec
 from router.client.access import MODE_HEADER_BENCHMARK_KEYS
+from router.client.shared_limits import DEFAULT_TIMEOUT, SharedLimits
 from router.client.tenants import Tenants
 from router.decide import Loads
 from router.engines.backends import Backend, Timeouts
 from router.engines.load import UNAVAILABLE
 from router.flow import FlowControl
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, SharedLimitsMetrics
 
 log = logging.getLogger("syshax.router")
 
@@ -215,6 +216,10 @@ class ServerConfig:
     # The token /metrics asks for (``--metrics-token``); None: /metrics is open and leaves
     # out the per-tenant series (router/api/endpoints.py).
     metrics_token: str | None = None
+    # The Redis the tenants' limits are shared through (``--shared-limits-url``), and how long
+    # an admission waits for it before the router holds the limits locally; None: local only.
+    shared_limits_url: str | None = None
+    shared_limits_timeout: float = DEFAULT_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -234,7 +239,18 @@ class Router:
         self.state = RouterState(config.timeouts)
         self.metrics = RouterMetrics()
         # Who may call, as what tenant, within which limits; the policy source loads the table.
-        self.tenants = Tenants(config.api_key, config.benchmark_keys, self.metrics)
+        self.shared_limits = (
+            SharedLimits(
+                config.shared_limits_url,
+                SharedLimitsMetrics(self.metrics.registry),
+                config.shared_limits_timeout,
+            )
+            if config.shared_limits_url
+            else None
+        )
+        self.tenants = Tenants(
+            config.api_key, config.benchmark_keys, self.metrics, shared=self.shared_limits
+        )
         # The class queues requests wait in while their deployment is saturated.
         self.flow = FlowControl(self.metrics)
         # Set by the managed policy source; None for a standalone router.

@@ -46,6 +46,7 @@ FIXTURE_MARKS = {
         "engines": "process",
         "router_factory": "process",
         "slow_cpu": "process",
+        "own_redis": "process",
     },
     "tests/sim/": {
         "sim_factory": "process",

@@ -182,7 +182,7 @@ async def forward(http: web.Request) -> web.StreamResponse:
     except RouterError as err:
         raise refuse(router, "tenant-header", err) from None
     tenant = http.get(REQUEST_TENANT) or ANONYMOUS
-    admission = router.tenants.admit(tenant, None, 0)
+    admission = await router.tenants.admit_shared(tenant, None, 0)
     ok = False
     try:
         upload = await Upload.receive(http, max(MAX_UPLOAD_BYTES, router.config.max_body_bytes))

@@ -43,7 +43,7 @@ async def proxy(http: web.Request) -> web.StreamResponse:
     model = named if isinstance(named, str) else None
     allowed = _allowed_deployments(router, tenant) if model is None else None
     # Counted against the tenant's RPM (and its models) as a completion is; no tokens.
-    admission = router.tenants.admit(tenant, model, 0)
+    admission = await router.tenants.admit_shared(tenant, model, 0)
     ok = False
     try:
         deployments = allowed or _model_deployments(router, model or "")

@@ -18,7 +18,12 @@ Limits are two token buckets per tenant, both refilled continuously:
 
 A refusal is a 429 whose ``Retry-After`` is the time until the bucket has room. Every
 request that reaches admission ends in exactly one of ``settle`` and ``reject``; both count
-it per tenant in ``/metrics`` and in the usage deltas the control plane is sent.
+it per tenant in ``/metrics`` and in the usage deltas the control plane is sent (each router
+its own: the control plane adds them up, so a request is reported once).
+
+Given a Redis (``--shared-limits-url``, ``router.client.shared_limits``) the buckets live
+there, shared by every router process and replica (``admit_shared``); while Redis is down or
+slow the local buckets stand in, each limit divided by the routers last seen.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from aiohttp import web
 from common.tenants import ROUTER_KEY_TENANT, TenantRecord, hash_key
 from router.client.access import bearer, key_matches
 from router.client.errors import RouterError
+from router.client.shared_limits import SharedLimits
 from router.metrics import RouterMetrics
 
 log = logging.getLogger("syshax.router")
@@ -81,7 +87,7 @@ class Bucket:
     at: float
 
     @classmethod
-    def per_minute(cls, limit: int, now: float) -> Bucket:
+    def per_minute(cls, limit: float, now: float) -> Bucket:
         return cls(float(limit), limit / 60.0, float(limit), now)
 
     def refill(self, now: float) -> None:
@@ -109,11 +115,16 @@ class Limits:
     tpm: Bucket | None
 
     @classmethod
-    def of(cls, record: TenantRecord, now: float, before: Limits | None = None) -> Limits:
+    def of(
+        cls, record: TenantRecord, now: float, before: Limits | None = None, share: int = 1
+    ) -> Limits:
+        """The tenant's buckets, each limit divided by ``share`` (the routers holding the
+        limits locally while their shared Redis is away; 1 otherwise)."""
+
         def bucket(limit: int, old: Bucket | None) -> Bucket | None:
             if not limit:
                 return None
-            new = Bucket.per_minute(limit, now)
+            new = Bucket.per_minute(limit / max(1, share), now)
             if old is not None:  # a changed limit keeps what the tenant had used
                 old.refill(now)
                 new.level = min(old.level, new.capacity)
@@ -123,6 +134,16 @@ class Limits:
             bucket(record.rpm_limit, before.rpm if before else None),
             bucket(record.tpm_limit, before.tpm if before else None),
         )
+
+    def mirror(self, tokens: int, now: float) -> None:
+        """Take a request let in by the shared buckets from these local ones too (down to
+        empty, no further), so that they hold this router's share of what the tenant has
+        used when they stand in: a router falling back under a tenant's flood finds them
+        empty rather than hands out a fresh burst, however often Redis comes and goes."""
+        for bucket, amount in ((self.rpm, 1), (self.tpm, tokens)):
+            if bucket is not None and amount:
+                bucket.refill(now)
+                bucket.level = max(0.0, bucket.level - amount)
 
 
 @dataclass
@@ -134,6 +155,8 @@ class Admission:
     charged: int
     limits: Limits | None
     done: bool = False
+    # Charged to the shared buckets in Redis (settled there too; ``limits`` mirror them).
+    shared: bool = False
 
 
 def _empty_usage() -> dict[str, Any]:
@@ -167,6 +190,7 @@ class Tenants:
         benchmark_keys: Iterable[str],
         metrics: RouterMetrics,
         clock: Callable[[], float] = time.monotonic,
+        shared: SharedLimits | None = None,
     ) -> None:
         self.api_key = api_key
         # The router's own keys: --api-key and the benchmark keys, all tenant router-key.
@@ -177,6 +201,10 @@ class Tenants:
         self._limits: dict[str, Limits] = {}
         # Usage since the last take_usage(), by tenant.
         self._usage: dict[str, dict[str, Any]] = {}
+        # The shared buckets; the local ones then stand in for them at 1/routers.
+        self.shared = shared
+        if shared is not None:
+            shared.on_routers = self._redivide
 
     # -- the table ---------------------------------------------------------------------------
 
@@ -199,17 +227,26 @@ class Tenants:
             table.by_name[record.name] = record
             for digest in record.key_hashes:
                 table.by_hash[digest] = record
-        now = self.clock()
-        limits: dict[str, Limits] = {}
-        for record in table.by_name.values():
-            if record.rpm_limit or record.tpm_limit:
-                limits[record.name] = Limits.of(record, now, self._limits.get(record.name))
         self._table = table
-        self._limits = limits
+        self._limits = self._local_limits(table.by_name.values())
         if self.open and not was_open:
             log.warning(
                 "no tenant is left and the router has no --api-key: it is open to every client"
             )
+
+    def _local_limits(self, records: Iterable[TenantRecord]) -> dict[str, Limits]:
+        now = self.clock()
+        share = self.shared.routers if self.shared is not None else 1
+        return {
+            record.name: Limits.of(record, now, self._limits.get(record.name), share)
+            for record in records
+            if record.rpm_limit or record.tpm_limit
+        }
+
+    def _redivide(self, routers: int) -> None:
+        """The shared Redis counts another number of routers: the local buckets that stand
+        in for the shared ones take their new share."""
+        self._limits = self._local_limits(self._table.by_name.values())
 
     def get(self, name: str) -> TenantRecord | None:
         if name == ROUTER_KEY_TENANT:
@@ -283,7 +320,7 @@ class Tenants:
         if limits.tpm is not None and charge > 0:
             # A request larger than the whole minute's budget waits for a full bucket
             # instead of never fitting; settle charges what it really used.
-            charge = min(charge, tenant.tpm_limit)
+            charge = min(charge, max(1, int(limits.tpm.capacity)))
             wait = limits.tpm.wait(charge, now)
             if wait > 0:
                 self._rejected(tenant.name, "tpm")
@@ -292,6 +329,32 @@ class Tenants:
         if limits.rpm is not None:
             limits.rpm.take(1)
         return Admission(tenant, model or "", charge, limits)
+
+    async def admit_shared(
+        self, tenant: TenantRecord, model: str | None, token_estimate: int
+    ) -> Admission:
+        """``admit`` against the buckets every router shares, where the router has them and
+        Redis answers within its bound; else exactly ``admit``, on the local buckets."""
+        shared = self.shared
+        if shared is None or tenant.name not in self._limits:
+            return self.admit(tenant, model, token_estimate)
+        if model is not None and not tenant.allows_model(model):
+            return self.admit(tenant, model, token_estimate)  # the 403, counted
+        charge = max(0, token_estimate) if tenant.tpm_limit else 0
+        verdict = await shared.admit(tenant.name, tenant.rpm_limit, tenant.tpm_limit, charge)
+        if verdict is None:
+            return self.admit(tenant, model, token_estimate)
+        limits = self._limits.get(tenant.name)
+        if verdict.reason == "rpm":
+            self._rejected(tenant.name, "rpm")
+            raise _limited(tenant, "requests", "RPM", tenant.rpm_limit, verdict.value)
+        if verdict.reason == "tpm":
+            self._rejected(tenant.name, "tpm")
+            raise _limited(tenant, "tokens", "TPM", tenant.tpm_limit, verdict.value)
+        charged = int(verdict.value)
+        if limits is not None:
+            limits.mirror(charged, self.clock())
+        return Admission(tenant, model or "", charged, limits, shared=True)
 
     def settle(
         self, admission: Admission, prompt_tokens: int, completion_tokens: int, ok: bool
@@ -302,6 +365,8 @@ class Tenants:
         admission.done = True
         name = admission.tenant.name
         used = max(0, prompt_tokens) + max(0, completion_tokens)
+        if admission.shared and self.shared is not None:
+            self.shared.settle(name, admission.tenant.tpm_limit, used - admission.charged)
         if admission.limits is not None and admission.limits.tpm is not None:
             bucket = admission.limits.tpm
             if used < admission.charged:
@@ -324,6 +389,8 @@ class Tenants:
             if admission.done:
                 return
             admission.done = True
+            if admission.shared and self.shared is not None:
+                self.shared.settle(tenant.name, tenant.tpm_limit, -admission.charged)
             if admission.limits is not None and admission.limits.tpm is not None:
                 admission.limits.tpm.give_back(admission.charged)
         self._rejected(tenant.name, reason)

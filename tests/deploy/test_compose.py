@@ -28,6 +28,7 @@ def test_the_services_of_a_cluster_are_all_there() -> None:
     assert set(SERVICES) == {
         "postgres",
         "redis",
+        "limits",
         "web",
         "gateway",
         "worker",
@@ -65,6 +66,18 @@ def test_the_app_services_get_the_settings_they_need() -> None:
             and "@postgres:5432/" in env["DATABASE_URL"]
         )
         assert env["REDIS_URL"].startswith("redis://redis:")
+
+
+def test_the_router_shares_the_tenants_limits_through_a_redis_of_their_own() -> None:
+    limits = SERVICES["limits"]
+    # On the host network with the router, reachable from this host only, nothing on disk.
+    assert limits["network_mode"] == "host" and "ports" not in limits
+    assert flag(limits["command"], "--bind") == "127.0.0.1"
+    assert flag(limits["command"], "--appendonly") == "no"
+    url = SERVICES["router"]["environment"]["SYSHAX_ROUTER_SHARED_LIMITS_URL"]
+    assert url == "redis://127.0.0.1:${LIMITS_PORT:-6390}/0"
+    # A router starts and serves without it (on local limits): no dependency.
+    assert "limits" not in SERVICES["router"]["depends_on"]
 
 
 def test_the_agent_drives_the_host_docker_engine() -> None:
@@ -148,6 +161,7 @@ def test_the_env_example_names_only_variables_the_settings_or_compose_read() -> 
         "WEB_PORT",
         "GATEWAY_PORT",
         "ROUTER_PORT",
+        "LIMITS_PORT",
         "CONTROL_PLANE_HOST",
         "NODE_ADDRESS",
         "DOCKER_SOCKET",

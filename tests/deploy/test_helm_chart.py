@@ -324,6 +324,7 @@ def test_the_chart_runs_what_docker_compose_runs() -> None:
         "SYSHAX_ROUTER_TOKEN",
         "SYSHAX_ROUTER_API_KEY",
         "SYSHAX_ROUTER_BENCHMARK_KEY",
+        "SYSHAX_ROUTER_SHARED_LIMITS_URL",
     }
     # The control plane sends router keys only to the routers of ROUTER_URLS (decision 56):
     # this release's router Service, which every replica advertises.
@@ -419,6 +420,16 @@ def test_the_network_policy_lets_only_routers_and_the_listed_agents_reach_the_ga
     assert peers[3]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "syshax-agent"}
     service = objects("networkpolicy-ipblock", "Service")[f"{PREFIX}-gateway"]["spec"]
     assert service["type"] == "NodePort" and service["ports"][0]["nodePort"] == 30810
+
+
+def test_the_routers_share_the_tenants_limits_through_the_releases_redis() -> None:
+    # The URL comes from the Redis Secret, never from a value or a command line.
+    shared = env_of(main_container("defaults", "router"))["SYSHAX_ROUTER_SHARED_LIMITS_URL"]
+    assert shared["valueFrom"]["secretKeyRef"] == {"name": "syshax-redis", "key": "REDIS_URL"}
+    # The bundled Redis's network policy lets the router pods in, beside the control plane's.
+    policy = objects("trial", "NetworkPolicy")[f"{PREFIX}-redis"]["spec"]
+    peers = [peer["podSelector"]["matchLabels"] for peer in policy["ingress"][0]["from"]]
+    assert peers[1]["app.kubernetes.io/component"] == "router"
 
 
 def test_keda_scales_the_router_on_its_own_queue_depth_metric() -> None:
