@@ -64,11 +64,11 @@ def test_interactive_and_standard_stay_on_an_idle_gpu() -> None:
 
 
 def test_interactive_goes_to_the_cpu_on_a_saturated_gpu_only_within_50_ms() -> None:
-    # 36 ms at 2 sequences, +2 ms each: one more is 38 ms, within 50 with margin (40).
-    d = decide(KNOBS, loads(BUSY_GPU, cpu(36.0)), INTERACTIVE)
+    # 40 ms at 2 sequences, +2 ms each: one more is 42 ms, within 50 with margin (45).
+    d = decide(KNOBS, loads(BUSY_GPU, cpu(40.0)), INTERACTIVE)
     assert (d.route, d.code) == (Route.PD, "gpu-queue")
-    # 42 ms meets 50 but not its margin; 60 ms misses it: the request queues on the GPU...
-    for itl in (40.0, 60.0):
+    # 46 ms meets 50 but not its margin; 62 ms misses it: the request queues on the GPU...
+    for itl in (44.0, 60.0):
         d = decide(KNOBS, loads(BUSY_GPU, cpu(itl)), INTERACTIVE)
         assert (d.route, d.code) == (Route.GPU_ONLY, "cpu-would-miss"), itl
         assert "target 50 ms" in d.reason

@@ -9,6 +9,7 @@ import pytest
 from common.policy_schema import PolicyKnobs
 from router.decide import (
     CPU_PROBE_BATCH,
+    CPU_SLO_MARGIN,
     Loads,
     Route,
     cpu_slo_batch,
@@ -94,21 +95,21 @@ def test_the_knee_sends_nothing_to_a_cpu_never_measured() -> None:
 
 
 def test_no_offload_goes_to_a_cpu_without_margin() -> None:
-    """The CPU would meet its SLO (90 ms < 100) but not with the margin (80 ms): neither
+    """The CPU would meet its SLO (93 ms < 100) but not with the margin (90 ms): neither
     the knee nor a full GPU (its queue) sends it the decode."""
     gpu = replace(IDLE_GPU, running=10, itl_ms=49.0)
-    cpu = replace(MEASURED_CPU, itl_ms=85.0)
+    cpu = replace(MEASURED_CPU, itl_ms=88.0)
     d = decide(
         knobs(gpu_decode_slo_ms=50.0), Loads(gpu, cpu, gpu_itl_slope_ms=2.0, cpu_itl_slope_ms=5.0)
     )
     assert (d.route, d.code) == (Route.GPU_ONLY, "cpu-would-miss")
-    assert "80 ms (target 100 ms with margin)" in d.reason
+    assert "90 ms (target 100 ms with margin)" in d.reason
     full = decide(
         knobs(gpu_decode_slo_ms=50.0), Loads(replace(gpu, waiting=1), cpu, cpu_itl_slope_ms=5.0)
     )
     assert (full.route, full.code) == (Route.GPU_ONLY, "cpu-would-miss")
-    # Within the margin (75 + 5 = 80 ms), the full GPU offloads.
-    within = Loads(replace(gpu, waiting=1), replace(cpu, itl_ms=75.0), cpu_itl_slope_ms=5.0)
+    # Within the margin (85 + 5 = 90 ms), the full GPU offloads.
+    within = Loads(replace(gpu, waiting=1), replace(cpu, itl_ms=85.0), cpu_itl_slope_ms=5.0)
     assert decide(knobs(gpu_decode_slo_ms=50.0), within).route is Route.PD
 
 
@@ -173,11 +174,12 @@ def test_cpu_admission_comes_from_its_measured_latency_and_the_slo() -> None:
     k = knobs(cpu_decode_slo_ms=100.0, cpu_max_batch_size=64)
     cpu = replace(IDLE_CPU, running=4, itl_ms=60.0, itl_batch=4.0)
     loads = Loads(saturated, cpu, cpu_itl_slope_ms=5.0)
-    assert cpu_slo_batch(k, loads) == 8  # 4 + (0.8 x 100 - 60) / 5
-    assert decide(k, Loads(saturated, replace(cpu, running=7), cpu_itl_slope_ms=5.0)).route is (
-        Route.PD
-    )
-    full = decide(k, Loads(saturated, replace(cpu, running=8), cpu_itl_slope_ms=5.0))
+    most = cpu_slo_batch(k, loads)
+    assert most == 10  # 4 + (0.9 x 100 - 60) / 5
+    assert most == 4 + round((CPU_SLO_MARGIN * 100 - 60) / 5)
+    ok = decide(k, Loads(saturated, replace(cpu, running=most - 1), cpu_itl_slope_ms=5.0))
+    assert ok.route is Route.PD
+    full = decide(k, Loads(saturated, replace(cpu, running=most), cpu_itl_slope_ms=5.0))
     assert full.route is Route.GPU_ONLY and full.code == "cpu-would-miss"
     assert "target 100 ms" in full.reason
     # The engine's own max_num_seqs caps it whatever the SLO allows.
