@@ -15,7 +15,7 @@ pipeline").
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from common.decisions import Code
@@ -65,12 +65,19 @@ def least_loaded(replicas: Sequence[Replica], now: float) -> tuple[int, Code]:
 
 
 @dataclass(frozen=True)
-class Step:
-    """One named rule of a pipeline: a decider, or an override of the verdict so far."""
+class Decides:
+    """A decider of a pipeline: answers with the verdict, or passes (None) to the next."""
 
     name: str
-    decides: Decider | None = None
-    overrides: Override | None = None
+    run: Decider
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """An override of a pipeline: may replace the verdict so far (None: it stands)."""
+
+    name: str
+    run: Override
 
 
 @dataclass(frozen=True)
@@ -78,30 +85,32 @@ class Pipeline:
     """Deciders in order (the first answer is the verdict; the last always answers), then
     overrides in order (each may replace the verdict)."""
 
-    deciders: tuple[Step, ...]
-    overrides: tuple[Step, ...] = ()
+    deciders: tuple[Decides, ...]
+    overrides: tuple[Overrides, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(step.name for step in (*self.deciders, *self.overrides))
+        return tuple(d.name for d in self.deciders) + tuple(o.name for o in self.overrides)
 
     def run(self, ask: Ask) -> Decision:
-        """The verdict on ``ask``, naming the step that gave it (``Decision.step``)."""
+        """The verdict on ``ask``."""
+        return self.judge(ask)[0]
+
+    def judge(self, ask: Ask) -> tuple[Decision, str]:
+        """The verdict on ``ask``, and the name of the step that gave it."""
         verdict: Decision | None = None
         by = ""
-        for step in self.deciders:
-            assert step.decides is not None
-            verdict = step.decides(ask)
+        for decider in self.deciders:
+            verdict = decider.run(ask)
             if verdict is not None:
-                by = step.name
+                by = decider.name
                 break
         assert verdict is not None, "the last decider always answers"
-        for step in self.overrides:
-            assert step.overrides is not None
-            changed = step.overrides(ask, verdict)
+        for override in self.overrides:
+            changed = override.run(ask, verdict)
             if changed is not None:
-                verdict, by = changed, step.name
-        return replace(verdict, step=by)
+                verdict, by = changed, override.name
+        return verdict, by
 
 
 # -- the pipelines, in order ----------------------------------------------------------------
@@ -110,31 +119,31 @@ REPLICA: tuple[tuple[str, Picker], ...] = (("least-loaded", least_loaded),)
 
 NEW_REQUEST = Pipeline(
     deciders=(
-        Step("mode-cpu-only", decides=mode_cpu_only),
-        Step("gpu-down", decides=gpu_down),
-        Step("offload-off", decides=offload_off),
-        Step("mode-forced-pd", decides=mode_forced_pd),
-        Step("syshax-threshold", decides=syshax_threshold_step),
-        Step("class-cpu-first", decides=class_cpu_first),
-        Step("capacity", decides=capacity_step),
+        Decides("mode-cpu-only", mode_cpu_only),
+        Decides("gpu-down", gpu_down),
+        Decides("offload-off", offload_off),
+        Decides("mode-forced-pd", mode_forced_pd),
+        Decides("syshax-threshold", syshax_threshold_step),
+        Decides("class-cpu-first", class_cpu_first),
+        Decides("capacity", capacity_step),
     ),
     overrides=(
-        Step("n-above-1", overrides=n_above_1),
-        Step("no-cpu", overrides=no_cpu),
-        Step("not-spliceable", overrides=not_spliceable),
-        Step("forced-limits", overrides=forced_limits),
+        Overrides("n-above-1", n_above_1),
+        Overrides("no-cpu", no_cpu),
+        Overrides("not-spliceable", not_spliceable),
+        Overrides("forced-limits", forced_limits),
     ),
 )
 
 NEXT_CHUNK = Pipeline(
     deciders=(
-        Step("cpu-down", decides=chunk_cpu_down),
-        Step("pinned", decides=chunk_pinned),
-        Step("offload-off", decides=chunk_offload_off),
-        Step("cpu-misses", decides=cpu_misses),
-        Step("class-stays", decides=class_stays),
-        Step("idle-gpu", decides=idle_gpu),
-        Step("stay", decides=chunk_stays),
+        Decides("cpu-down", chunk_cpu_down),
+        Decides("pinned", chunk_pinned),
+        Decides("offload-off", chunk_offload_off),
+        Decides("cpu-misses", cpu_misses),
+        Decides("class-stays", class_stays),
+        Decides("idle-gpu", idle_gpu),
+        Decides("stay", chunk_stays),
     ),
 )
 

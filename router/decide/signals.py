@@ -10,7 +10,7 @@ these answers into a :class:`Decision`, in the order ``router.decide.pipeline`` 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from common.decisions import Code, Mode, Route
@@ -34,8 +34,6 @@ class Decision:
     status: int = 0
     # A short stable label of the reason, for the decisions metric (the reason has numbers).
     code: Code | Literal[""] = ""
-    # The pipeline step that gave this verdict (router.decide.pipeline); not on the wire.
-    step: str = field(default="", compare=False)
 
 
 # Relative ITL growth per extra sequence when too few batch sizes were seen to fit a slope.

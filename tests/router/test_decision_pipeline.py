@@ -141,8 +141,8 @@ NEW_CASES = {
 
 @pytest.mark.parametrize("case", NEW_CASES.values(), ids=NEW_CASES.keys())
 def test_each_new_request_step_gives_its_verdict_and_reason(case: Case) -> None:
-    decision = NEW_REQUEST.run(case.ask)
-    assert (decision.step, decision.route, decision.code) == (case.step, case.route, case.code)
+    decision, step = NEW_REQUEST.judge(case.ask)
+    assert (step, decision.route, decision.code) == (case.step, case.route, case.code)
     assert decision.reason
 
 
@@ -183,8 +183,8 @@ CHUNK_CASES = {
 
 @pytest.mark.parametrize("case", CHUNK_CASES.values(), ids=CHUNK_CASES.keys())
 def test_each_chunk_step_gives_its_verdict_and_reason(case: Case) -> None:
-    decision = NEXT_CHUNK.run(case.ask)
-    assert (decision.step, decision.route, decision.code) == (case.step, case.route, case.code)
+    decision, step = NEXT_CHUNK.judge(case.ask)
+    assert (step, decision.route, decision.code) == (case.step, case.route, case.code)
 
 
 def test_the_replica_choice_is_the_least_pressured_the_first_of_equals() -> None:
@@ -220,8 +220,8 @@ PD_ASK = Ask(knobs(mode="forced-pd"), Loads(IDLE_GPU, IDLE_CPU))
 def test_an_override_turns_a_pd_verdict_gpu_only(
     given: dict[str, object], step: str, code: Code
 ) -> None:
-    decision = NEW_REQUEST.run(replace(PD_ASK, **given))  # type: ignore[arg-type]
-    assert (decision.step, decision.route, decision.code) == (step, Route.GPU_ONLY, code)
+    decision, by = NEW_REQUEST.judge(replace(PD_ASK, **given))  # type: ignore[arg-type]
+    assert (by, decision.route, decision.code) == (step, Route.GPU_ONLY, code)
 
 
 def test_overrides_leave_other_routes_alone_and_ask_nothing_they_need_not() -> None:
@@ -234,8 +234,8 @@ def test_overrides_leave_other_routes_alone_and_ask_nothing_they_need_not() -> N
     ask = Ask(
         knobs(), Loads(IDLE_GPU, IDLE_CPU), choices=4, has_cpu=False, unspliceable=unspliceable
     )
-    decision = NEW_REQUEST.run(ask)
-    assert (decision.step, decision.route, decision.code) == (
+    decision, step = NEW_REQUEST.judge(ask)
+    assert (step, decision.route, decision.code) == (
         "capacity",
         Route.GPU_ONLY,
         Code.GPU_ROOM,
@@ -249,8 +249,8 @@ def test_overrides_leave_other_routes_alone_and_ask_nothing_they_need_not() -> N
 def test_a_forced_mode_is_held_to_the_hard_limits_last() -> None:
     hot = Loads(IDLE_GPU, IDLE_CPU, gpu_temperature_c=HOT)
     ask = Ask(knobs(mode="gpu-only", gpu_max_temperature_c=90.0), hot, forced=True)
-    decision = NEW_REQUEST.run(ask)
-    assert (decision.step, decision.route, decision.code) == (
+    decision, step = NEW_REQUEST.judge(ask)
+    assert (step, decision.route, decision.code) == (
         "forced-limits",
         Route.REJECTED,
         Code.GPU_HOT,
@@ -266,7 +266,7 @@ def test_a_forced_mode_is_held_to_the_hard_limits_last() -> None:
 def test_decide_on_loads_alone_is_the_pipeline_with_nothing_ruled_out() -> None:
     loads = Loads(QUEUED_GPU, MEASURED_CPU)
     assert decide(knobs(), loads) == NEW_REQUEST.run(Ask(knobs(), loads))
-    assert decide(knobs(), loads).step == "capacity"
+    assert NEW_REQUEST.judge(Ask(knobs(), loads))[1] == "capacity"
 
 
 # -- through the request path's planning ---------------------------------------------------
@@ -310,9 +310,9 @@ def test_planning_a_request_hands_the_pipeline_what_the_request_and_deployment_r
             await router.state.close()
 
     pd, n3, forced_gpu, policy = asyncio.run(check())
-    assert (pd.step, pd.route, pd.code) == ("mode-forced-pd", Route.PD, Code.MODE)
-    assert (n3.step, n3.route, n3.code) == ("n-above-1", Route.GPU_ONLY, Code.N_ABOVE_1)
+    assert (pd.route, pd.code) == (Route.PD, Code.MODE)
+    assert (n3.route, n3.code) == (Route.GPU_ONLY, Code.N_ABOVE_1)
     # The default gpu_max_temperature_c is below HOT: a forced gpu-only is refused there,
     # while the policy's own decision on the same GPU offloads.
-    assert (forced_gpu.step, forced_gpu.code) == ("forced-limits", Code.GPU_HOT)
-    assert policy.route is not Route.REJECTED and policy.step == "capacity"
+    assert (forced_gpu.route, forced_gpu.code) == (Route.REJECTED, Code.GPU_HOT)
+    assert (policy.route, policy.code) == (Route.PD, Code.GPU_HOT)
