@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from common.decisions import Mode
 from common.errors import FieldError
 
-MODES = ("auto", "gpu-only", "cpu-only", "forced-pd")
+# The policy's modes, as the enumeration lists them (common/decisions.py).
+MODES = tuple(mode.value for mode in Mode)
 ALGORITHMS = ("capacity", "syshax-threshold")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from common.decisions import Mode
 from common.policy_schema import PolicyKnobs
 from common.presets import GIB, device_preset, model_preset
 from hetero.virtual import Request, RunStats, VirtualDeployment
@@ -108,9 +109,9 @@ def pair_knobs(pair: Pair, mode: str) -> PolicyKnobs:
     """The policy of ``mode`` at the pair's SLO."""
     base = PolicyKnobs()
     if mode == "gpu":
-        return replace(base, mode="gpu-only")
+        return replace(base, mode=Mode.GPU_ONLY)
     if mode == "cpu":
-        return replace(base, mode="cpu-only")
+        return replace(base, mode=Mode.CPU_ONLY)
     knee = min(base.gpu_decode_slo_ms, CPU_SLO_MARGIN * pair.slo_tpot_ms)
     common = replace(
         base,

@@ -5,7 +5,8 @@ the product's test; this is its physics without sockets or sleeping, so a whole 
 of several policies takes seconds instead of hours on a small machine. Nothing here is a
 second model of the parts: the engines are the simulator's own batch schedulers
 (``sim.scheduler``), and each request is routed by the router's own deciders
-(``router.decide.decide`` / ``decide_next_chunk``) on the loads the router would see: each
+(``router.decide.decide`` / ``decide_next_chunk``: the decision pipeline's new-request and
+chunk steps) on the loads the router would see: each
 engine's metrics scraped every ``metrics_interval_seconds`` and turned into throughput and
 inter-token latency by ``router.engines.load.derive_load``, plus the router's own in-flight
 counts between scrapes.
@@ -284,7 +285,7 @@ class VirtualDeployment:
 
     def arrive(self, req: Request, now: float) -> None:
         """Route a new request, or queue it as the router's flow control does
-        (``router.request._route``)."""
+        (``router.plan.route``)."""
         slo = self._slo(req)
         decision = decide(self.knobs, self._loads(), slo, prompt_tokens=req.prompt_tokens)
         if slo is None or self.knobs.max_queue_size <= 0:
@@ -326,7 +327,7 @@ class VirtualDeployment:
             self._route(req, waiter.decision, slo, self.now)
             return
         reason = waiter.reason or (waiter.outcome.value if waiter.outcome else "")
-        shed = Decision(Route.REJECTED, reason=reason, status=429, code=reason)
+        shed = Decision(Route.REJECTED, reason=reason, status=429, code=waiter.reason)
         self._route(req, shed, slo, self.now)
 
     def _route(self, req: Request, decision: Decision, slo: SloClass | None, now: float) -> None:
@@ -505,6 +506,6 @@ class VirtualDeployment:
 
 def max_wait_seconds(slo: SloClass, knobs: PolicyKnobs) -> float:
     """How long a request of class ``slo`` may wait in the router's queues, by the
-    router's rule (``router.request._max_wait``): a sheddable class its TTFT target, the
+    router's rule (``router.plan.max_wait``): a sheddable class its TTFT target, the
     others the whole request deadline."""
     return slo.ttft_ms / 1000.0 if slo.sheddable else knobs.request_timeout_seconds

@@ -38,10 +38,10 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Literal, Protocol
 
 from common.policy_schema import SLO_CLASSES, SloClass
-from router.decide import Decision, Route
+from router.decide import Code, Decision, Route
 from router.metrics import SHED_REASONS
 
 # How often waiting requests are planned again besides when a request on their deployment
@@ -84,11 +84,11 @@ class Waiter:
     deadline: float
     # Arrival order, across every queue.
     order: int
-    # Plans the request again on its deployment (``router.request._plan``).
+    # Plans the request again on its deployment (``router.plan.plan``).
     plan: Callable[[], Decision]
     outcome: Outcome | None = None
     decision: Decision | None = None
-    reason: str = ""
+    reason: Code | Literal[""] = ""
     error: BaseException | None = None
     # Wakes the request's task when it leaves the queues (set by ``FlowControl.wait``).
     wake: Callable[[], None] | None = None
@@ -218,9 +218,9 @@ class FlowControl:
         if queues.total >= bound:
             victim = self._victim(queues, slo, tenant)
             if victim is None:
-                waiter.outcome, waiter.reason = Outcome.SHED, "queue-full"
+                waiter.outcome, waiter.reason = Outcome.SHED, Code.QUEUE_FULL
                 if self.metrics is not None:
-                    self.metrics.shed(slo.name, "queue-full")
+                    self.metrics.shed(slo.name, Code.QUEUE_FULL)
                 return waiter
             self._leave(queues, victim, Outcome.SHED, reason=victim.reason)
         queues.add(waiter)
@@ -240,7 +240,7 @@ class FlowControl:
         sheddable = [w for w in eligible if w.slo.sheddable]
         if sheddable and not slo.sheddable:
             victim = max(sheddable, key=_newest)
-            victim.reason = "evicted"
+            victim.reason = Code.EVICTED
             return victim
         held = Counter(w.tenant for w in waiters)
         mine = held[tenant] + 1
@@ -249,7 +249,7 @@ class FlowControl:
             return None
         most = max(held[w.tenant] for w in heavy)
         victim = max((w for w in heavy if held[w.tenant] == most), key=_newest)
-        victim.reason = "fair-share"
+        victim.reason = Code.FAIR_SHARE
         return victim
 
     def remove(self, waiter: Waiter) -> None:
@@ -264,7 +264,7 @@ class FlowControl:
         waiter: Waiter,
         outcome: Outcome,
         *,
-        reason: str = "",
+        reason: Code | Literal[""] = "",
         decision: Decision | None = None,
         error: BaseException | None = None,
     ) -> None:
@@ -315,7 +315,7 @@ class FlowControl:
         for queues in self.deployments.values():
             for waiter in queues.waiters():
                 if waiter.deadline <= now:
-                    self._leave(queues, waiter, Outcome.SHED, reason="timeout")
+                    self._leave(queues, waiter, Outcome.SHED, reason=Code.TIMEOUT)
                     shed += 1
         return shed
 

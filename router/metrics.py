@@ -6,10 +6,11 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from common.decisions import SHED_CODES, Code, Route, Stage
 from common.policy_schema import SLO_CLASSES
 from common.serving import bucket_key, histogram_from_cumulative
 from router.engines.load import EngineSample
@@ -40,7 +41,7 @@ _LATENCY_BUCKETS = (
 # Queue waits run from milliseconds (a scrape tick) to a batch class's TTFT target.
 _QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # Why flow control turned a request away (the shed counter's label; router/flow.py).
-SHED_REASONS = ("queue-full", "evicted", "fair-share", "timeout")
+SHED_REASONS = tuple(code.value for code in SHED_CODES)
 
 
 # Why a request was refused before any engine saw it (the refusals counter's label).
@@ -266,7 +267,7 @@ class RouterMetrics:
         self.started = time.time()
         # Rolling figures for the stats report (the histograms cannot give exact quantiles).
         self.recent_ttft: deque[float] = deque(maxlen=2048)
-        self.decisions: dict[str, int] = {"gpu-only": 0, "pd": 0, "cpu-only": 0, "rejected": 0}
+        self.decisions: dict[str, int] = {route.value: 0 for route in Route}
         self.outcomes: dict[str, int] = {"ok": 0, "error": 0}
         self.backend_error_count = 0
         self.fallback_count = 0
@@ -317,9 +318,9 @@ class RouterMetrics:
     def ejection(self, url: str, role: str) -> None:
         self._child(self.ejections, url, role).inc()
 
-    def decision(self, stage: str, route: str, reason: str) -> None:
+    def decision(self, stage: Stage, route: Route, reason: Code | Literal[""]) -> None:
         self._child(self.decision_reasons, stage, route, reason or "other").inc()
-        if stage == "new":
+        if stage == Stage.NEW:
             key = f"{route}:{reason or 'other'}"
             self.interval_reasons[key] = self.interval_reasons.get(key, 0) + 1
 
@@ -345,7 +346,7 @@ class RouterMetrics:
     def tenant_rejection(self, tenant: str, reason: str) -> None:
         self._child(self.tenant_rejections, tenant, reason).inc()
 
-    def class_decision(self, slo_class: str, route: str, reason: str) -> None:
+    def class_decision(self, slo_class: str, route: Route, reason: Code | Literal[""]) -> None:
         self._child(self.class_decisions, slo_class, route, reason or "other").inc()
 
     def queue_wait(self, slo_class: str, seconds: float) -> None:

@@ -3,11 +3,11 @@
 Read top to bottom, this module is a request's path through the router:
 
 1. ``serve``: the request arrives (``/v1/completions`` or ``/v1/chat/completions``). Its
-   body is read and checked before any engine sees it (``_read_request``), its model picks
-   the least-loaded replica (``_replica``) and the decider picks a route (``_plan``):
-   gpu-only, PD, cpu-only, or turned away (``_rejected``). A request its deployment is too
-   saturated to take waits in its SLO class's queue (``_route``, ``router.flow``) until
-   it can be routed, is shed, or its wait runs out.
+   body is read and checked before any engine sees it (``_read_request``), then
+   ``router.plan`` gives its replica and its route by the decision pipeline
+   (``router.decide.pipeline``): gpu-only, PD, cpu-only, or turned away. A request its
+   deployment is too saturated to take waits in its SLO class's queue (``plan.route``,
+   ``router.flow``) until it can be routed, is shed, or its wait runs out.
 2. ``Serving.serve``: the route is served under the request's deadline, and whatever
    happens the outcome is counted.
 3. ``Serving._until_served``: the route is tried (``_try``): gpu-only and cpu-only relay the
@@ -31,26 +31,25 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
-from common.policy_schema import MODES, PolicyKnobs, SloClass
-from common.sse import event_data, split_events
-from router.client.access import MODE_HEADER, allowed_mode_header
+from common.policy_schema import PolicyKnobs
+from router.client.access import allowed_mode_header
 from router.client.classes import choose_class, strip_class_fields, with_priority
-from router.client.errors import RouterError, saturated, unavailable
+from router.client.errors import RouterError, unavailable
 from router.client.stream import ClientGone, ClientRequest, ClientStream
 from router.client.tenants import ANONYMOUS, REQUEST_TENANT, Admission, estimate_tokens
+from router.client.usage import answer_usage, relayed_usage
 from router.client.validate import check_request, parse_body, strip_router_fields
-from router.decide import Decision, Route, cpu_allowed, decide, hold_to_limits, retry_after_seconds
+from router.decide import Decision, Mode, Route, cpu_allowed, hold_to_limits, retry_after_seconds
 from router.engines.backends import Backend
 from router.engines.deadlines import DEADLINES
 from router.engines.transport import BackendRemoved, UpstreamFailed, request
-from router.flow import Outcome, must_wait
-from router.pd.registry import PROTOCOLS, PdProtocol
+from router.pd.registry import PdProtocol
 from router.pd.sequence import PdSequence
+from router.plan import forced, plan, protocol, replica, route
 from router.state import Deployment, Router
 
 log = logging.getLogger("syshax.router")
@@ -66,8 +65,8 @@ async def serve(router: Router, http: web.Request) -> web.StreamResponse:
     estimate = estimate_tokens(len(req.raw), req.max_tokens)
     admission = await router.tenants.admit_shared(tenant, req.model, estimate)
     try:
-        deployment = _replica(router, req.model)
-        decision, knobs = await _route(router, req, deployment)
+        deployment = replica(router, req.model)
+        decision, knobs = await route(router, req, deployment)
     except RouterError as err:
         reason = TENANT_REJECTIONS.get(err.code or "")
         if reason is not None:
@@ -158,193 +157,8 @@ def refuse(router: Router, reason: str, err: RouterError) -> RouterError:
     return err
 
 
-def _replica(router: Router, model: str) -> Deployment:
-    """The least-loaded replica of ``model``; a 404 naming the served models."""
-    deployment = router.state.choose(model)
-    if deployment is None:
-        raise unknown_model(router, model)
-    return deployment
-
-
-def unknown_model(router: Router, model: str) -> RouterError:
-    """OpenAI's 404 for a model this router does not serve, naming the ones it does."""
-    known = ", ".join(sorted(router.state.by_model)) or "none"
-    return RouterError(
-        404,
-        f"The model '{model}' does not exist (served models: {known})",
-        param="model",
-        code="model_not_found",
-    )
-
-
-def _plan(
-    router: Router, req: ClientRequest, deployment: Deployment, *, count: bool = True
-) -> tuple[Decision, PolicyKnobs]:
-    """The route for ``req`` on ``deployment``, and the knobs it was decided with; counted
-    unless ``count`` is false (``_route`` counts the decision a request is finally given)."""
-    base = router.state.policy_for(deployment).knobs
-    req.knobs = forced_knobs(base, req.mode_header)
-    knobs = req.knobs or base
-    loads = deployment.loads(time.monotonic())
-    # About four bytes of body a prompt token (the TPM estimate's), for the CPU's TTFT.
-    prompt = estimate_tokens(len(req.raw), 0)
-    decision = decide(knobs, loads, knobs.slo_class(req.slo_class), prompt_tokens=prompt)
-    if decision.route is Route.PD and (req.body.get("n") or 1) > 1:
-        # Splicing several choices across engines is not worth it; the GPU serves n > 1.
-        decision = Decision(Route.GPU_ONLY, reason="n > 1", code="n-above-1")
-    if decision.route is Route.PD and deployment.cpu is None:
-        decision = Decision(Route.GPU_ONLY, reason="deployment has no CPU engine", code="no-cpu")
-    if decision.route is Route.PD:
-        why = _protocol(deployment).unspliceable(req.body)
-        if why is not None:
-            decision = Decision(Route.GPU_ONLY, reason=why, code="not-spliceable")
-    if _forced(req):
-        # A forced mode picks the device, never past the policy's hard limits.
-        decision = hold_to_limits(decision, knobs, loads)
-    if count:
-        _count_decision(router, req, decision)
-    return decision, knobs
-
-
-def _count_decision(router: Router, req: ClientRequest, decision: Decision) -> None:
-    router.metrics.decision("new", decision.route.value, decision.code)
-    router.metrics.class_decision(req.slo_class, decision.route.value, decision.code)
-
-
 # The flow control's refusals, by error code, as a tenant's usage counts them.
 TENANT_REJECTIONS = {"shed": "shed", "queue_full": "shed", "queue_timeout": "queue-timeout"}
-
-
-async def _route(
-    router: Router, req: ClientRequest, deployment: Deployment
-) -> tuple[Decision, PolicyKnobs]:
-    """The route for ``req`` on ``deployment``, after a wait in its class's queue where the
-    deployment is saturated (a 429 from the decider) or requests of its class or a higher
-    one already wait there (docs/slo-classes.md, "Flow control"). A request that sets its
-    mode (``X-Syshax-Mode``, benchmarks), or a policy with ``max_queue_size`` 0, never
-    waits: it gets the decider's 429 at once, as before flow control."""
-    decision, knobs = _plan(router, req, deployment, count=False)
-    flow, key = router.flow, deployment.spec.id
-    slo = knobs.slo_class(req.slo_class)
-    tenant = (req.tenant or ANONYMOUS).name
-    may_wait = req.mode_header is None and knobs.max_queue_size > 0
-    queued_ahead = may_wait and flow.ahead(key, slo)
-    if not (may_wait and (must_wait(decision) or queued_ahead)):
-        _count_decision(router, req, decision)
-        if decision.route is Route.REJECTED:
-            raise _rejected(router, decision)
-        flow.served(key, req.slo_class, tenant)
-        return decision, knobs
-    if decision.route is Route.REJECTED and not must_wait(decision):
-        _count_decision(router, req, decision)
-        raise _rejected(router, decision)  # no engine can serve it: waiting will not help
-    waiter = flow.enqueue(
-        key,
-        slo,
-        tenant,
-        lambda: _plan(router, req, deployment, count=False)[0],
-        bound=knobs.max_queue_size,
-        max_wait=_max_wait(slo, knobs),
-    )
-    if queued_ahead:
-        flow.pump(key)  # those ahead first; this one too, if there is room for it
-    await flow.wait(waiter)
-    knobs = router.state.knobs_for(deployment, req.knobs)
-    if waiter.outcome is Outcome.FAILED:
-        assert waiter.error is not None
-        raise waiter.error
-    if waiter.outcome is Outcome.SHED:
-        shed = Decision(Route.REJECTED, reason=waiter.reason, status=429, code=waiter.reason)
-        _count_decision(router, req, shed)
-        router.metrics.count_request(Route.REJECTED.value, "rejected", req.model)
-        raise _shed(waiter.reason, slo, knobs)
-    routed = waiter.decision
-    assert routed is not None
-    _count_decision(router, req, routed)
-    if routed.route is Route.REJECTED:
-        raise _rejected(router, routed)
-    return routed, knobs
-
-
-def _max_wait(slo: SloClass, knobs: PolicyKnobs) -> float:
-    """How long a request of class ``slo`` may wait: a sheddable class its TTFT target
-    (past it the answer is late anyway), the others the whole request deadline."""
-    return slo.ttft_ms / 1000.0 if slo.sheddable else knobs.request_timeout_seconds
-
-
-def _shed(reason: str, slo: SloClass, knobs: PolicyKnobs) -> RouterError:
-    """The 429 of a request flow control turned away (``reason``: router.flow's)."""
-    full = (
-        f"all engines are saturated and the router's queues are full "
-        f"(max_queue_size {knobs.max_queue_size})"
-    )
-    if reason == "timeout":
-        message = (
-            f"the {slo.name} request waited {_max_wait(slo, knobs):g}s in the router's "
-            "queue without an engine free to take it"
-        )
-        code = "queue_timeout"
-    elif reason == "evicted":
-        message = f"the {slo.name} request was shed from the full queue for a higher class"
-        code = "shed"
-    elif reason == "fair-share":
-        message = (
-            f"the {slo.name} request was shed from the full queue, where its tenant held the "
-            "most requests, to make room for another tenant's"
-        )
-        code = "shed"
-    elif slo.sheddable:
-        message, code = f"{full}; the {slo.name} request was shed", "shed"
-    else:
-        message, code = full, "queue_full"
-    return RouterError(
-        429,
-        message,
-        type_="rate_limit_exceeded",
-        code=code,
-        retry_after=retry_after_seconds(knobs),
-    )
-
-
-def forced_knobs(base: PolicyKnobs, header: str | None) -> PolicyKnobs | None:
-    """The policy with its mode forced by the X-Syshax-Mode header, so the benchmark's CPU,
-    GPU and hetero modes run through one router on the same engines. ``auto`` forces the
-    heterogeneous scheduler on (PD offload enabled) whatever the live policy says."""
-    if header is None:
-        return None
-    mode = header.strip().lower()
-    if mode not in MODES:
-        raise RouterError(
-            400,
-            f"{MODE_HEADER} must be one of {', '.join(MODES)}; got {header!r}",
-            param=MODE_HEADER,
-            code="invalid_mode",
-        )
-    return replace(
-        base,
-        mode=mode,
-        enable_auto_pd_offload=True if mode == "auto" else base.enable_auto_pd_offload,
-    )
-
-
-def _forced(req: ClientRequest) -> bool:
-    """Whether the request pinned its route with X-Syshax-Mode (``auto`` pins nothing: the
-    decider's own limits apply)."""
-    return req.knobs is not None and req.knobs.mode != "auto"
-
-
-def _protocol(deployment: Deployment) -> PdProtocol:
-    """The deployment's PD wire protocol (its ``pd_protocol``, checked when it was parsed)."""
-    return PROTOCOLS[deployment.spec.pd_protocol]
-
-
-def _rejected(router: Router, decision: Decision) -> RouterError:
-    """A request the decider turned away: counted, and a 429 or 503 with Retry-After."""
-    router.metrics.count_request(Route.REJECTED.value, "rejected")
-    retry = retry_after_seconds(router.state.default_policy().knobs)
-    if decision.status == 429:
-        return saturated(f"all engines are saturated: {decision.reason}", retry_after=retry)
-    return unavailable(f"no engine can serve this request: {decision.reason}", retry_after=retry)
 
 
 # -- 2-4. serving the route, falling back, failing over ----------------------------------------
@@ -395,7 +209,7 @@ class Serving:
         """Serve on ``deployment`` from now on, with a fresh stream (nothing was sent yet)."""
         self.deployment = deployment
         self.tried.add(deployment.spec.id)
-        self.pd = _protocol(deployment)
+        self.pd = protocol(deployment)
         self.out = ClientStream(self.http, self.req, self.metrics)
         self.removed_from = None
         self._set_priority()
@@ -574,10 +388,12 @@ class Serving:
         if failed in (Route.GPU_ONLY, Route.PD) and cpu_ok and cpu_allowed(knobs):
             nxt = Decision(Route.CPU_ONLY, reason="GPU engine failed", fallback=True)
         elif (
-            failed is Route.CPU_ONLY and deployment.gpu.available(now) and knobs.mode != "cpu-only"
+            failed is Route.CPU_ONLY
+            and deployment.gpu.available(now)
+            and knobs.mode != Mode.CPU_ONLY
         ):
             nxt = Decision(Route.GPU_ONLY, reason="CPU engine failed", fallback=True)
-        if nxt is not None and _forced(req):
+        if nxt is not None and forced(req):
             nxt = hold_to_limits(nxt, knobs, deployment.loads(now))
         return nxt if nxt is not None and nxt.route is not Route.REJECTED else None
 
@@ -612,7 +428,7 @@ class Serving:
             if candidate is None:
                 return None
             self.tried.add(candidate.spec.id)
-            decision, _ = _plan(self.router, self.req, candidate)
+            decision, _ = plan(self.router, self.req, candidate)
             if decision.route is not Route.REJECTED:
                 return candidate, decision
 
@@ -657,70 +473,3 @@ class Serving:
         if self.task.cancelling():
             return None
         return BackendRemoved(backend)
-
-
-# -- usage of a relayed answer, for the tenant's token count --------------------------------
-
-
-def _usage_pair(usage: Any) -> tuple[int, int] | None:
-    if not isinstance(usage, dict):
-        return None
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    if not isinstance(prompt, int) or not isinstance(completion, int):
-        return None
-    return prompt, completion
-
-
-def answer_usage(body: bytes) -> tuple[int, int] | None:
-    """(prompt, completion) tokens of an engine's non-streaming answer; None if it has none."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
-    return _usage_pair(data.get("usage")) if isinstance(data, dict) else None
-
-
-def relayed_usage(out: ClientStream, body_bytes: int) -> tuple[int, int]:
-    """(prompt, completion) tokens of a relayed stream: its usage chunk where the client
-    asked for one (it may have left in a payload before the last), else the tokens counted
-    from its events (their token ids where the engine sent them, else a token per text
-    event of each choice) and the prompt estimated from the request's size."""
-    last = b"".join(out.relayed[-2:]) + out.tail
-    for payload in reversed(_payloads(last)[-3:]):
-        if b'"usage"' not in payload:
-            continue
-        try:
-            pair = _usage_pair(json.loads(payload).get("usage"))
-        except (ValueError, AttributeError):
-            pair = None
-        if pair is not None:
-            return pair
-    events = _payloads(b"".join(out.relayed) + out.tail)
-    return max(1, body_bytes // 4), sum(_event_tokens(payload) for payload in events)
-
-
-def _payloads(stream: bytes) -> list[bytes]:
-    """The data of each whole event in ``stream`` (a relayed stream from an event's start)."""
-    return [
-        payload
-        for event in split_events(bytearray(stream), final=True)
-        if (payload := event_data(event)) is not None and payload != b"[DONE]"
-    ]
-
-
-def _event_tokens(payload: bytes) -> int:
-    """The completion tokens one relayed event carries, over all its choices."""
-    try:
-        choices = json.loads(payload).get("choices") or []
-    except (ValueError, AttributeError):
-        return 0
-    tokens = 0
-    for choice in choices:
-        if not isinstance(choice, dict):
-            continue
-        ids = choice.get("token_ids")
-        if isinstance(ids, list):
-            tokens += len(ids)
-        elif choice.get("text") or (choice.get("delta") or {}).get("content"):
-            tokens += 1
-    return tokens

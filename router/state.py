@@ -23,7 +23,7 @@ from common.routing import DeploymentSpec
 from router.client.access import MODE_HEADER_BENCHMARK_KEYS
 from router.client.shared_limits import DEFAULT_TIMEOUT, SharedLimits
 from router.client.tenants import Tenants
-from router.decide import Loads
+from router.decide import Loads, choose_replica
 from router.engines.backends import Backend, Timeouts
 from router.engines.load import UNAVAILABLE
 from router.flow import FlowControl
@@ -62,7 +62,8 @@ class Deployment:
         )
 
     def pressure(self, now: float) -> float:
-        """Least-loaded replica choice: router in-flight plus the engine's queue."""
+        """What the least-loaded replica choice compares: the router's in-flight requests
+        plus the engine's queue."""
         gpu = self.gpu.load(now)
         score = float(self.gpu.inflight + gpu.waiting)
         if not gpu.available:
@@ -178,17 +179,15 @@ class RouterState:
         log.info("%s backend %s closed", backend.role, backend.url)
 
     def choose(self, model: str, exclude: Collection[int] = ()) -> Deployment | None:
-        """The least-loaded replica of ``model``, skipping the deployment ids in ``exclude``
+        """The replica of ``model`` the decision pipeline's replica choice picks
+        (``router.decide.pipeline.REPLICA``), skipping the deployment ids in ``exclude``
         (those a request already failed on)."""
         replicas = self.by_model.get(model)
         if replicas and exclude:
             replicas = [d for d in replicas if d.spec.id not in exclude]
         if not replicas:
             return None
-        if len(replicas) == 1:
-            return replicas[0]
-        now = time.monotonic()
-        return min(replicas, key=lambda d: d.pressure(now))
+        return choose_replica(replicas, time.monotonic())[0]
 
     def may_eject(self, backend: Backend) -> bool:
         """Outlier ejection never takes out the last backend still available."""

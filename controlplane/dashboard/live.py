@@ -24,6 +24,7 @@ from typing import Any
 
 from django.utils import timezone
 
+from common.decisions import Route
 from common.serving import MAX_COUNT, MEASURE_LIMITS, add_histograms, histogram_count, quantile_ms
 from controlplane.dashboard import charts
 from controlplane.routers.choices import DECISIONS
@@ -127,7 +128,7 @@ class _Bucket:
             "ttft_p99_ms": _round(quantile_ms(self.ttft, 0.99)),
             "tpot_p50_ms": _round(quantile_ms(self.tpot, 0.5)),
             "tpot_p99_ms": _round(quantile_ms(self.tpot, 0.99)),
-            "pd_share_percent": _round(100.0 * self.decisions.get("pd", 0) / requests)
+            "pd_share_percent": _round(100.0 * self.decisions.get(Route.PD, 0) / requests)
             if requests
             else None,
         }
@@ -252,7 +253,7 @@ def aggregate(
             "summary": {
                 "requests": requests,
                 "decisions": served,
-                "pd_share_percent": _round(100.0 * decisions.get("pd", 0) / requests)
+                "pd_share_percent": _round(100.0 * decisions.get(Route.PD, 0) / requests)
                 if requests
                 else None,
                 "tokens_per_second": current,

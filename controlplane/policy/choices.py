@@ -1,11 +1,15 @@
 from django.db import models
 
+from common.decisions import Mode
+
 
 class PolicyMode(models.TextChoices):
-    AUTO = "auto", "auto (hetero: decide per request)"
-    GPU_ONLY = "gpu-only", "GPU only"
-    CPU_ONLY = "cpu-only", "CPU only"
-    FORCED_PD = "forced-pd", "forced PD (GPU prefill, CPU decode)"
+    """The policy's modes (``common.decisions.Mode``, the router's), with their labels."""
+
+    AUTO = Mode.AUTO.value, "auto (hetero: decide per request)"
+    GPU_ONLY = Mode.GPU_ONLY.value, "GPU only"
+    CPU_ONLY = Mode.CPU_ONLY.value, "CPU only"
+    FORCED_PD = Mode.FORCED_PD.value, "forced PD (GPU prefill, CPU decode)"
 
 
 class DeciderAlgorithm(models.TextChoices):

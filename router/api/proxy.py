@@ -19,7 +19,8 @@ from router.client.errors import RouterError
 from router.client.tenants import ANONYMOUS, REQUEST_TENANT
 from router.client.validate import parse_body
 from router.engines.transport import UpstreamFailed, request
-from router.request import read_body, refuse, unknown_model, without_router_fields
+from router.plan import unknown_model
+from router.request import read_body, refuse, without_router_fields
 from router.state import ROUTER_KEY, Deployment, Router
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from common.sse import event_data, split_events
 from router.client.sse import chunk_parts
-from router.decide import Decision, Route, decide_next_chunk
+from router.decide import Decision, Route, Stage, decide_next_chunk
 from router.engines.backends import Backend
 from router.engines.transport import UpstreamFailed, request
 from router.pd.sequence import PdSequence
@@ -87,7 +87,7 @@ class SyshaxPd:
             # Read anew per chunk: a live policy change lands mid-request.
             knobs = seq.knobs()
             nxt = decide_next_chunk(knobs, seq.loads(), seq.slo(knobs))
-            seq.metrics.decision("chunk", nxt.route.value, nxt.code)
+            seq.metrics.decision(Stage.CHUNK, nxt.route, nxt.code)
             if nxt.route is Route.PD:
                 limit = nxt.token_limit
             else:

@@ -29,7 +29,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.sse import event_data, split_events
-from router.decide import Decision, Route, cpu_allowed, decide_next_chunk, token_limit
+from router.decide import (
+    Decision,
+    Mode,
+    Route,
+    Stage,
+    cpu_allowed,
+    decide_next_chunk,
+    token_limit,
+)
 from router.engines.backends import Backend
 from router.engines.transport import UpstreamFailed, call_json, request
 from router.pd.sequence import PdSequence
@@ -318,7 +326,7 @@ class VllmPd:
                         knobs = seq.knobs()
                         with target.uncounted():  # the decider must not count this one
                             nxt = decide_next_chunk(knobs, seq.loads(), seq.slo(knobs))
-                        seq.metrics.decision("chunk", nxt.route.value, nxt.code)
+                        seq.metrics.decision(Stage.CHUNK, nxt.route, nxt.code)
                         if nxt.route is Route.PD:
                             limit = nxt.token_limit
                             continue
@@ -443,7 +451,7 @@ async def resume_stream(seq: PdSequence, failed: Backend, why: str) -> bool:
         refused = "no other engine is available"
     elif other is seq.cpu and not cpu_allowed(knobs):
         refused = f"the policy ({knobs.mode}) keeps the CPU out"
-    elif other is seq.gpu and knobs.mode == "cpu-only":
+    elif other is seq.gpu and knobs.mode == Mode.CPU_ONLY:
         refused = "the policy is cpu-only"
     if refused is not None or other is None:
         log.info("%s: not resumed after %s: %s", out.request_id, why, refused)

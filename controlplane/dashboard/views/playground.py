@@ -24,6 +24,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect
 from django.views.decorators.http import require_POST
 
+from common.decisions import Mode
 from common.sse import DONE_DATA, event_data, split_events
 from controlplane.dashboard.views.common import require_perm
 from controlplane.deployments.models import Deployment
@@ -35,7 +36,11 @@ from loadgen.wire import ConnectionPool, WireError, post
 # The router's header naming why it chose the route (router/client/stream.py).
 REASON_HEADER = "X-Syshax-Reason"
 # The modes the playground offers: the X-Syshax-Mode values, with their labels.
-MODES = (("auto", "auto (the policy decides)"), ("gpu-only", "GPU only"), ("forced-pd", "PD"))
+MODES = (
+    (Mode.AUTO.value, "auto (the policy decides)"),
+    (Mode.GPU_ONLY.value, "GPU only"),
+    (Mode.FORCED_PD.value, "PD"),
+)
 TIMEOUT_S = 120.0
 _TEXT_LIMIT = 500
 
@@ -44,7 +49,7 @@ class PlaygroundForm(forms.Form):
     prefix = "play"  # its fields stay apart from the page's other forms
     prompt = forms.CharField(max_length=4000, widget=forms.Textarea(attrs={"rows": 3}))
     max_tokens = forms.IntegerField(label="Max tokens", min_value=1, max_value=1024, initial=64)
-    mode = forms.ChoiceField(choices=MODES, initial="auto")
+    mode = forms.ChoiceField(choices=MODES, initial=Mode.AUTO.value)
 
 
 @dataclass
