@@ -91,9 +91,9 @@ CPU_PROBE_BATCH = 1
 # at the batch it would then run is within this share of the request's CPU latency target:
 # a scraped mean ITL is noisy live, and a decode on the CPU lasts many scrapes. A sequence
 # already on the CPU stays while it meets the target itself (no margin; docs/router.md).
-# 0.9: live, a CPU within it met the target for every request it took (the A10 + Xeon
-# decode-heavy matrix scenario at 80 ms), where 0.8 shut out a CPU that decodes within 79 %
-# of the target alone (docs/decisions/0065-cpu-margins.md).
+# 0.9: live, the A10 + Xeon decode-heavy matrix scenario (80 ms) met its target for every
+# request at its GPU knee, those the CPU decoded included, where 0.8 shut out a CPU that
+# decodes within 79 % of the target alone (docs/decisions/0065-cpu-margins.md).
 CPU_SLO_MARGIN = 0.9
 # A CPU prefill's first token is estimated, not measured per request (the prompt from the
 # body's bytes, the rate from the last prefills: ``cpu_ttft_ms``): it must land within this
