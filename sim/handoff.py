@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from common.presets import DevicePreset, ModelPreset
+from kvconnector.syshax_kv_shm import prompt_digest
 from sim import kvshm
 from sim.connector import Connector, SegmentError
 from sim.perfmodel import kv_copy_time
@@ -43,6 +44,9 @@ class HandoffPlan:
     connector_hits: int = 0
     connector_error: str | None = None  # why a transfer was not used (answered to the client)
     cached_override: int | None = None  # remote_prefill_cached_tokens
+    # The prompt's digest for the transfer a connector prefill publishes (the connector's
+    # ``prompt_digest``: the served model, no adapter, the prompt's token ids).
+    prompt_digest: str | None = None
 
 
 class Handoff:
@@ -55,6 +59,7 @@ class Handoff:
         device: DevicePreset,
         lease_seconds: float,
         connector: Connector | None,
+        served_model_name: str = "",
     ) -> None:
         self.shm_dir = shm_dir
         self.engine_id = engine_id
@@ -62,6 +67,7 @@ class Handoff:
         self.device = device
         self.lease_seconds = lease_seconds
         self.connector = connector
+        self.served_model_name = served_model_name
 
     def prepare(self, req: ParsedRequest, response_id: str) -> HandoffPlan:
         """Validate the handoff fields and load any KV the request refers to."""
@@ -86,6 +92,7 @@ class Handoff:
         plan.connector_queried = True
         if params.get("do_remote_decode"):
             plan.connector_prefill = True
+            plan.prompt_digest = prompt_digest(req.prompt_ids, self.served_model_name, None)
             return
         if "transfer_id" not in params:
             return
@@ -151,11 +158,14 @@ class Handoff:
         )
         return seg.path
 
-    def publish_connector(self, prompt_tokens: int) -> dict[str, Any]:
+    def publish_connector(self, prompt_tokens: int, digest: str | None = None) -> dict[str, Any]:
         """The prompt's KV through the connector; its ``kv_transfer_params`` as vLLM
-        answers them (the scheduler adds the prefill's local prefix-cache hits: none here)."""
+        answers them (the scheduler adds the prefill's local prefix-cache hits: none here),
+        bound to the prompt by ``digest`` as the connector binds them."""
         assert self.connector is not None
         params = self.connector.publish(prompt_tokens)
         if "transfer_id" in params:
+            if digest is not None:
+                params["prompt_digest"] = digest
             params["remote_prefill_cached_tokens"] = 0
         return params

@@ -84,6 +84,7 @@ class SimServer:
             device=cfg.device,
             lease_seconds=settings.kv_lease_seconds,
             connector=self.connector,
+            served_model_name=cfg.served_model_name,
         )
         self.registry = build_registry(engine, settings.metrics_mode, settings.log_stats)
         self.created = int(time.time())
@@ -375,7 +376,7 @@ class SimServer:
             # Stopped by itself: nothing is left to decode, so nothing is published. The
             # answer goes at once; the segment is published when its copy has landed.
             tokens = seq.prompt_tokens + seq.resumed_tokens
-            params = self.handoff.publish_connector(tokens)
+            params = self.handoff.publish_connector(tokens, plan.prompt_digest)
             if "transfer_id" in params and self.connector is not None:
                 asyncio.get_running_loop().call_later(
                     self.handoff.export_seconds(tokens) / speed, self.connector.land, params

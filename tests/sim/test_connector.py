@@ -16,12 +16,14 @@ import pytest
 from sim_procs import MODEL, SimFactory, SimProcess, start_sim, stop_sim
 from sim_sse import post_sse
 
+from kvconnector.syshax_kv_shm import prompt_digest
 from sim.connector import HEADER_SPACE
 
 PROMPT = " ".join(f"p{i}" for i in range(128))
 PARAM_KEYS = {
     "do_remote_prefill", "transfer_id", "segment", "num_tokens", "ranks", "lease_expires_at",
     "producer_engine_id", "ipc_namespace", "geometry", "remote_prefill_cached_tokens",
+    "prompt_digest",
 }  # fmt: skip
 
 
@@ -115,6 +117,10 @@ def test_prefill_then_streamed_decode_on_the_peer_uses_the_transferred_kv(pair: 
     assert set(params) == PARAM_KEYS
     assert params["num_tokens"] == 128 and params["producer_engine_id"] == "gpu-a"
     assert params["remote_prefill_cached_tokens"] == 0 and params["ranks"] == 1
+    # Bound to its prompt as the connector binds it: the served model and the token ids.
+    choice = answer["choices"][0]
+    prompt_ids = choice.get("prompt_token_ids") or answer["prompt_token_ids"]
+    assert params["prompt_digest"] == prompt_digest(prompt_ids, answer["model"], None), params
     # The answer may come before the copy lands (a .tmp segment); then it is published.
     deadline = time.monotonic() + 5
     while files(pair.shm) != [params["segment"]] and time.monotonic() < deadline:
