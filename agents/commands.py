@@ -27,6 +27,7 @@ from common.engine_spec import (
     SpecError,
     engine_labels,
     engine_name,
+    flag_value,
 )
 from common.files import write_json_atomic
 from common.model_card import ModelCardError, read_model_card
@@ -82,17 +83,6 @@ def engine_cause(log: str) -> str | None:
     return None
 
 
-def _flag(args: tuple[str, ...], name: str) -> str | None:
-    """The value of ``--name VALUE`` or ``--name=VALUE`` in an engine's arguments (the last)."""
-    found = None
-    for index, arg in enumerate(args):
-        if arg == name and index + 1 < len(args):
-            found = args[index + 1]
-        elif arg.startswith(name + "="):
-            found = arg.split("=", 1)[1]
-    return found
-
-
 def check_model(spec: EngineSpec, *, local: bool) -> None:
     """The model directory an engine is to load, checked before it starts: one line naming the
     cause (no such directory, no config.json, no architectures, a ``--max-model-len`` over the
@@ -100,14 +90,14 @@ def check_model(spec: EngineSpec, *, local: bool) -> None:
 
     A hub id is left to the engine, as is a path this agent cannot see: a container's own
     (``local`` False) that is not also on the host."""
-    model = _flag(spec.args, "--model")
+    model = flag_value(spec.args, "--model")
     if model is None or not model.startswith("/"):
         return
     if not local and not Path(model).exists():
         return
     try:
         card = read_model_card(model, field="--model")
-        length = _flag(spec.args, "--max-model-len")
+        length = flag_value(spec.args, "--max-model-len")
         card.check_max_model_len(
             int(length) if length and length.isdigit() else None, field="--max-model-len"
         )

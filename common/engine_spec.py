@@ -11,7 +11,7 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,6 +199,17 @@ def _str_list(value: object, name: str) -> list[str]:
     if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
         raise SpecError(name, "must be a list of strings")
     return list(value)
+
+
+def flag_value(args: Sequence[str], name: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` in an engine's arguments (the last)."""
+    found = None
+    for index, arg in enumerate(args):
+        if arg == name and index + 1 < len(args):
+            found = args[index + 1]
+        elif arg.startswith(name + "="):
+            found = arg.split("=", 1)[1]
+    return found
 
 
 def engine_name(deployment_id: int, generation: int, role: str) -> str:

@@ -28,6 +28,7 @@ from common.engine_spec import (
     EngineSpec,
     Mount,
     SpecError,
+    flag_value,
     prepend_python_path,
 )
 
@@ -143,19 +144,9 @@ def pod_requests(pod: Mapping[str, Any]) -> tuple[float, int, list[str]]:
     return cpus, memory, [f"{n} {k}" for k, n in sorted(devices.items())]
 
 
-def _flag(args: Sequence[str], name: str) -> str | None:
-    found = None
-    for index, arg in enumerate(args):
-        if arg == name and index + 1 < len(args):
-            found = args[index + 1]
-        elif arg.startswith(name + "="):
-            found = arg.split("=", 1)[1]
-    return found
-
-
 def arena_bytes(spec: EngineSpec) -> int:
     """The KV arena the engine publishes in /dev/shm (its ``--kv-transfer-config``)."""
-    raw = _flag(spec.args, "--kv-transfer-config")
+    raw = flag_value(spec.args, "--kv-transfer-config")
     try:
         extra = json.loads(raw).get("kv_connector_extra_config", {}) if raw else {}
         return int(extra.get("arena_mib") or 0) * MIB
@@ -213,7 +204,7 @@ def _model_volume(
 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The model's volume and its mount: the claim at ``model_root``, or the model's own
     directory on the node (hostPath); none for a model the engine fetches by its hub id."""
-    models = {_flag(e.spec.args, "--model") for e in engines} - {None}
+    models = {flag_value(e.spec.args, "--model") for e in engines} - {None}
     model = next((m for m in sorted(models, key=str) if m and m.startswith("/")), None)
     if model is None:
         return None
