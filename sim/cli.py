@@ -143,6 +143,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="report usage.prompt_tokens_details.cached_tokens, as vLLM does with this flag",
     )
+    _flag(
+        parser,
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's automatic prefix caching (default: on, as in vLLM's V1 engine; off with "
+        "--syshax-compat, as in the V0 engine)",
+    )
     ignored = parser.add_argument_group("accepted for vLLM compatibility and ignored")
     for name in ("--dtype", "--quantization", "--uvicorn-log-level"):
         _flag(ignored, name)
@@ -242,6 +250,11 @@ def run(args: argparse.Namespace) -> int:
         scheduling_policy=args.scheduling_policy,
         syshax_compat=args.syshax_compat,
         block_size=args.block_size,
+        enable_prefix_caching=(
+            not args.syshax_compat
+            if args.enable_prefix_caching is None
+            else args.enable_prefix_caching
+        ),
     )
     settings = ServerSettings(
         host=args.host,

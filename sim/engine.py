@@ -66,6 +66,10 @@ class EngineConfig:
     # sysHAX-compatible mode (--syshax-compat): the patched V0 engine's flags and request fields.
     syshax_compat: bool = False
     block_size: int = 16
+    # vLLM's --enable-prefix-caching (on by default in vLLM's V1 engine): sim/prefix_cache.py.
+    enable_prefix_caching: bool = True
+    # Record the prefix cache's block events (vLLM's --kv-events-config).
+    kv_events: bool = False
     ring_size: int = 4096
     # vLLM's API server turns each output into an SSE chunk in Python, one request after
     # another (pydantic model, JSON, write): an estimated ~20 us per token per stream.
@@ -117,6 +121,8 @@ def build_scheduler(
             block_size=config.block_size,
             preemption_mode=config.preemption_mode,
             policy=config.scheduling_policy,
+            prefix_caching=config.enable_prefix_caching,
+            kv_events=config.kv_events,
             output_token_s=config.output_token_overhead_s,
         ),
         hw,

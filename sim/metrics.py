@@ -71,6 +71,7 @@ class EngineCollector(Collector):
             "vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", stats.e2e
         )
         if self.current:
+            yield self._cache_config_info()
             yield gauge(
                 "vllm:kv_cache_usage_perc",
                 "KV-cache usage. 1 means 100 percent usage.",
@@ -89,8 +90,7 @@ class EngineCollector(Collector):
             )
             yield counter(
                 "vllm:prefix_cache_hits",
-                "Prefix cache hits, in terms of number of cached tokens (no local prefix "
-                "cache is modelled: always 0).",
+                "Prefix cache hits, in terms of number of cached tokens.",
                 stats.prefix_cache_hits_total,
             )
             yield counter(
@@ -148,6 +148,24 @@ class EngineCollector(Collector):
                 "Time per output token in seconds.",
                 stats.itl,
             )
+
+
+    def _cache_config_info(self) -> GaugeMetricFamily:
+        """vLLM's ``vllm:cache_config_info``: the KV cache's settings as labels (those the
+        simulator has; a router reads ``block_size`` and ``enable_prefix_caching``)."""
+        config = self.engine.config
+        info = {
+            "block_size": str(config.block_size),
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "engine": "0",
+            "gpu_memory_utilization": str(config.gpu_memory_utilization),
+            "num_gpu_blocks": str(self.engine.capacity.num_blocks),
+        }
+        family = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
+        )
+        family.add_metric(list(info.values()), 1.0)
+        return family
 
 
 def build_registry(

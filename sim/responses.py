@@ -37,7 +37,7 @@ def prompt_details(kind: str, cached: int, *, stream: bool) -> dict[str, Any]:
     """``usage.prompt_tokens_details`` as each of vLLM's four code paths writes it."""
     details: dict[str, Any] = {"cached_tokens": cached}
     if kind == "chat":
-        details["created_cache_tokens"] = 0  # no local prefix cache: nothing newly cached
+        details["created_cache_tokens"] = 0  # vLLM 0.32 reports 0 here too
     if not stream:
         details.setdefault("created_cache_tokens", None)
         details["multimodal_tokens"] = None

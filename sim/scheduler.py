@@ -29,6 +29,7 @@ from typing import Any
 
 from common.presets import ModelPreset
 from sim.perfmodel import EffectiveHardware, kv_copy_time, step_time
+from sim.prefix_cache import BlockHasher, PrefixCache
 from sim.tokens import CONTEXT_WINDOW, TokenModel
 
 
@@ -69,6 +70,9 @@ class Sequence:
     arrival: float = 0.0
     priority: int = 0  # lower first, under the priority policy (vLLM's request field)
     sink: Any = None  # the engine's emission target
+    # The context's block hashes, for the prefix cache (None: not looked up nor cached).
+    hasher: BlockHasher | None = None
+    cache_hits: int = 0  # prompt tokens found in the local prefix cache when admitted
     # scheduler state
     status: SeqStatus = SeqStatus.WAITING
     computed: int = 0
@@ -80,6 +84,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     preemptions: int = 0
     token_times: list[float] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)  # the cached blocks it holds, by hash
+    registered: int = 0  # leading blocks offered to the prefix cache so far
 
     @property
     def context(self) -> int:
@@ -112,6 +118,8 @@ class SchedulerConfig:
     watermark: float = 0.01  # keep this share of blocks free when admitting
     output_token_s: float = 0.0  # frontend cost per emitted token (serialises a step's outputs)
     policy: str = "fcfs"  # or "priority" (SCHEDULING_POLICIES)
+    prefix_caching: bool = False  # vLLM's --enable-prefix-caching (sim/prefix_cache.py)
+    kv_events: bool = False  # record the prefix cache's block events (--kv-events-config)
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -150,6 +158,11 @@ class BatchScheduler:
                 f"got {config.policy!r}"
             )
         self._by_priority = config.policy == "priority"
+        self.cache = (
+            PrefixCache(config.block_size, record_events=config.kv_events)
+            if config.prefix_caching
+            else None
+        )
 
     # -- queries -----------------------------------------------------------------------
 
@@ -200,10 +213,26 @@ class BatchScheduler:
         seq.finish_reason = FinishReason.ABORT
 
     def _release(self, seq: Sequence) -> None:
-        self.free_blocks += seq.blocks
+        self._drop_blocks(seq)
         self.free_swap_blocks += seq.swapped_blocks
-        seq.blocks = 0
         seq.swapped_blocks = 0
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        """Give back the blocks ``seq`` holds: its own at once, the cached ones it shares
+        once nobody holds them (they stay cached until their room is needed)."""
+        freed = seq.blocks - len(seq.held)
+        if seq.held:
+            assert self.cache is not None
+            freed += self.cache.release(seq.held)
+            seq.held = []
+        self.free_blocks += freed
+        seq.blocks = 0
+
+    def _take(self, blocks: int) -> None:
+        """Allocate ``blocks`` free blocks, evicting cached ones whose room they take."""
+        self.free_blocks -= blocks
+        if self.cache is not None:
+            self.cache.evict_to(self.free_blocks)
 
     def _preempt(self, victim: Sequence) -> float:
         """Take ``victim`` out of the batch; returns the swap-out seconds it costs."""
@@ -213,14 +242,15 @@ class BatchScheduler:
         if self.config.preemption_mode == "swap" and victim.blocks <= self.free_swap_blocks:
             moved = victim.blocks
             self.free_swap_blocks -= moved
-            self.free_blocks += moved
-            victim.swapped_blocks, victim.blocks = moved, 0
+            self._drop_blocks(victim)
+            victim.swapped_blocks = moved
             victim.status = SeqStatus.SWAPPED
             self.swapped.append(victim)
             return kv_copy_time(self.model, moved * self.config.block_size, self.swap_bandwidth)
-        # Recompute: drop the KV; the sequence re-prefills prompt + generated tokens later.
-        self.free_blocks += victim.blocks
-        victim.blocks = 0
+        # Recompute: drop the KV; the sequence re-prefills prompt + generated tokens later
+        # (less what the prefix cache still holds of it then).
+        self._drop_blocks(victim)
+        victim.registered = 0
         victim.computed = 0
         victim.imported_tokens = 0  # the handed-over KV is gone too
         victim.status = SeqStatus.WAITING
@@ -262,7 +292,7 @@ class BatchScheduler:
                 extra += self._preempt(seq)
                 preempted += 1
                 continue  # seq left the list; index i now holds the next one
-            self.free_blocks -= need
+            self._take(need)
             seq.blocks += need
             scheduled.append((seq, chunk))
             budget -= chunk
@@ -312,7 +342,7 @@ class BatchScheduler:
                 break
             self.swapped.popleft()
             self.free_swap_blocks += seq.swapped_blocks
-            self.free_blocks -= seq.swapped_blocks
+            self._take(seq.swapped_blocks)
             seq.blocks, seq.swapped_blocks = seq.swapped_blocks, 0
             cost += kv_copy_time(
                 self.model, seq.blocks * self.config.block_size, self.swap_bandwidth
@@ -321,7 +351,7 @@ class BatchScheduler:
             self.running.append(seq)
             chunk = min(seq.context - seq.computed, budget)
             extra_blocks = self.blocks_for(seq.computed + chunk) - seq.blocks
-            self.free_blocks -= extra_blocks
+            self._take(extra_blocks)
             seq.blocks += extra_blocks
             scheduled.append((seq, chunk))
             budget -= chunk
@@ -335,15 +365,20 @@ class BatchScheduler:
             seq = self.waiting[0]
             if seq.ready_at > now:
                 break  # FCFS: a sequence whose KV is still being copied holds the line
-            if seq.imported_tokens and seq.computed == 0:
-                seq.computed = seq.imported_tokens
-            chunk = min(seq.context - seq.computed, budget)
-            need = self.blocks_for(seq.computed + chunk)
-            idle_fit = not self.running and need <= self.free_blocks
-            if need + self._watermark_blocks > self.free_blocks and not idle_fit:
+            hits = self._cached_prefix(seq) if seq.computed == 0 else []
+            computed = seq.computed or max(seq.imported_tokens, len(hits) * self.config.block_size)
+            chunk = min(seq.context - computed, budget)
+            need = self.blocks_for(computed + chunk)
+            # Cached blocks another sequence holds take no room; those nobody holds do.
+            fresh = need - len(hits) + (self.cache.free_among(hits) if self.cache else 0)
+            idle_fit = not self.running and fresh <= self.free_blocks
+            if fresh + self._watermark_blocks > self.free_blocks and not idle_fit:
                 break  # (an idle engine takes the head even inside the watermark)
             self.waiting.popleft()
-            self.free_blocks -= need
+            if hits:
+                self._use_cached(seq, hits)
+            seq.computed = computed
+            self._take(need - len(hits))
             seq.blocks = need
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -353,22 +388,61 @@ class BatchScheduler:
             seq.load_seconds = 0.0
         return loading
 
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The hashes of the leading blocks of ``seq`` the prefix cache holds (never its
+        whole context: the last token is computed for its logits)."""
+        if self.cache is None or seq.hasher is None:
+            return []
+        hashes = seq.hasher.hashes
+        return hashes[: self.cache.lookup(hashes, (seq.context - 1) // self.config.block_size)]
+
+    def _use_cached(self, seq: Sequence, hits: list[int]) -> None:
+        """Admit ``seq`` onto the cached blocks ``hits``; a KV connector then loads only
+        what they lack."""
+        assert self.cache is not None
+        self._take(self.cache.acquire(hits))
+        seq.held = list(hits)
+        seq.registered = len(hits)
+        local = len(hits) * self.config.block_size
+        if not seq.preemptions:
+            seq.cache_hits = local
+        if seq.imported_tokens:
+            missing = max(0, seq.imported_tokens - local)
+            seq.load_seconds *= missing / seq.imported_tokens
+            seq.connector_hits = min(seq.connector_hits, missing)
+
+    def _register(self, seq: Sequence) -> None:
+        """Offer the prefix cache the blocks of ``seq`` computed in full since last time."""
+        assert self.cache is not None and seq.hasher is not None
+        hashes = seq.hasher.hashes
+        upto = min(seq.computed // self.config.block_size, len(hashes))
+        while seq.registered < upto:
+            block_hash = hashes[seq.registered]
+            if self.cache.register(block_hash):
+                seq.held.append(block_hash)
+            seq.registered += 1
+
     def complete(self, step: Step, now: float) -> StepResult:
         """Apply a planned step that ended at sim time ``now``."""
         emitted: list[tuple[Sequence, int]] = []
         finished: list[Sequence] = []
         sample = self.token_model.sample
         start = max(now, self.frontend_free_at)
+        caching = self.cache is not None
         for seq, chunk in step.scheduled:
             if seq.status != SeqStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.computed += chunk
+            if caching and seq.hasher is not None:
+                self._register(seq)
             if seq.computed < seq.context:
                 continue  # a chunk of a longer prefill
             token, ends = sample(seq.tail, seq.context)
             seq.tail.append(token)
             if len(seq.tail) > CONTEXT_WINDOW:
                 del seq.tail[0]
+            if seq.hasher is not None:
+                seq.hasher.append(token)
             seq.generated += 1
             # The frontend hands a step's outputs to their streams one after another, and
             # cannot start on this step's before it has finished the previous step's.

@@ -25,6 +25,7 @@ from sim.engine import EngineConfig, SimEngine
 from sim.handoff import Handoff, HandoffPlan
 from sim.kvshm import HandoffError
 from sim.metrics import MetricsMode, build_registry, render
+from sim.prefix_cache import BlockHasher
 from sim.protocol import (
     ApiError,
     ParsedRequest,
@@ -324,18 +325,20 @@ class SimServer:
         await sink.done
         reason, kv_params = await self._after(seq, plan)
         usage = responses.usage(
-            kind, req.prompt_tokens, seq.generated, self._cached(plan), stream=False
+            kind, req.prompt_tokens, seq.generated, self._cached(plan, seq), stream=False
         )
         return web.json_response(
             responses.full_response(fmt, sink.token_ids, reason, usage, kv_params)
         )
 
-    def _cached(self, plan: HandoffPlan) -> int | None:
-        """``usage.prompt_tokens_details.cached_tokens``: local prefix-cache hits (none
-        here) + KV the connector loaded, or what the prefill reported."""
+    def _cached(self, plan: HandoffPlan, seq: Sequence) -> int | None:
+        """``usage.prompt_tokens_details.cached_tokens``: local prefix-cache hits + KV the
+        connector loaded, or what the prefill reported."""
         if not self.settings.enable_prompt_tokens_details:
             return None
-        return plan.cached_override if plan.cached_override is not None else plan.connector_hits
+        if plan.cached_override is not None:
+            return plan.cached_override
+        return seq.cache_hits + seq.connector_hits
 
     def _sequence(
         self, req: ParsedRequest, response_id: str, max_new: int, plan: HandoffPlan
@@ -346,6 +349,9 @@ class SimServer:
             resumed_tokens=req.resumed_tokens,
             max_new_tokens=max_new,
             tail=context_tail(req.prompt_ids + req.resumed_ids),
+            hasher=BlockHasher(req.prompt_ids + req.resumed_ids, self.engine.config.block_size)
+            if self.engine.config.enable_prefix_caching
+            else None,
             new_token_limit=plan.new_token_limit,
             natural_stop=req.max_tokens is None and not req.ignore_eos,
             min_tokens=req.min_tokens,
@@ -421,7 +427,7 @@ class SimServer:
                 await resp.write(fmt.finish_chunk(reason))
             if req.include_usage:
                 await resp.write(
-                    fmt.usage_chunk(req.prompt_tokens, seq.generated, self._cached(plan))
+                    fmt.usage_chunk(req.prompt_tokens, seq.generated, self._cached(plan, seq))
                 )
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()

@@ -64,9 +64,9 @@ class Histogram:
 class EngineStats:
     prompt_tokens_total: int = 0  # every prompt token, computed or cached (vLLM's counting)
     generation_tokens_total: int = 0
-    # vLLM's prefix-cache counters, in tokens. The simulator has no local prefix cache, so
-    # local hits stay 0; "external" is the KV connector (queried for every request when one
-    # is configured, hit by the tokens it loaded).
+    # vLLM's prefix-cache counters, in tokens: the local prefix cache (queried for every
+    # prompt while it is on), and "external", the KV connector (queried for every request
+    # when one is configured, hit by the tokens it loaded beyond the local hits).
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     external_prefix_cache_queries_total: int = 0
@@ -83,7 +83,10 @@ class EngineStats:
         """A sequence's prompt, once its first token is out."""
         context = seq.prompt_tokens + seq.resumed_tokens
         self.prompt_tokens_total += context
-        self.prefix_cache_queries_total += context
+        if seq.hasher is not None:
+            self.prefix_cache_queries_total += context
+            self.prefix_cache_hits_total += seq.cache_hits
+        self.prompt_tokens_cached_total += seq.cache_hits
         if seq.connector_queried:
             self.external_prefix_cache_queries_total += context
             self.external_prefix_cache_hits_total += seq.connector_hits

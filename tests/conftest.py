@@ -54,6 +54,7 @@ FIXTURE_MARKS = {
         "cpu_sim": "process",
         "engine": "process",  # test_api.py
         "pair": "process",  # test_connector.py, test_handoff.py
+        "caching_pair": "process",  # test_connector.py
     },
     "tests/controlplane/": {"simulated_gpu": "process", "web": "process"},
 }

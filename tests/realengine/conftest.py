@@ -8,10 +8,10 @@ namespace of a real deployment), started once for the whole package per engine k
 The ``engines`` fixture is parametrized over both, so every test that uses it (or ``router``)
 runs once per kind, with the same assertions: the simulator is held to the behaviour real vLLM
 shows. None of these tests needs a per-kind expectation: the simulator's documented
-differences (docs/simulator.md, "Differences from vLLM 0.32": no local prefix cache, its own
-tokenizer without a BOS token) do not show in what they check, and it logs an unusable
-transfer in the connector's words. Should one ever need to, it belongs on ``Pair``, keyed by
-``Pair.kind``, not in a skip.
+differences (docs/simulator.md, "Differences from vLLM 0.32": a prefix cache that reuses
+blocks without a hash first, its own tokenizer without a BOS token) do not show in what they
+check, and it logs an unusable transfer in the connector's words. Should one ever need to, it
+belongs on ``Pair``, keyed by ``Pair.kind``, not in a skip.
 
 vLLM is installed into its own virtualenv on first use. A machine where that fails fails the
 ``vllm`` tests: they are never skipped.

@@ -445,3 +445,66 @@ def test_an_unusable_transfer_is_recomputed_by_both(
         shapes.append(shape(data))
         stream(engine, "/v1/completions", decode_body(answer))  # the segment's own decode
     assert shapes[0] == shapes[1]
+
+
+# -- the prefix cache ------------------------------------------------------------------------
+
+
+def cache_setting(engine: Engine, label: str) -> str:
+    """A label of ``vllm:cache_config_info`` (the KV cache's settings)."""
+    text = httpx.get(engine.url + "/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:cache_config_info":
+            return str(family.samples[0].labels[label])
+    raise AssertionError(f"{engine}: no vllm:cache_config_info")
+
+
+def token_ids(engine: Engine, prompt: str) -> list[int]:
+    response = post(engine, "/tokenize", {"model": MODEL, "prompt": prompt})
+    assert response.status_code == 200, response.text
+    ids: list[int] = response.json()["tokens"]
+    return ids
+
+
+def wait_for_metric(engine: Engine, name: str, value: float) -> None:
+    deadline = time.monotonic() + 10  # vLLM's metrics follow its engine core's steps
+    while (seen := metric(engine, name)) != value:
+        assert time.monotonic() < deadline, f"{engine}: {name} is {seen}, expected {value}"
+        time.sleep(0.2)
+
+
+def test_prefix_cache_hits_follow_the_same_rule(real: vllm_env.VllmEngine, sim: Sim) -> None:
+    """The same prompts to both: a prompt hits the whole blocks it shares with one computed
+    before, never its last token (vLLM computes that for its logits), and both count the
+    queries and hits alike. Block sizes and tokenizers differ (vLLM's CPU backend uses 128-token
+    blocks and a BOS token), so each engine's expectation is computed from its own."""
+    words = [f"cachew{i}" for i in range(200)]
+    first = again = " ".join(words)
+    branch = " ".join(words[:100] + [f"other{i}" for i in range(100)])
+    for engine in (real, sim):
+        assert cache_setting(engine, "enable_prefix_caching") == "True", engine
+        block = int(cache_setting(engine, "block_size"))
+        ids_first, ids_branch = token_ids(engine, first), token_ids(engine, branch)
+        assert len(ids_first) > 2 * block, f"{engine}: the prompt must span whole blocks"
+        shared = next(
+            (i for i, (a, b) in enumerate(zip(ids_first, ids_branch, strict=False)) if a != b),
+            min(len(ids_first), len(ids_branch)),
+        )
+        queries = metric(engine, "vllm:prefix_cache_queries_total")
+        hits = metric(engine, "vllm:prefix_cache_hits_total")
+        expected = []
+        for prompt, ids, common in (
+            (first, ids_first, 0),
+            (again, ids_first, len(ids_first)),
+            (branch, ids_branch, shared),
+        ):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            response = post(engine, "/v1/completions", body)
+            assert response.status_code == 200, response.text
+            cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            expected.append(min(common, len(ids) - 1) // block * block)
+            assert cached == expected[-1], f"{engine}: {cached} cached, expected {expected}"
+        assert expected[1] > expected[2] > 0
+        total = len(ids_first) * 2 + len(ids_branch)
+        wait_for_metric(engine, "vllm:prefix_cache_queries_total", queries + total)
+        wait_for_metric(engine, "vllm:prefix_cache_hits_total", hits + sum(expected))

@@ -333,7 +333,9 @@ def test_live_token_schedule_is_the_performance_model(cpu_sim: SimProcess) -> No
     # (Epoch floats carry ~0.2 us, so the comparison is to 0.1%.)
     hw = effective_hardware(DEVICES["kunpeng-920-7280z"])
     model = MODELS[MODEL]
-    out = client(cpu_sim).completions.create(model=MODEL, prompt=PROMPT, max_tokens=8)
+    # A prompt no other test sent, so the prefix cache holds none of it.
+    prompt = " ".join(f"schedule{i}" for i in range(40))
+    out = client(cpu_sim).completions.create(model=MODEL, prompt=prompt, max_tokens=8)
     rec = next(
         r
         for r in httpx.get(f"{cpu_sim.url}/sim/requests").json()["requests"]

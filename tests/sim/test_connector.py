@@ -53,7 +53,12 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("connector")
     shm = tmp / "shm"
     shm.mkdir()
-    common = ["--model", MODEL, "--speed", "20", "--enable-prompt-tokens-details"]
+    # The connector alone: without the local prefix cache, whose hits on a prompt sent twice
+    # would hide what the connector loaded (``caching_pair`` below has both).
+    common = [
+        "--model", MODEL, "--speed", "20", "--enable-prompt-tokens-details",
+        "--no-enable-prefix-caching",
+    ]  # fmt: skip
     gpu = start_sim(
         tmp, "gpu", "--device", "a100-80gb", "--kv-transfer-config",
         kv_config("gpu-a", "cpu-a", shm), *common,
@@ -61,6 +66,25 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     cpu = start_sim(
         tmp, "cpu", "--device", "kunpeng-920-7280z", "--kv-transfer-config",
         kv_config("cpu-a", "gpu-a", shm), *common,
+    )  # fmt: skip
+    yield Pair(gpu, cpu, shm)
+    stop_sim(gpu)
+    stop_sim(cpu)
+
+
+@pytest.fixture(scope="module")
+def caching_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    tmp = tmp_path_factory.mktemp("caching")
+    shm = tmp / "shm"
+    shm.mkdir()
+    common = ["--model", MODEL, "--speed", "20", "--enable-prompt-tokens-details"]
+    gpu = start_sim(
+        tmp, "gpu", "--device", "a100-80gb", "--kv-transfer-config",
+        kv_config("gpu-c", "cpu-c", shm), *common,
+    )  # fmt: skip
+    cpu = start_sim(
+        tmp, "cpu", "--device", "kunpeng-920-7280z", "--kv-transfer-config",
+        kv_config("cpu-c", "gpu-c", shm), *common,
     )  # fmt: skip
     yield Pair(gpu, cpu, shm)
     stop_sim(gpu)
@@ -279,3 +303,27 @@ def test_the_connector_json_wins_and_its_lease_is_reaped(
     while files(shm) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert files(shm) == []  # the lease ended and the reaper unlinked it
+
+
+def test_a_decode_whose_prefix_the_cpu_caches_loads_only_what_it_lacks(caching_pair: Pair) -> None:
+    """A follow-up turn: the CPU engine's prefix cache holds the shared start of the prompt,
+    so the connector loads only the rest (vLLM asks the connector for the tokens beyond the
+    local hits), and cached_tokens counts both."""
+    gpu, cpu = caching_pair.gpu, caching_pair.cpu
+    shared = [f"s{i}" for i in range(96)]
+    first = prefill(gpu, " ".join(shared + [f"a{i}" for i in range(32)]))
+    post(cpu, decode_body(first, 2))
+    local, external = (
+        metric(cpu, "vllm:prefix_cache_hits_total"),
+        metric(cpu, "vllm:external_prefix_cache_hits_total"),
+    )
+    second = prefill(gpu, " ".join(shared + [f"b{i}" for i in range(32)]))
+    # The GPU's own cache served the shared 96 tokens of the prefill (six whole blocks).
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    decoded = post(cpu, decode_body(second, 2))
+    assert decoded["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+    assert metric(cpu, "vllm:prefix_cache_hits_total") == local + 96
+    assert metric(cpu, "vllm:external_prefix_cache_hits_total") == external + 32
+    # The same prompt once more on one engine: every whole block but the last token's hits.
+    again = post(gpu, {"prompt": " ".join(shared), "max_tokens": 1})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 80

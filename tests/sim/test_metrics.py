@@ -42,6 +42,10 @@ def scrape(sim: SimProcess) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         samples: dict[str, float] = {}
+        if family.name == "vllm:cache_config_info":
+            # vLLM's settings gauge: the settings as labels, no model_name (as in vLLM).
+            assert family.samples[0].labels["enable_prefix_caching"] in ("True", "False")
+            continue
         for s in family.samples:
             assert s.labels["model_name"] == MODEL
             assert s.labels["engine"]
