@@ -12,10 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from router_procs import MODEL, Proc, metric, wait_for
 from test_router_paths import PROMPT, assert_one_continuous_stream, client
 from test_router_replicas import complete
+from test_router_workers import child_pids
 
 pytestmark = pytest.mark.process  # routers started here on their own flags
 
@@ -39,11 +41,11 @@ def write_text(path: Path, text: str) -> None:
 
 
 @pytest.fixture
-def start_router(workdir: Path) -> Iterator[Callable[[Path], Proc]]:
+def start_router(workdir: Path) -> Iterator[Callable[..., Proc]]:
     started: list[Proc] = []
 
-    def start(path: Path) -> Proc:
-        args = ["router", "--deployments-file", str(path), "--mode", "gpu-only"]
+    def start(path: Path, *extra: str) -> Proc:
+        args = ["router", "--deployments-file", str(path), "--mode", "gpu-only", *extra]
         proc = Proc(f"deployments-file-{next(names)}", [*args, "--log-level", "INFO"], workdir)
         started.append(proc)
         return proc
@@ -74,7 +76,7 @@ def served(router: Proc, engines: list[Proc], count: int) -> list[float]:
 def test_replicas_from_the_file_share_the_load_and_a_rewrite_lands_without_a_restart(
     engines: tuple[Proc, Proc],
     slow_cpu: Proc,
-    start_router: Callable[[Path], Proc],
+    start_router: Callable[..., Proc],
     tmp_path: Path,
 ) -> None:
     gpu, _ = engines
@@ -124,7 +126,7 @@ def test_replicas_from_the_file_share_the_load_and_a_rewrite_lands_without_a_res
 def test_an_invalid_rewrite_is_counted_and_the_last_good_set_stays(
     engines: tuple[Proc, Proc],
     slow_cpu: Proc,
-    start_router: Callable[[Path], Proc],
+    start_router: Callable[..., Proc],
     tmp_path: Path,
 ) -> None:
     gpu, _ = engines
@@ -160,7 +162,7 @@ def test_an_invalid_rewrite_is_counted_and_the_last_good_set_stays(
 
 
 def test_an_invalid_file_at_start_stops_the_router_naming_the_field(
-    start_router: Callable[[Path], Proc], tmp_path: Path
+    start_router: Callable[..., Proc], tmp_path: Path
 ) -> None:
     path = tmp_path / "deployments.json"
     write_deployments(path, entry("a", "http://127.0.0.1:9", cpu_max_num_seqs=0))
@@ -171,3 +173,30 @@ def test_an_invalid_file_at_start_stops_the_router_naming_the_field(
     assert "deployments[0]: deployment field 'cpu_max_num_seqs' must be a positive integer" in (
         message
     )
+
+
+def test_every_worker_watches_the_file(
+    engines: tuple[Proc, Proc],
+    slow_cpu: Proc,
+    start_router: Callable[..., Proc],
+    tmp_path: Path,
+) -> None:
+    gpu, _ = engines
+    path = tmp_path / "deployments.json"
+    write_deployments(path, entry("a", gpu.url))
+    router = start_router(path, "--workers", "2")
+    workers = child_pids(router.popen.pid)
+    assert len(workers) == 2
+    write_deployments(path, entry("a", gpu.url), entry("b", slow_cpu.url))
+
+    def seen_by_both() -> bool:
+        """Both workers have answered with the two replicas, on fresh connections."""
+        seen: set[int] = set()
+        for _ in range(40):
+            health = httpx.get(router.url + "/health", timeout=10).json()
+            if len(health["backends"]) != 2:
+                return False
+            seen.add(int(health["pid"]))
+        return seen == workers
+
+    wait_for(seen_by_both, timeout=5, interval=0.1)
