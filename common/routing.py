@@ -133,14 +133,22 @@ def schedules_by_priority(args: Sequence[str]) -> bool:
 
 
 def parse_deployments(data: Any) -> list[DeploymentSpec]:
-    """The routable deployments of a ``routing/deployments`` answer; ValueError if malformed."""
+    """The routable deployments of a ``routing/deployments`` answer (or of a standalone
+    router's deployments file, the same document); a ValueError naming the entry and the
+    field if malformed."""
     if not isinstance(data, dict) or not isinstance(data.get("deployments"), list):
         raise ValueError("expected {'deployments': [...]}")
     specs = []
-    for entry in data["deployments"]:
+    for index, entry in enumerate(data["deployments"]):
         if not isinstance(entry, dict):
-            raise ValueError("each deployment must be an object")
-        if entry.get("state", "running") not in ROUTABLE_STATES:
+            raise ValueError(f"deployments[{index}]: each deployment must be an object")
+        state = entry.get("state", "running")
+        if state is not None and not isinstance(state, str):
+            raise ValueError(f"deployments[{index}]: deployment field 'state' must be a string")
+        if state not in ROUTABLE_STATES:
             continue  # not validated: a router never reads it
-        specs.append(DeploymentSpec.from_api(entry))
+        try:
+            specs.append(DeploymentSpec.from_api(entry))
+        except ValueError as exc:  # which entry, for a list written by hand (a standalone file)
+            raise ValueError(f"deployments[{index}]: {exc}") from None
     return specs

@@ -28,6 +28,7 @@ from router.client.access import MODE_HEADER_OFF, MODE_HEADER_POLICIES
 from router.client.shared_limits import DEFAULT_TIMEOUT
 from router.engines.backends import Timeouts
 from router.engines.scrape import scrape_forever
+from router.policy.deployments_file import load_deployments_file
 from router.policy.managed import ControlPlaneClient
 from router.policy.source import PolicySource
 from router.policy.standalone import StandalonePolicy, load_tenants_file
@@ -142,14 +143,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Set by the --workers supervisor on each worker: bind with SO_REUSEPORT.
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     alone = parser.add_argument_group("standalone mode")
+    alone.add_argument(
+        "--deployments-file",
+        help="the deployments to route to, replicas included (the control plane's "
+        "routing/deployments document, JSON or YAML), in place of --gpu-url/--cpu-url/--model; "
+        "reloaded on change or SIGHUP",
+    )
     alone.add_argument("--gpu-url", help="GPU/NPU engine, e.g. http://127.0.0.1:7001")
     alone.add_argument("--cpu-url", help="CPU engine, e.g. http://127.0.0.1:7002")
     alone.add_argument("--model", help="served model name (default: ask the GPU engine)")
     alone.add_argument(
         "--pd-protocol",
         choices=PD_PROTOCOLS,
-        default="vllm",
-        help="vllm: upstream vLLM with the KV connector; syshax: sysHAX's patched V0 engines",
+        default=None,
+        help="vllm (default): upstream vLLM with the KV connector; syshax: sysHAX's patched V0 "
+        "engines",
     )
     alone.add_argument(
         "--priority-scheduling",
@@ -239,6 +247,11 @@ async def _policy_source(router: Router, args: argparse.Namespace) -> PolicySour
             log.warning("knob flags are ignored in managed mode; the control plane owns policy")
         if args.tenants_file:
             log.warning("--tenants-file is ignored in managed mode; the control plane owns tenants")
+        if args.deployments_file:
+            raise StartupError(
+                "--deployments-file is for standalone mode; a managed router routes to the "
+                "control plane's deployments"
+            )
         return ControlPlaneClient(
             router,
             base_url=args.control_plane,
@@ -248,12 +261,16 @@ async def _policy_source(router: Router, args: argparse.Namespace) -> PolicySour
             poll_interval=args.poll_interval,
             stats_interval=args.stats_interval,
         )
-    if not args.gpu_url and not args.cpu_url:
+    if args.deployments_file:
+        _check_deployments_file_alone(args)
+    elif not args.gpu_url and not args.cpu_url:
         raise StartupError(
-            "standalone mode needs --gpu-url (and usually --cpu-url), or use "
-            "--control-plane URL --token TOKEN"
+            "standalone mode needs --gpu-url (and usually --cpu-url) or --deployments-file, "
+            "or use --control-plane URL --token TOKEN"
         )
-    standalone = StandalonePolicy(router, args.policy, _flag_knobs(args), args.tenants_file)
+    standalone = StandalonePolicy(
+        router, args.policy, _flag_knobs(args), args.tenants_file, args.deployments_file
+    )
     try:
         router.state.set_policy(standalone.load())
     except (PolicyError, OSError, ValueError) as exc:
@@ -266,6 +283,9 @@ async def _policy_source(router: Router, args: argparse.Namespace) -> PolicySour
         except (TenantError, OSError, ValueError) as exc:
             raise StartupError(f"invalid tenants file {args.tenants_file}: {exc}") from None
         standalone.tenants_mtime = os.stat(args.tenants_file).st_mtime_ns
+    if args.deployments_file:
+        _load_deployments_file(standalone, args.deployments_file)
+        return standalone
     model = args.model or await discover_model(args.gpu_url or args.cpu_url)
     if model is None:
         raise StartupError("could not ask the GPU engine for its model name; pass --model")
@@ -276,7 +296,7 @@ async def _policy_source(router: Router, args: argparse.Namespace) -> PolicySour
                 name="standalone",
                 model=model,
                 policy="default",
-                pd_protocol=args.pd_protocol,
+                pd_protocol=args.pd_protocol or "vllm",
                 gpu_url=args.gpu_url or args.cpu_url,
                 cpu_url=args.cpu_url,
                 priority_scheduling=args.priority_scheduling,
@@ -284,6 +304,46 @@ async def _policy_source(router: Router, args: argparse.Namespace) -> PolicySour
         ]
     )
     return standalone
+
+
+def _check_deployments_file_alone(args: argparse.Namespace) -> None:
+    """Raise StartupError where flags describing the one flag-built deployment come with a
+    deployments file, which describes every deployment itself."""
+    given = [
+        flag
+        for flag, value in (
+            ("--gpu-url", args.gpu_url),
+            ("--cpu-url", args.cpu_url),
+            ("--model", args.model),
+            ("--pd-protocol", args.pd_protocol),
+            ("--priority-scheduling", args.priority_scheduling),
+        )
+        if value
+    ]
+    if given:
+        raise StartupError(
+            f"--deployments-file lists each deployment's engines, model, pd_protocol and "
+            f"priority_scheduling; leave out {', '.join(given)}"
+        )
+
+
+def _load_deployments_file(standalone: StandalonePolicy, path: str) -> None:
+    """Apply the deployments file at start-up; raises StartupError naming the field."""
+    try:
+        # Seen before it is read: a rewrite while it is read is then reloaded.
+        standalone.deployments_mtime = os.stat(path).st_mtime_ns
+        specs = load_deployments_file(path)
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"invalid deployments file {path}: {exc}") from None
+    if not specs:
+        log.warning("the deployments file %s lists no running deployment", path)
+    standalone.router.state.set_deployments(specs)
+    log.info(
+        "routing to %d deployment(s) of %d model(s) from %s",
+        len(specs),
+        len(standalone.router.state.by_model),
+        path,
+    )
 
 
 def benchmark_keys(args: argparse.Namespace) -> tuple[str, ...]:

@@ -149,6 +149,11 @@ class RouterMetrics:
             "Policies rejected as invalid",
             registry=r,
         )
+        self.invalid_deployments = Counter(
+            "syshax_router_deployment_rejections",
+            "Deployments files rejected as invalid (standalone --deployments-file)",
+            registry=r,
+        )
         self.backend_up = Gauge(
             "syshax_router_backend_up",
             "1 if the backend is up and not ejected",

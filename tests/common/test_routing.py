@@ -56,3 +56,10 @@ def test_only_routable_entries_are_read_and_the_shape_is_checked() -> None:
     with pytest.raises(ValueError, match="must be an object"):
         parse_deployments({"deployments": [1]})
     assert set(PD_PROTOCOLS) == {"vllm", "syshax"}
+
+
+def test_a_bad_entry_is_named_by_its_place_in_the_list() -> None:
+    with pytest.raises(ValueError, match=r"deployments\[1\]: deployment field 'name'"):
+        parse_deployments({"deployments": [ENTRY, {**ENTRY, "name": 5}]})
+    with pytest.raises(ValueError, match=r"deployments\[0\]: deployment field 'state'"):
+        parse_deployments({"deployments": [{**ENTRY, "state": ["running"]}]})

@@ -299,6 +299,36 @@ def test_the_routing_payload_carries_node_telemetry_in_steps(
         DeploymentSpec.from_api({**entry, "telemetry": {"gpu_temperature_c": "hot"}})
 
 
+def test_the_routing_payload_saved_as_a_file_is_a_standalone_routers_deployments_file(
+    router_client, make_deployment, node, other_node, make_profile, tmp_path
+) -> None:
+    """``--deployments-file`` takes what ``routing/deployments`` serves, read by the same
+    parser, so an operator can save the control plane's answer and route without it."""
+    import yaml
+
+    from common.routing import parse_deployments
+    from router.policy.deployments_file import load_deployments_file
+
+    profile = make_profile()
+    for host, index in ((node, 2), (other_node, 3)):
+        make_deployment(
+            node=host,
+            profile=profile,
+            state="running",
+            gpu_endpoint=f"http://10.0.0.{index}:7001",
+            cpu_endpoint=f"http://10.0.0.{index}:7002",
+        )
+    answer = router_client.get("/api/v1/routing/deployments").json()
+    assert answer == {"deployments": routable_deployments()}
+    served = parse_deployments(answer)
+    assert len(served) == 2 and len({spec.model for spec in served}) == 1  # two replicas
+    saved_json, saved_yaml = tmp_path / "deployments.json", tmp_path / "deployments.yaml"
+    saved_json.write_text(json.dumps(answer))
+    saved_yaml.write_text(yaml.safe_dump(answer))
+    assert load_deployments_file(str(saved_json)) == served
+    assert load_deployments_file(str(saved_yaml)) == served
+
+
 def test_the_migration_rounds_kv_space_up_and_moves_syshax_protocol_vllm_to_syshax_v0(
     transactional_db,
 ) -> None:
