@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from common.presets import DEVICES, MODELS
+from common.tracing import TracingError, traces_endpoint
 
 log = logging.getLogger("sim")
 
@@ -143,6 +144,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="report usage.prompt_tokens_details.cached_tokens, as vLLM does with this flag",
     )
+    _flag(
+        parser,
+        "--otlp-traces-endpoint",
+        help="emit vLLM's llm_request span per request to this OTLP/HTTP collector URL, e.g. "
+        "http://127.0.0.1:4318/v1/traces, as a child of the request's traceparent",
+    )
     ignored = parser.add_argument_group("accepted for vLLM compatibility and ignored")
     for name in ("--dtype", "--quantization", "--uvicorn-log-level"):
         _flag(ignored, name)
@@ -219,6 +226,11 @@ def run(args: argparse.Namespace) -> int:
             connector.shm_dir.mkdir(parents=True, exist_ok=True)  # as the connector does
             args.shm_dir = connector.shm_dir
         args.kv_lease_seconds = connector.lease_seconds or args.kv_lease_seconds
+    try:
+        endpoint = traces_endpoint(args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None
+    except TracingError as exc:
+        print(f"syshax sim: {exc}", file=sys.stderr)
+        return 2
     if args.shm_dir is None:
         args.shm_dir = _default_shm_dir()
     if not args.shm_dir.is_dir():
@@ -251,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
         kv_connector=connector,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         log_stats=not args.disable_log_stats,
+        otlp_traces_endpoint=endpoint,
     )
     try:
         asyncio.run(serve(config, settings, args.port, args.ready_file))
