@@ -23,6 +23,7 @@ from common.files import write_ready_file
 from common.policy_schema import KNOBS, PolicyError
 from common.routing import PD_PROTOCOLS, DeploymentSpec
 from common.tenants import TenantError
+from common.tracing import TracingError, traces_endpoint
 from router.api.app import build_app
 from router.client.access import MODE_HEADER_OFF, MODE_HEADER_POLICIES
 from router.client.shared_limits import DEFAULT_TIMEOUT
@@ -33,6 +34,7 @@ from router.policy.managed import ControlPlaneClient
 from router.policy.source import PolicySource
 from router.policy.standalone import StandalonePolicy, load_tenants_file
 from router.state import Router, ServerConfig
+from router.tracing import start as start_tracing
 from router.workers import supervise
 
 log = logging.getLogger("syshax.router")
@@ -133,6 +135,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="first outlier ejection lasts this long, doubling per ejection up to 30 s",
     )
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        help="trace each request with OpenTelemetry and send the spans to this OTLP/HTTP "
+        "collector URL, e.g. http://127.0.0.1:4318/v1/traces (default: the standard "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT; none: off). "
+        "docs/tracing.md",
+    )
     parser.add_argument(
         "--workers",
         type=int,
@@ -413,7 +422,17 @@ async def compose(args: argparse.Namespace) -> tuple[Router, web.Application, Po
             "tenants' limits shared through Redis (bound %.1f ms)",
             1000 * config.shared_limits_timeout,
         )
+    try:
+        endpoint = traces_endpoint(args.otlp_traces_endpoint)
+    except TracingError as exc:
+        raise StartupError(str(exc)) from None
     source = await _policy_source(router, args)
+    if endpoint is not None:
+        try:
+            router.tracer = start_tracing(endpoint, router.metrics.registry)
+        except (TracingError, ImportError) as exc:
+            raise StartupError(f"tracing to {endpoint}: {exc}") from None
+        log.info("tracing requests to %s", endpoint)
     return router, build_app(router), source
 
 
@@ -441,7 +460,7 @@ async def serve(args: argparse.Namespace) -> int:
         return 2
     if router.shared_limits is not None:
         await router.shared_limits.start()
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, **router.tracer.install(app))
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, backlog=1024, reuse_port=args.reuse_port)
     await site.start()
@@ -465,6 +484,7 @@ async def serve(args: argparse.Namespace) -> int:
             await task
     await runner.cleanup()
     await router.state.close()
+    router.tracer.close()
     if router.shared_limits is not None:
         await router.shared_limits.close()
     return 0

@@ -23,6 +23,7 @@ from router.decide import NEW_REQUEST, Ask, Decision, retry_after_seconds
 from router.flow import Outcome, must_wait
 from router.pd.registry import PROTOCOLS, PdProtocol
 from router.state import Deployment, Router
+from router.tracing import DECISION, FLOW_WAIT, NO_STEP, NO_TRACE, RequestTrace, Step
 
 
 def replica(router: Router, model: str) -> Deployment:
@@ -64,25 +65,41 @@ def plan(
         unspliceable=lambda: protocol(deployment).unspliceable(req.body),
         forced=forced(req),
     )
-    decision = NEW_REQUEST.run(ask)
+    decision, req.decided_by = NEW_REQUEST.judge(ask)
     if count:
         count_decision(router, req, decision)
     return decision, knobs
 
 
-def count_decision(router: Router, req: ClientRequest, decision: Decision) -> None:
+def count_decision(
+    router: Router, req: ClientRequest, decision: Decision, step: Step = NO_STEP
+) -> None:
+    """Count the decision ``req`` is finally given, and record it on its trace's step."""
     router.metrics.decision(Stage.NEW, decision.route, decision.code)
     router.metrics.class_decision(req.slo_class, decision.route, decision.code)
+    if step is not NO_STEP:
+        step.set("syshax.route", decision.route.value)
+        step.set("syshax.decision.code", str(decision.code))
+        step.set("syshax.decision.reason", decision.reason)
+        step.set("syshax.decision.step", req.decided_by)
 
 
 async def route(
-    router: Router, req: ClientRequest, deployment: Deployment
+    router: Router, req: ClientRequest, deployment: Deployment, trace: RequestTrace = NO_TRACE
 ) -> tuple[Decision, PolicyKnobs]:
     """The route for ``req`` on ``deployment``, after a wait in its class's queue where the
     deployment is saturated (a 429 from the decider) or requests of its class or a higher
     one already wait there (docs/slo-classes.md, "Flow control"). A request that sets its
     mode (``X-Syshax-Mode``, benchmarks), or a policy with ``max_queue_size`` 0, never
-    waits: it gets the decider's 429 at once, as before flow control."""
+    waits: it gets the decider's 429 at once, as before flow control. Traced as the
+    ``decision`` step (and a ``flow-control wait`` step where it waited)."""
+    with trace.step(DECISION, {"syshax.deployment": deployment.spec.name}) as step:
+        return await _route(router, req, deployment, trace, step)
+
+
+async def _route(
+    router: Router, req: ClientRequest, deployment: Deployment, trace: RequestTrace, step: Step
+) -> tuple[Decision, PolicyKnobs]:
     decision, knobs = plan(router, req, deployment, count=False)
     flow, key = router.flow, deployment.spec.id
     slo = knobs.slo_class(req.slo_class)
@@ -90,13 +107,13 @@ async def route(
     may_wait = req.mode_header is None and knobs.max_queue_size > 0
     queued_ahead = may_wait and flow.ahead(key, slo)
     if not (may_wait and (must_wait(decision) or queued_ahead)):
-        count_decision(router, req, decision)
+        count_decision(router, req, decision, step)
         if decision.route is Route.REJECTED:
             raise rejected(router, decision)
         flow.served(key, req.slo_class, tenant)
         return decision, knobs
     if decision.route is Route.REJECTED and not must_wait(decision):
-        count_decision(router, req, decision)
+        count_decision(router, req, decision, step)
         raise rejected(router, decision)  # no engine can serve it: waiting will not help
     waiter = flow.enqueue(
         key,
@@ -108,19 +125,21 @@ async def route(
     )
     if queued_ahead:
         flow.pump(key)  # those ahead first; this one too, if there is room for it
-    await flow.wait(waiter)
+    with trace.step(FLOW_WAIT, {"syshax.slo_class": slo.name}) as waited:
+        await flow.wait(waiter)
+        waited.set("syshax.flow.outcome", str(waiter.outcome))
     knobs = router.state.knobs_for(deployment, req.knobs)
     if waiter.outcome is Outcome.FAILED:
         assert waiter.error is not None
         raise waiter.error
     if waiter.outcome is Outcome.SHED:
         shed = Decision(Route.REJECTED, reason=waiter.reason, status=429, code=waiter.reason)
-        count_decision(router, req, shed)
+        count_decision(router, req, shed, step)
         router.metrics.count_request(Route.REJECTED, "rejected", req.model)
         raise shed_error(waiter.reason, slo, knobs)
     routed = waiter.decision
     assert routed is not None
-    count_decision(router, req, routed)
+    count_decision(router, req, routed, step)
     if routed.route is Route.REJECTED:
         raise rejected(router, routed)
     return routed, knobs

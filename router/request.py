@@ -36,6 +36,7 @@ from typing import Any
 from aiohttp import web
 
 from common.policy_schema import PolicyKnobs
+from common.tenants import TenantRecord
 from router.client.access import allowed_mode_header
 from router.client.classes import choose_class, strip_class_fields, with_priority
 from router.client.errors import RouterError, unavailable
@@ -51,6 +52,7 @@ from router.pd.registry import PdProtocol
 from router.pd.sequence import PdSequence
 from router.plan import forced, plan, protocol, replica, route
 from router.state import Deployment, Router
+from router.tracing import ADMISSION, NO_TRACE, RequestTrace, Step
 
 log = logging.getLogger("syshax.router")
 
@@ -59,14 +61,35 @@ MAX_REPLICA_FAILOVERS = 2
 
 
 async def serve(router: Router, http: web.Request) -> web.StreamResponse:
-    """A completions request (chat or not), from its arrival to its last byte."""
+    """A completions request (chat or not), from its arrival to its last byte, traced as
+    one server span when tracing is on (router.tracing)."""
+    trace = router.tracer.begin(http)
+    try:
+        response = await _serve(router, http, trace)
+    except RouterError as err:
+        trace.finish(err.status, err.code or err.type_)
+        raise
+    except asyncio.CancelledError:
+        trace.finish(499, "cancelled")
+        raise
+    except BaseException as exc:
+        trace.finish(500, type(exc).__name__)
+        raise
+    trace.finish(response.status, None if response.status < 400 else str(response.status))
+    return response
+
+
+async def _serve(router: Router, http: web.Request, trace: RequestTrace) -> web.StreamResponse:
     req = await _read_request(router, http)
     tenant = req.tenant or ANONYMOUS
     estimate = estimate_tokens(len(req.raw), req.max_tokens)
-    admission = await router.tenants.admit_shared(tenant, req.model, estimate)
+    with trace.step(ADMISSION) as step:
+        if trace.recording:
+            _admission_attributes(step, req, tenant, estimate)
+        admission = await router.tenants.admit_shared(tenant, req.model, estimate)
     try:
         deployment = replica(router, req.model)
-        decision, knobs = await route(router, req, deployment)
+        decision, knobs = await route(router, req, deployment, trace)
     except RouterError as err:
         reason = TENANT_REJECTIONS.get(err.code or "")
         if reason is not None:
@@ -77,7 +100,22 @@ async def serve(router: Router, http: web.Request) -> web.StreamResponse:
     except BaseException:
         router.tenants.settle(admission, 0, 0, ok=False)
         raise
-    return await Serving(router, http, req, deployment, admission).serve(decision, knobs)
+    serving = Serving(router, http, req, deployment, admission, trace)
+    return await serving.serve(decision, knobs)
+
+
+def _admission_attributes(
+    step: Step, req: ClientRequest, tenant: TenantRecord, estimate: int
+) -> None:
+    """What a trace says of a request's admission: its tenant's name and limits, its class,
+    model and estimated tokens (never a key or a prompt)."""
+    step.set("syshax.tenant", tenant.name)
+    step.set("syshax.slo_class", req.slo_class)
+    step.set("syshax.model", req.model)
+    step.set("syshax.tenant.rpm_limit", tenant.rpm_limit)
+    step.set("syshax.tenant.tpm_limit", tenant.tpm_limit)
+    step.set("syshax.tokens.estimate", estimate)
+    step.set("syshax.stream", req.stream)
 
 
 # -- 1. arrival: the request checked, its replica and its route ------------------------------
@@ -185,8 +223,10 @@ class Serving:
         req: ClientRequest,
         deployment: Deployment,
         admission: Admission | None = None,
+        trace: RequestTrace = NO_TRACE,
     ) -> None:
         self.router = router
+        self.trace = trace
         self.http = http
         self.req = req
         # The tenant's admission, settled with the tokens used when the request ends.
@@ -256,9 +296,22 @@ class Serving:
             raise
         finally:
             self.metrics.count_request(self.label, self.outcome, self.req.model)
+            if self.trace.recording:
+                self._traced()
             self._settle()
             # A request that ended may leave room for those waiting on its deployment.
             self.router.flow.pump(self.deployment.spec.id)
+
+    def _traced(self) -> None:
+        """What the request's server span says of how it was served."""
+        trace, out = self.trace, self.out
+        trace.set("syshax.route", self.label)
+        trace.set("syshax.outcome", self.outcome)
+        trace.set("syshax.deployment", self.deployment.spec.name)
+        trace.set("syshax.failovers", self.failovers)
+        trace.set("gen_ai.response.id", out.request_id)
+        trace.set("gen_ai.usage.prompt_tokens", out.prompt_tokens)
+        trace.set("gen_ai.usage.completion_tokens", out.completion_tokens)
 
     def _settle(self) -> None:
         """The tenant's admission settled with the tokens the request used: the engines'
@@ -296,7 +349,8 @@ class Serving:
             if decision.route is Route.PD:
                 response = await self._run_pd(decision)
             else:
-                response = await self._passthrough(self._engine(decision.route))
+                call = "fallback" if decision.fallback else "passthrough"
+                response = await self._passthrough(self._engine(decision.route), call)
         except UpstreamFailed as exc:
             return exc
         except asyncio.CancelledError:
@@ -312,22 +366,27 @@ class Serving:
         assert backend is not None
         return backend
 
-    async def _passthrough(self, backend: Backend) -> web.StreamResponse:
+    async def _passthrough(self, backend: Backend, call: str) -> web.StreamResponse:
         """gpu-only or cpu-only: the client's own bytes go up, the engine's bytes come back
         untouched. A stream cut short is resumed on the other engine where it can be."""
-        out = self.out
+        out, req = self.out, self.req
         with backend.holding(self):
             try:
-                async with request(
-                    backend.pool, self.req.path, self.req.raw, first_byte=self.first_byte
-                ) as resp:
-                    await resp.raise_for_status()
-                    if self.req.stream:
-                        response = await out.pump(resp)
-                    else:
-                        body = await resp.read_all()
-                        response = out.whole(body, resp.status, resp.content_type)
-                        self.usage = answer_usage(body)
+                with self.trace.engine_call(backend.role, backend.url, call) as span:
+                    async with request(
+                        backend.pool,
+                        req.path,
+                        req.raw,
+                        first_byte=self.first_byte,
+                        headers=span.headers,
+                    ) as resp:
+                        await resp.raise_for_status()
+                        if req.stream:
+                            response = await out.pump(resp)
+                        else:
+                            body = await resp.read_all()
+                            response = out.whole(body, resp.status, resp.content_type)
+                            self.usage = answer_usage(body)
                 backend.record_success()
                 return response
             except UpstreamFailed as exc:
@@ -359,6 +418,7 @@ class Serving:
             first_byte=self.first_byte,
             holder=self,
             record_failure=self.record_failure,
+            trace=self.trace,
         )
 
     async def _end_after(self, failure: UpstreamFailed) -> web.StreamResponse | None:

@@ -28,6 +28,7 @@ from router.engines.backends import Backend, Timeouts
 from router.engines.load import UNAVAILABLE
 from router.flow import FlowControl
 from router.metrics import RouterMetrics, SharedLimitsMetrics
+from router.tracing import OFF, Tracer
 
 log = logging.getLogger("syshax.router")
 
@@ -254,6 +255,9 @@ class Router:
         self.flow = FlowControl(self.metrics)
         # Set by the managed policy source; None for a standalone router.
         self.control_plane: ControlPlaneLink | None = None
+        # Begins each request's trace; off unless the router was started with an OTLP
+        # endpoint (router/tracing, docs/tracing.md).
+        self.tracer: Tracer = OFF
 
 
 # Where the aiohttp app keeps its ``Router`` for the handlers.

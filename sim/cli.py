@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from common.presets import DEVICES, MODELS
+from common.tracing import TracingError, traces_endpoint
 
 log = logging.getLogger("sim")
 
@@ -151,6 +152,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM's automatic prefix caching (default: on, as in vLLM's V1 engine; off with "
         "--syshax-compat, as in the V0 engine)",
     )
+    _flag(
+        parser,
+        "--otlp-traces-endpoint",
+        help="emit vLLM's llm_request span per request to this OTLP/HTTP collector URL, e.g. "
+        "http://127.0.0.1:4318/v1/traces, as a child of the request's traceparent",
+    )
     ignored = parser.add_argument_group("accepted for vLLM compatibility and ignored")
     for name in ("--dtype", "--quantization", "--uvicorn-log-level"):
         _flag(ignored, name)
@@ -227,6 +234,11 @@ def run(args: argparse.Namespace) -> int:
             connector.shm_dir.mkdir(parents=True, exist_ok=True)  # as the connector does
             args.shm_dir = connector.shm_dir
         args.kv_lease_seconds = connector.lease_seconds or args.kv_lease_seconds
+    try:
+        endpoint = traces_endpoint(args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None
+    except TracingError as exc:
+        print(f"syshax sim: {exc}", file=sys.stderr)
+        return 2
     if args.shm_dir is None:
         args.shm_dir = _default_shm_dir()
     if not args.shm_dir.is_dir():
@@ -264,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
         kv_connector=connector,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         log_stats=not args.disable_log_stats,
+        otlp_traces_endpoint=endpoint,
     )
     try:
         asyncio.run(serve(config, settings, args.port, args.ready_file))

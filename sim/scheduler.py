@@ -79,6 +79,7 @@ class Sequence:
     generated: int = 0
     blocks: int = 0
     swapped_blocks: int = 0
+    scheduled_at: float | None = None  # first admitted to run (sim time)
     first_token_at: float | None = None
     last_token_at: float | None = None
     finish_reason: FinishReason | None = None
@@ -381,6 +382,8 @@ class BatchScheduler:
             self._take(need - len(hits))
             seq.blocks = need
             seq.status = SeqStatus.RUNNING
+            if seq.scheduled_at is None:
+                seq.scheduled_at = now
             self.running.append(seq)
             scheduled.append((seq, chunk))
             budget -= chunk

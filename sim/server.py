@@ -38,6 +38,7 @@ from sim.protocol import (
 )
 from sim.scheduler import FinishReason, Sequence
 from sim.tokens import Tokenizer, context_tail
+from sim.tracing import engine_tracing
 
 log = logging.getLogger("sim")
 
@@ -53,6 +54,8 @@ class ServerSettings:
     kv_connector: ConnectorConfig | None = None  # --kv-transfer-config (already resolved)
     enable_prompt_tokens_details: bool = False
     log_stats: bool = True  # False (--disable-log-stats): /metrics has no vllm:* families
+    # --otlp-traces-endpoint: an llm_request span per request, as vLLM emits (sim/tracing.py)
+    otlp_traces_endpoint: str | None = None
 
 
 class SimServer:
@@ -88,6 +91,7 @@ class SimServer:
             served_model_name=cfg.served_model_name,
         )
         self.registry = build_registry(engine, settings.metrics_mode, settings.log_stats)
+        self.tracing = engine_tracing(settings.otlp_traces_endpoint)
         self.created = int(time.time())
         self._reaper: asyncio.Task[None] | None = None
         self.reclaimed = 0
@@ -120,6 +124,7 @@ class SimServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         await self.engine.stop()
+        self.tracing.close()
 
     async def _reap_forever(self) -> None:
         interval = min(5.0, max(0.1, self.settings.kv_lease_seconds / 4))
@@ -318,11 +323,15 @@ class SimServer:
             prompt_ids=req.prompt_ids,
         )
         if req.stream:
-            return await self._stream(request, req, seq, plan, fmt)
+            try:
+                return await self._stream(request, req, seq, plan, fmt)
+            finally:
+                self.tracing.finished(request.headers, seq, body, self.engine.epoch_of)
         sink = responses.CollectSink(request.transport)
         seq.sink = sink
         self.engine.submit(seq)
         await sink.done
+        self.tracing.finished(request.headers, seq, body, self.engine.epoch_of)
         reason, kv_params = await self._after(seq, plan)
         usage = responses.usage(
             kind, req.prompt_tokens, seq.generated, self._cached(plan, seq), stream=False

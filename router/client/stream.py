@@ -57,6 +57,8 @@ class ClientRequest:
     # Its SLO class (router/client/classes.py) and who sent it (None: nobody authenticated).
     slo_class: str = "standard"
     tenant: TenantRecord | None = None
+    # The decision pipeline's step that gave its latest route (router.plan), for its trace.
+    decided_by: str = ""
 
 
 class Relayed(Protocol):

@@ -33,6 +33,8 @@ from router.engines.deadlines import DEADLINES, Deadline
 MAX_HEAD = 1 << 16
 # Reads queued for a busy coroutine before the engine socket stops being read.
 MAX_PENDING = 64
+# A JSON request's head lines after the Host line (a traced request adds its traceparent).
+JSON_HEADERS = b"Content-Type: application/json\r\nAccept: */*\r\n"
 # The request's own idle timeout is the pool's unless a call says otherwise.
 _POOL_IDLE = -1.0
 
@@ -392,7 +394,7 @@ async def request(
     *,
     first_byte: float,
     method: bytes = b"POST",
-    headers: bytes = b"Content-Type: application/json\r\nAccept: */*\r\n",
+    headers: bytes = JSON_HEADERS,
     idle: float | None = _POOL_IDLE,
 ) -> AsyncIterator[EngineResponse]:
     """Send a request and yield the response once its head arrived; raises
@@ -457,12 +459,19 @@ async def request(
 
 
 async def call_json(
-    pool: EnginePool, path: str, body: dict[str, Any], *, within: float, what: str = ""
+    pool: EnginePool,
+    path: str,
+    body: dict[str, Any],
+    *,
+    within: float,
+    what: str = "",
+    headers: bytes = JSON_HEADERS,
 ) -> Any:
     """A non-streaming JSON call whose whole answer must arrive within ``within`` seconds;
     a status of 300 or more is an ``UpstreamFailed`` with the engine's body."""
     label = what or path
-    async with request(pool, path, json.dumps(body).encode(), first_byte=within, idle=None) as resp:
+    data = json.dumps(body).encode()
+    async with request(pool, path, data, first_byte=within, idle=None, headers=headers) as resp:
         try:
             raw = await resp.read_all()
         except UpstreamFailed as exc:

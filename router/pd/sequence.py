@@ -20,6 +20,7 @@ from router.decide import Loads, cpu_allowed
 from router.engines.backends import Backend, InFlight
 from router.engines.transport import UpstreamFailed, call_json
 from router.metrics import RouterMetrics
+from router.tracing import NO_TRACE, RequestTrace
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class PdSequence:
     holder: InFlight
     # Counts an engine's failure towards its errors and ejection (once per failure).
     record_failure: Callable[[Backend, UpstreamFailed], None]
+    # The request's trace: a span per engine call and for the KV handoff (router.tracing).
+    trace: RequestTrace = NO_TRACE
 
     def failed(self, backend: Backend, message: str) -> UpstreamFailed:
         """A failure of ``backend`` the protocol found in its answer, counted; to raise."""
@@ -76,7 +79,14 @@ class PdSequence:
         gpu = self.gpu
         with gpu.holding(self.holder):
             try:
-                data = await call_json(gpu.pool, self.req.path, body, within=self.first_byte)
+                with self.trace.engine_call(gpu.role, gpu.url, "prefill") as span:
+                    data = await call_json(
+                        gpu.pool,
+                        self.req.path,
+                        body,
+                        within=self.first_byte,
+                        headers=span.headers,
+                    )
             except UpstreamFailed as exc:
                 self.record_failure(gpu, exc)
                 raise

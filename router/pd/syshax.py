@@ -127,13 +127,17 @@ class SyshaxPd:
         # This segment's completion tokens: counted so far, and as the engine last reported.
         counted = 0
         reported: int | None = None
-        with backend.holding(seq.holder):
+        with (
+            backend.holding(seq.holder),
+            seq.trace.engine_call(backend.role, backend.url, "decode") as span,
+        ):
             try:
                 async with request(
                     backend.pool,
                     seq.req.path,
                     json.dumps(body).encode(),
                     first_byte=seq.first_byte,
+                    headers=span.headers,
                 ) as resp:
                     await resp.raise_for_status()
                     async for data in resp.iter_body():
@@ -163,6 +167,7 @@ class SyshaxPd:
                 # Finished or cut short: the segment's tokens are the engine's own count.
                 if reported is not None and reported != counted:
                     seq.out.completion_tokens += reported - counted
+                span.set("syshax.engine.tokens", reported if reported is not None else counted)
         if finish is None:
             raise UpstreamFailed(backend, "stream ended without a finish reason")
         backend.record_success()

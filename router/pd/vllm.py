@@ -41,6 +41,7 @@ from router.decide import (
 from router.engines.backends import Backend
 from router.engines.transport import UpstreamFailed, call_json, request
 from router.pd.sequence import PdSequence
+from router.tracing import KV_HANDOFF, Step
 
 log = logging.getLogger("syshax.router")
 
@@ -131,6 +132,8 @@ class VllmPd:
         self.prompt_ids: list[int] = []
         self.generated: list[int] = []
         self.transfer: Transfer | None = None
+        # The handoff's span, from the prefill's answer to the decode engine's verdict.
+        self.handoff: Step | None = None
         # The prefill engine could not publish the KV (its arena full): decode where it is.
         self.kv_fallback = False
         self.min_tokens = seq.req.body.get("min_tokens")
@@ -138,6 +141,14 @@ class VllmPd:
     # -- steps -------------------------------------------------------------------------
 
     async def run(self, decision: Decision) -> None:
+        try:
+            await self._run(decision)
+        finally:
+            if self.handoff is not None:  # published, never loaded: the sequence ended first
+                self.handoff.set("syshax.kv.outcome", "unused")
+                self.handoff.end()
+
+    async def _run(self, decision: Decision) -> None:
         seq = self.seq
         finish = await self.prefill()
         if finish != "length" or self.remaining() == 0:
@@ -231,10 +242,17 @@ class VllmPd:
                 transfer_id=str(params["transfer_id"]),
                 lease_expires_at=float(params.get("lease_expires_at") or 0.0),
             )
+            self.handoff = seq.trace.step(
+                KV_HANDOFF,
+                {
+                    "syshax.kv.transfer_id": self.transfer.transfer_id,
+                    "syshax.kv.tokens": self.transfer.num_tokens,
+                },
+            )
         elif isinstance(params, dict) and params.get("syshax_kv_fallback"):
             # Counted, not failed: the GPU engine holds the prompt's KV and decodes it.
             self.kv_fallback = True
-            seq.metrics.kv_transfer("fallback")
+            self.kv_outcome("fallback")
             log.warning(
                 "deployment %s: GPU engine %s kept request %s (%s); it decodes there",
                 seq.deployment,
@@ -244,7 +262,7 @@ class VllmPd:
             )
         elif finish == "length":
             # The GPU engine has no connector: the decode recomputes the prompt.
-            seq.metrics.kv_transfer("none")
+            self.kv_outcome("none")
             log.warning(
                 "deployment %s: GPU engine %s published no kv_transfer_params (is "
                 "SyshaxShmConnector in its --kv-transfer-config?); the CPU recomputes the prompt",
@@ -256,6 +274,16 @@ class VllmPd:
         if text or token_ids:
             await seq.out.emit(text, len(token_ids), token_ids)
         return finish
+
+    def kv_outcome(self, outcome: str, cached: int | None = None) -> None:
+        """The handoff's outcome (router.metrics' ``kv_transfers_total`` label), counted and
+        recorded on its span (one of no duration where nothing was handed off)."""
+        self.seq.metrics.kv_transfer(outcome)
+        step, self.handoff = self.handoff or self.seq.trace.step(KV_HANDOFF), None
+        step.set("syshax.kv.outcome", outcome)
+        if cached is not None:
+            step.set("syshax.kv.cached_tokens", cached)
+        step.end()
 
     def _decode_body(self, limit_tokens: int | None, transfer: Transfer | None) -> bytes:
         req = self.seq.req
@@ -277,10 +305,11 @@ class VllmPd:
             body["kv_transfer_params"] = transfer.params
         return json.dumps(body).encode()
 
-    async def decode(self, target: Backend, limit: int) -> tuple[str, bool]:
+    async def decode(self, target: Backend, limit: int, call: str = "decode") -> tuple[str, bool]:
         """Stream from ``target`` until the sequence ends or the decider moves it to the GPU.
 
-        Returns (finish reason, moved). ``limit`` is the CPU's chunk (0: to the end)."""
+        Returns (finish reason, moved). ``limit`` is the CPU's chunk (0: to the end); ``call``
+        names the engine call in the request's trace (``decode``, or ``resume``)."""
         seq = self.seq
         on_cpu = target is seq.cpu
         # The prefill's KV is for the first decode, and only a CPU engine loads it.
@@ -292,10 +321,13 @@ class VllmPd:
         usage: dict[str, Any] | None = None
         received = 0
         buffer = bytearray()
-        with target.holding(seq.holder):
+        with (
+            target.holding(seq.holder),
+            seq.trace.engine_call(target.role, target.url, call) as span,
+        ):
             try:
                 async with request(
-                    target.pool, COMPLETIONS, body, first_byte=seq.first_byte
+                    target.pool, COMPLETIONS, body, first_byte=seq.first_byte, headers=span.headers
                 ) as resp:
                     await resp.raise_for_status()
                     async for data in resp.iter_body():
@@ -339,12 +371,14 @@ class VllmPd:
                         if nxt.fallback:
                             seq.metrics.fallback("cpu-decode-to-gpu")
                         self._check_kv(target, transfer, usage)
+                        span.set("syshax.moved_to", "gpu")
                         return "length", True
             except ValueError:
                 raise UpstreamFailed(target, "malformed stream chunk") from None
             finally:
+                span.set("syshax.engine.tokens", received)
                 if transfer is not None and usage is None:
-                    seq.metrics.kv_transfer("unverified")
+                    self.kv_outcome("unverified")
                 # Moved, finished or failed: this request's tokens are the engine's own count.
                 _settle_usage(seq, target, usage, received, finish is not None)
         if finish is None:
@@ -364,13 +398,13 @@ class VllmPd:
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if cached is None:
-            seq.metrics.kv_transfer("unverified")
+            self.kv_outcome("unverified")
             return
         if int(cached) >= transfer.num_tokens:
             target.kv_misses = 0
-            seq.metrics.kv_transfer("hit")
+            self.kv_outcome("hit", int(cached))
             return
-        seq.metrics.kv_transfer("kv_miss")
+        self.kv_outcome("kv_miss", int(cached))
         target.kv_misses += 1
         cause = (
             "its lease had expired"
@@ -424,11 +458,17 @@ def _chunks(buffer: bytearray, backend: Backend) -> Iterator[dict[str, Any]]:
         yield chunk
 
 
-async def _tokenize(backend: Backend, body: dict[str, Any]) -> list[int]:
+async def _tokenize(seq: PdSequence, backend: Backend, body: dict[str, Any]) -> list[int]:
     """Token ids from the engine's own ``/tokenize`` (vLLM's tokenizer and chat template)."""
-    data = await call_json(
-        backend.pool, "/tokenize", body, within=backend.timeouts.first_byte, what="/tokenize"
-    )
+    with seq.trace.engine_call(backend.role, backend.url, "tokenize") as span:
+        data = await call_json(
+            backend.pool,
+            "/tokenize",
+            body,
+            within=backend.timeouts.first_byte,
+            what="/tokenize",
+            headers=span.headers,
+        )
     try:
         return [int(t) for t in data.get("tokens") or ()]
     except (AttributeError, TypeError, ValueError):
@@ -482,6 +522,7 @@ async def resume_stream(seq: PdSequence, failed: Backend, why: str) -> bool:
     try:
         if req.chat:
             prompt_ids = await _tokenize(
+                seq,
                 other,
                 {
                     "model": req.model,
@@ -494,11 +535,11 @@ async def resume_stream(seq: PdSequence, failed: Backend, why: str) -> bool:
         ):
             prompt_ids = list(body["prompt"])
         else:
-            prompt_ids = await _tokenize(other, {"model": req.model, "prompt": body["prompt"]})
+            prompt_ids = await _tokenize(seq, other, {"model": req.model, "prompt": body["prompt"]})
         so_far = "".join(text)
         generated = (
             await _tokenize(
-                other, {"model": req.model, "prompt": so_far, "add_special_tokens": False}
+                seq, other, {"model": req.model, "prompt": so_far, "add_special_tokens": False}
             )
             if so_far
             else []
@@ -522,7 +563,7 @@ async def resume_stream(seq: PdSequence, failed: Backend, why: str) -> bool:
     out.completion_tokens = len(generated)
     out.pieces.append(so_far)
     try:
-        out.finish_reason, _ = await pd.decode(other, 0)
+        out.finish_reason, _ = await pd.decode(other, 0, "resume")
     except UpstreamFailed as exc:
         seq.record_failure(other, exc)
         return False
