@@ -149,7 +149,6 @@ class EngineCollector(Collector):
                 stats.itl,
             )
 
-
     def _cache_config_info(self) -> GaugeMetricFamily:
         """vLLM's ``vllm:cache_config_info``: the KV cache's settings as labels (those the
         simulator has; a router reads ``block_size`` and ``enable_prefix_caching``)."""
