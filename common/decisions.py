@@ -23,6 +23,13 @@ class Mode(StrEnum):
     FORCED_PD = "forced-pd"  # GPU prefill, CPU decode to the end
 
 
+class ReplicaChoice(StrEnum):
+    """A policy's ``replica_choice``: how a request's replica is picked among several."""
+
+    LEAST_LOADED = "least-loaded"  # the least pressured replica
+    PREFIX = "prefix"  # the one sent the longest prefix of the prompt, within a load slack
+
+
 class Route(StrEnum):
     """Where a request is served, in the order reports show them."""
 
@@ -47,6 +54,7 @@ class Code(StrEnum):
 
     # The replica choice.
     LEAST_LOADED = "least-loaded"
+    PREFIX_HIT = "prefix-hit"
     # A pinned mode, and the engines being there at all.
     MODE = "mode"
     OFFLOAD_OFF = "offload-off"

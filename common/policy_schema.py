@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from common.decisions import Mode
+from common.decisions import Mode, ReplicaChoice
 from common.errors import FieldError
 
 # The policy's modes, as the enumeration lists them (common/decisions.py).
 MODES = tuple(mode.value for mode in Mode)
 ALGORITHMS = ("capacity", "syshax-threshold")
+REPLICA_CHOICES = tuple(choice.value for choice in ReplicaChoice)
 
 
 class PolicyError(FieldError):
@@ -263,6 +264,32 @@ KNOBS: tuple[Knob, ...] = (
         "target, and whether the class decodes on the CPU first); off: every request is judged "
         "against cpu_decode_slo_ms alike",
     ),
+    Knob(
+        "replica_choice",
+        str,
+        "prefix",
+        choices=REPLICA_CHOICES,
+        meaning="how a model's replica is picked: least-loaded, or prefix (the replica sent the "
+        "longest start of the prompt, among those within prefix_load_slack of the least loaded)",
+    ),
+    Knob(
+        "prefix_load_slack",
+        float,
+        4.0,
+        0.0,
+        1000000.0,
+        meaning="prefix replica choice: how many more requests in flight than the least loaded "
+        "replica a replica holding the prompt's prefix may have and still be chosen",
+    ),
+    Knob(
+        "prefix_min_tokens",
+        int,
+        256,
+        0,
+        10000000,
+        meaning="prefix replica choice: the fewest prompt tokens a replica must hold for the "
+        "prefix to count (below: least-loaded)",
+    ),
     *(knob for slo in DEFAULT_SLO_CLASSES for knob in class_knobs(slo)),
 )
 KNOBS_BY_NAME = {knob.name: knob for knob in KNOBS}
@@ -288,6 +315,9 @@ class PolicyKnobs:
     request_timeout_seconds: float = 600.0
     metrics_interval_seconds: float = 1.0
     class_aware: bool = True
+    replica_choice: str = "prefix"
+    prefix_load_slack: float = 4.0
+    prefix_min_tokens: int = 256
     interactive_ttft_ms: float = 1000.0
     interactive_tpot_ms: float = 50.0
     interactive_priority: int = 0

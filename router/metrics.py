@@ -106,6 +106,15 @@ class RouterMetrics:
             ["stage", "route", "reason"],
             registry=r,
         )
+        self.replica_choices = Counter(
+            "syshax_router_replica_choices",
+            "Replicas chosen for a request among several, by the picker's code (prefix-hit, "
+            "least-loaded; docs/router.md, 'Prefix-aware replica choice')",
+            ["reason"],
+            registry=r,
+        )
+        for code in (Code.PREFIX_HIT, Code.LEAST_LOADED):
+            self.replica_choices.labels(code)  # exported at 0 from the start, for rate()
         self.refusals = Counter(
             "syshax_router_refusals",
             "Requests turned away for asking what a client may not: router-field (a field "
@@ -328,6 +337,9 @@ class RouterMetrics:
         if stage == Stage.NEW:
             key = f"{route}:{reason or 'other'}"
             self.interval_reasons[key] = self.interval_reasons.get(key, 0) + 1
+
+    def replica_choice(self, code: Code) -> None:
+        self._child(self.replica_choices, code).inc()
 
     def refusal(self, reason: str) -> None:
         self._child(self.refusals, reason).inc()

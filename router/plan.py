@@ -26,9 +26,11 @@ from router.state import Deployment, Router
 from router.tracing import DECISION, FLOW_WAIT, NO_STEP, NO_TRACE, RequestTrace, Step
 
 
-def replica(router: Router, model: str) -> Deployment:
-    """The least-loaded replica of ``model``; a 404 naming the served models."""
-    deployment = router.state.choose(model)
+def replica(router: Router, req: ClientRequest) -> Deployment:
+    """The replica of the request's model the replica choice picks (least loaded, or holding
+    its prompt's prefix); a 404 naming the served models."""
+    model = req.model
+    deployment = router.state.choose(model, body=req.body)
     if deployment is None:
         raise unknown_model(router, model)
     return deployment

@@ -88,7 +88,7 @@ async def _serve(router: Router, http: web.Request, trace: RequestTrace) -> web.
             _admission_attributes(step, req, tenant, estimate)
         admission = await router.tenants.admit_shared(tenant, req.model, estimate)
     try:
-        deployment = replica(router, req.model)
+        deployment = replica(router, req)
         decision, knobs = await route(router, req, deployment, trace)
     except RouterError as err:
         reason = TENANT_REJECTIONS.get(err.code or "")
@@ -484,7 +484,9 @@ class Serving:
         A replica that would turn it away (down, saturated) is skipped; the PD pair of the
         one chosen is again that deployment's own two engines."""
         while True:
-            candidate = self.router.state.choose(self.req.model, exclude=self.tried)
+            candidate = self.router.state.choose(
+                self.req.model, exclude=self.tried, body=self.req.body
+            )
             if candidate is None:
                 return None
             self.tried.add(candidate.spec.id)

@@ -18,16 +18,18 @@ from typing import Any
 
 from aiohttp import web
 
+from common.decisions import ReplicaChoice
 from common.policy_schema import PolicyError, PolicyKnobs, validate_knobs
 from common.routing import DeploymentSpec
 from router.client.access import MODE_HEADER_BENCHMARK_KEYS
 from router.client.shared_limits import DEFAULT_TIMEOUT, SharedLimits
 from router.client.tenants import Tenants
-from router.decide import Loads, choose_replica
+from router.decide import Loads, ReplicaAsk, choose_replica
 from router.engines.backends import Backend, Timeouts
 from router.engines.load import UNAVAILABLE
 from router.flow import FlowControl
 from router.metrics import RouterMetrics, SharedLimitsMetrics
+from router.prefix_index import PrefixIndex, chunk_tokens, prompt_chunks
 from router.tracing import OFF, Tracer
 
 log = logging.getLogger("syshax.router")
@@ -91,8 +93,11 @@ def parse_policy(data: Any) -> PolicyRecord:
 
 
 class RouterState:
-    def __init__(self, timeouts: Timeouts) -> None:
+    def __init__(self, timeouts: Timeouts, metrics: RouterMetrics | None = None) -> None:
         self.timeouts = timeouts
+        self.metrics = metrics
+        # Which replica was sent which prompt prefix (the prefix-aware replica choice).
+        self.prefix_index = PrefixIndex()
         self.policies: dict[str, PolicyRecord] = {
             "default": PolicyRecord("default", 0, PolicyKnobs())
         }
@@ -146,6 +151,7 @@ class RouterState:
         self.backends = backends
         self.deployments = deployments
         self.by_model = by_model
+        self.prefix_index.keep_only(d.spec.id for d in deployments)
         # After the new set is in place, so that requests handed over find the other replicas.
         for backend in removed:
             self._retire(backend)
@@ -179,16 +185,35 @@ class RouterState:
         await backend.close()
         log.info("%s backend %s closed", backend.role, backend.url)
 
-    def choose(self, model: str, exclude: Collection[int] = ()) -> Deployment | None:
+    def choose(
+        self, model: str, exclude: Collection[int] = (), body: dict[str, Any] | None = None
+    ) -> Deployment | None:
         """The replica of ``model`` the decision pipeline's replica choice picks
-        (``router.decide.pipeline.REPLICA``), skipping the deployment ids in ``exclude``
-        (those a request already failed on)."""
+        (``router.decide.pipeline.REPLICA``) for a request of ``body``, skipping the deployment
+        ids in ``exclude`` (those a request already failed on). Under ``replica_choice:
+        prefix`` the choice reads, and then records, which replica was sent the prompt's
+        prefix (``router.prefix_index``)."""
         replicas = self.by_model.get(model)
         if replicas and exclude:
             replicas = [d for d in replicas if d.spec.id not in exclude]
         if not replicas:
             return None
-        return choose_replica(replicas, time.monotonic())[0]
+        if len(replicas) == 1:
+            return replicas[0]
+        knobs = self.policy_for(replicas[0]).knobs
+        chunks: tuple[int, ...] = ()
+        held = None
+        if body is not None and knobs.replica_choice == ReplicaChoice.PREFIX:
+            chunks = prompt_chunks(body)
+            if chunks:
+                matched = self.prefix_index.match(chunks, [d.spec.id for d in replicas])
+                held = [chunk_tokens(m, body) for m in matched]
+        chosen, code = choose_replica(replicas, time.monotonic(), ReplicaAsk(knobs, held))
+        if chunks:
+            self.prefix_index.record(chunks, chosen.spec.id)
+        if self.metrics is not None:
+            self.metrics.replica_choice(code)
+        return chosen
 
     def may_eject(self, backend: Backend) -> bool:
         """Outlier ejection never takes out the last backend still available."""
@@ -236,8 +261,8 @@ class Router:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.state = RouterState(config.timeouts)
         self.metrics = RouterMetrics()
+        self.state = RouterState(config.timeouts, self.metrics)
         # Who may call, as what tenant, within which limits; the policy source loads the table.
         self.shared_limits = (
             SharedLimits(

@@ -7,8 +7,10 @@ re-tokenises to exactly the ids that produced it), any other word to a stable ha
 ``[VOCABULARY_SIZE, vocab_size - SPECIAL_TOKENS)``. The top ``SPECIAL_TOKENS`` ids are the
 chat template's markers.
 
-A chat prompt is, per message, ``<start> role content... <end>`` (content words + 3) and then
-``<start> assistant <newline>`` for the reply header (3).
+A chat prompt is, per message, ``<start> role <newline> content... <end>`` (content words + 4)
+and then ``<start> assistant <newline>`` for the reply header (3), so a reply sent back as an
+assistant message continues the ids its header began, as real chat templates do (and a
+follow-up turn finds the earlier turn's reply in the prefix cache).
 
 Decoding (``/detokenize``) gives a vocabulary id its word; any other id (a prompt word, which
 a hash cannot give back, or a chat marker) becomes the placeholder word ``<|id|>``, which
@@ -121,8 +123,7 @@ class Tokenizer:
         chat completion renders it), or with the last message left open to be continued."""
         ids: list[int] = []
         for i, (role, content) in enumerate(messages):
-            ids.append(self.start_id)
-            ids.append(self._word_id(role))
+            ids += [self.start_id, self._word_id(role), self.newline_id]
             ids.extend(self.encode(content))
             if not (continue_final_message and i == len(messages) - 1):
                 ids.append(self.end_id)

@@ -1,6 +1,6 @@
 from django.db import models
 
-from common.decisions import Mode
+from common.decisions import Mode, ReplicaChoice
 
 
 class PolicyMode(models.TextChoices):
@@ -15,3 +15,10 @@ class PolicyMode(models.TextChoices):
 class DeciderAlgorithm(models.TextChoices):
     CAPACITY = "capacity", "capacity-aware"
     SYSHAX_THRESHOLD = "syshax-threshold", "sysHAX threshold decider"
+
+
+class ReplicaPicker(models.TextChoices):
+    """The policy's ``replica_choice`` (``common.decisions.ReplicaChoice``), with labels."""
+
+    LEAST_LOADED = ReplicaChoice.LEAST_LOADED.value, "least loaded"
+    PREFIX = ReplicaChoice.PREFIX.value, "prefix-aware (within a load slack)"

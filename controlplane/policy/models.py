@@ -9,7 +9,7 @@ from django.db import models
 
 from common.policy_schema import KNOBS, PolicyError, validate_knobs
 from controlplane.core.models import TimeStampedModel
-from controlplane.policy.choices import DeciderAlgorithm, PolicyMode
+from controlplane.policy.choices import DeciderAlgorithm, PolicyMode, ReplicaPicker
 
 KNOB_NAMES = tuple(knob.name for knob in KNOBS)
 
@@ -69,6 +69,13 @@ class SchedulingPolicy(TimeStampedModel):
     )
     # SLO classes (common.policy_schema.SLO_CLASSES): each a group of knobs.
     class_aware = models.BooleanField(default=True)
+    replica_choice = models.CharField(
+        max_length=16, choices=ReplicaPicker.choices, default=ReplicaPicker.PREFIX
+    )
+    prefix_load_slack = models.FloatField(default=4.0, validators=_range("prefix_load_slack"))
+    prefix_min_tokens = models.PositiveIntegerField(
+        default=256, validators=_range("prefix_min_tokens")
+    )
     interactive_ttft_ms = models.FloatField(
         default=1000.0, validators=_range("interactive_ttft_ms")
     )

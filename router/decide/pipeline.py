@@ -2,7 +2,8 @@
 in the order they run. A new rule is a step added here (docs/router.md, "The decision
 pipeline").
 
-1. ``REPLICA``: which replica of the model serves the request (the picker).
+1. ``REPLICA``: which replica of the model serves the request: its pickers in order, the
+   first that answers chooses (the last always does).
 2. ``NEW_REQUEST``: the route on it. The deciders run in order until one answers (the last
    always does); then every override runs in order on that verdict and may replace it.
 3. ``NEXT_CHUNK``: after a CPU decode chunk, where the rest of the sequence goes.
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from common.decisions import Code
+from common.decisions import Code, ReplicaChoice
 from common.policy_schema import PolicyKnobs, SloClass
 from router.decide.signals import Decision, Loads
 from router.decide.steps import (
@@ -53,14 +54,42 @@ class Replica(Protocol):
 
 
 ReplicaT = TypeVar("ReplicaT", bound=Replica)
-# A picker: the index of the replica chosen among several, and why.
-Picker = Callable[[Sequence[Replica], float], tuple[int, Code]]
 
 
-def least_loaded(replicas: Sequence[Replica], now: float) -> tuple[int, Code]:
+@dataclass(frozen=True, slots=True)
+class ReplicaAsk:
+    """What a replica choice is about: the policy, and for each candidate replica about how
+    many of the prompt's leading tokens it was sent before (``router.prefix_index``; None:
+    not looked up)."""
+
+    knobs: PolicyKnobs
+    prefix_tokens: Sequence[int] | None = None
+
+
+# A picker: the index of the replica chosen among several, and why; None passes to the next.
+Picker = Callable[[Sequence[float], ReplicaAsk], tuple[int, Code] | None]
+
+
+def prefix_hit(pressures: Sequence[float], ask: ReplicaAsk) -> tuple[int, Code] | None:
+    """Under ``replica_choice: prefix``: of the replicas within ``prefix_load_slack`` of the
+    least pressure, the one sent the longest prefix of the prompt, if it is at least
+    ``prefix_min_tokens`` (the less pressured of equals); else passes."""
+    knobs, held = ask.knobs, ask.prefix_tokens
+    if knobs.replica_choice != ReplicaChoice.PREFIX or not held:
+        return None
+    ceiling = min(pressures) + knobs.prefix_load_slack
+    best: int | None = None
+    for i, tokens in enumerate(held):
+        if pressures[i] > ceiling or tokens < max(1, knobs.prefix_min_tokens):
+            continue
+        if best is None or (tokens, -pressures[i]) > (held[best], -pressures[best]):
+            best = i
+    return None if best is None else (best, Code.PREFIX_HIT)
+
+
+def least_loaded(pressures: Sequence[float], ask: ReplicaAsk) -> tuple[int, Code]:
     """The replica under the least pressure (the router's in-flight requests there plus the
     GPU's queue, ``Deployment.pressure``); the first of equals."""
-    pressures = [replica.pressure(now) for replica in replicas]
     return pressures.index(min(pressures)), Code.LEAST_LOADED
 
 
@@ -115,7 +144,10 @@ class Pipeline:
 
 # -- the pipelines, in order ----------------------------------------------------------------
 
-REPLICA: tuple[tuple[str, Picker], ...] = (("least-loaded", least_loaded),)
+REPLICA: tuple[tuple[str, Picker], ...] = (
+    ("prefix", prefix_hit),
+    ("least-loaded", least_loaded),
+)
 
 NEW_REQUEST = Pipeline(
     deciders=(
@@ -151,13 +183,19 @@ NEXT_CHUNK = Pipeline(
 # -- running them ---------------------------------------------------------------------------
 
 
-def choose_replica(replicas: Sequence[ReplicaT], now: float) -> tuple[ReplicaT, Code]:
-    """The replica ``REPLICA``'s picker chooses among ``replicas`` (at least one), and why."""
+def choose_replica(
+    replicas: Sequence[ReplicaT], now: float, ask: ReplicaAsk
+) -> tuple[ReplicaT, Code]:
+    """The replica ``REPLICA``'s first answering picker chooses among ``replicas`` (at least
+    one), and why."""
     if len(replicas) == 1:
         return replicas[0], Code.LEAST_LOADED
-    (_, picker), *_ = REPLICA
-    index, code = picker(replicas, now)
-    return replicas[index], code
+    pressures = [replica.pressure(now) for replica in replicas]
+    for _, picker in REPLICA:
+        chosen = picker(pressures, ask)
+        if chosen is not None:
+            return replicas[chosen[0]], chosen[1]
+    raise AssertionError("the last replica picker always answers")
 
 
 def decide(

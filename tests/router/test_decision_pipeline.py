@@ -8,6 +8,7 @@ import asyncio
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,7 @@ from router.decide import (
     Ask,
     Decision,
     Loads,
+    ReplicaAsk,
     choose_replica,
     decide,
 )
@@ -196,8 +198,44 @@ def test_the_replica_choice_is_the_least_pressured_the_first_of_equals() -> None
             return self.load
 
     a, b, c = Replica(3.0), Replica(1.0), Replica(1.0)
-    assert choose_replica([a, b, c], 0.0) == (b, Code.LEAST_LOADED)
-    assert choose_replica([a], 0.0) == (a, Code.LEAST_LOADED)
+    for choice in ("least-loaded", "prefix"):
+        ask = ReplicaAsk(knobs(replica_choice=choice))  # nothing matched: load alone
+        assert choose_replica([a, b, c], 0.0, ask) == (b, Code.LEAST_LOADED)
+        assert choose_replica([a], 0.0, ask) == (a, Code.LEAST_LOADED)
+
+
+@dataclass
+class Loaded:
+    load: float
+
+    def pressure(self, now: float) -> float:
+        return self.load
+
+
+@pytest.mark.parametrize(
+    ("loads", "held", "given", "chosen", "code"),
+    [
+        # The replica holding the prefix, though busier, within the slack (4 by default).
+        ([0.0, 3.0, 1.0], [0, 900, 300], {}, 1, Code.PREFIX_HIT),
+        # The longest match wins; equal matches go to the less pressured.
+        ([0.0, 2.0, 1.0], [0, 600, 600], {}, 2, Code.PREFIX_HIT),
+        # Past the slack it is passed over: load decides.
+        ([0.0, 5.0, 1.0], [0, 900, 0], {}, 0, Code.LEAST_LOADED),
+        # A match shorter than prefix_min_tokens does not count.
+        ([0.0, 1.0], [0, 200], {}, 0, Code.LEAST_LOADED),
+        ([0.0, 1.0], [0, 200], {"prefix_min_tokens": 128}, 1, Code.PREFIX_HIT),
+        # A slack of 0: only a replica as idle as the least loaded may win on its prefix.
+        ([1.0, 2.0, 1.0], [0, 900, 400], {"prefix_load_slack": 0.0}, 2, Code.PREFIX_HIT),
+        # least-loaded turns the step off.
+        ([0.0, 1.0], [0, 900], {"replica_choice": "least-loaded"}, 0, Code.LEAST_LOADED),
+    ],
+)
+def test_the_prefix_choice_weighs_the_prefix_held_against_load(
+    loads: list[float], held: list[int], given: dict[str, Any], chosen: int, code: Code
+) -> None:
+    replicas = [Loaded(load) for load in loads]
+    ask = ReplicaAsk(knobs(**given), held)
+    assert choose_replica(replicas, 0.0, ask) == (replicas[chosen], code)
 
 
 # -- the overrides win where they did ------------------------------------------------------

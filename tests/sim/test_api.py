@@ -52,8 +52,8 @@ def test_openai_chat_non_streaming(engine: SimProcess) -> None:
     assert message.role == "assistant"
     assert message.content is not None and len(message.content.split()) == 5
     assert out.usage is not None
-    # 2 + 3 words, 3 tokens per message, 3 for the reply header.
-    assert out.usage.prompt_tokens == 5 + 2 * 3 + 3
+    # 2 + 3 words, 4 tokens per message, 3 for the reply header.
+    assert out.usage.prompt_tokens == 5 + 2 * 4 + 3
     assert out.usage.completion_tokens == 5
 
 

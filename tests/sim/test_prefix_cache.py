@@ -9,7 +9,7 @@ from common.presets import device_preset, model_preset
 from sim.perfmodel import effective_hardware
 from sim.prefix_cache import BlockHasher, PrefixCache, chain_hashes
 from sim.scheduler import BatchScheduler, SchedulerConfig, Sequence
-from sim.tokens import TokenModel
+from sim.tokens import Tokenizer, TokenModel, decode
 
 MODEL = "qwen2.5-7b-instruct"
 BLOCK = 16
@@ -178,3 +178,16 @@ def test_the_cache_records_block_events_when_asked() -> None:
     assert cache.release(hashes) == 3
     cache.evict_to(1)
     assert cache.events == [("stored", hashes), ("removed", [hashes[2], hashes[1]])]
+
+
+def test_a_reply_sent_back_continues_the_ids_its_header_began() -> None:
+    """The chat template: a follow-up turn's prompt starts with the earlier prompt and its
+    reply's ids, so the prefix cache finds the reply too."""
+    tokenizer = Tokenizer(152064)
+    first = tokenizer.encode_chat([("system", "be brief"), ("user", "hi there")])
+    reply = [5, 6, 7, 8]
+    second = tokenizer.encode_chat(
+        [("system", "be brief"), ("user", "hi there"), ("assistant", decode(reply)),
+         ("user", "more")]
+    )  # fmt: skip
+    assert second[: len(first) + len(reply)] == first + reply

@@ -65,7 +65,7 @@ def test_chat_with_return_token_ids_puts_the_prompt_at_the_top(gpu_sim: SimProce
     assert {"prompt_token_ids", "prompt_text", "prompt_logprobs"} <= set(body)
     choice = body["choices"][0]
     assert "prompt_token_ids" not in choice and len(choice["token_ids"]) == 3
-    assert len(body["prompt_token_ids"]) == body["usage"]["prompt_tokens"] == 2 + 10 + 2 * 3 + 3
+    assert len(body["prompt_token_ids"]) == body["usage"]["prompt_tokens"] == 2 + 10 + 2 * 4 + 3
     assert set(choice["message"]) == {
         "role", "content", "refusal", "annotations", "audio", "function_call", "reasoning"
     }  # fmt: skip
