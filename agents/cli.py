@@ -11,6 +11,7 @@ from pathlib import Path
 
 from agents.discovery import SIMULATED_PRESETS, parse_simulated
 from agents.main import Agent, AgentConfig
+from common.tracing import TracingError, traces_endpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,6 +158,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="JSON file with any of these options (underscored keys); command-line flags win",
     )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        help="an OTLP/HTTP collector's URL: each command's span goes there, in the trace of "
+        "the work that issued it (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; docs/tracing.md)",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -179,6 +185,10 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
     try:
         presets = parse_simulated(str(s) for s in simulate)
     except ValueError as exc:
+        raise SystemExit(f"syshax agent: {exc}") from None
+    try:
+        traces = traces_endpoint(_optional(pick("otlp_traces_endpoint")))
+    except TracingError as exc:
         raise SystemExit(f"syshax agent: {exc}") from None
     interval = pick("heartbeat_interval")
     mounts = pick("mount", [])
@@ -209,6 +219,7 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         kubernetes_connector_image=_optional(pick("kubernetes_connector_image")),
         sys_root=str(pick("sys_root", "/sys")),
         proc_root=str(pick("proc_root", "/proc")),
+        otlp_traces_endpoint=traces,
     )
 
 

@@ -84,8 +84,11 @@ class ControlPlaneClient:
         *,
         params: Mapping[str, str] | None = None,
         timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Any:
         extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        if headers:
+            extra["headers"] = headers
         try:
             response = self.http.request(method, path, json=body, params=params, **extra)
         except httpx.HTTPError as exc:
@@ -126,8 +129,15 @@ class ControlPlaneClient:
         commands: list[dict[str, Any]] = data.get("commands", [])
         return commands
 
-    def command_result(self, dispatch_id: str, result: Mapping[str, Any]) -> dict[str, Any]:
-        data: dict[str, Any] = self._call("POST", f"commands/{dispatch_id}/result", result)
+    def command_result(
+        self, dispatch_id: str, result: Mapping[str, Any], traceparent: str = ""
+    ) -> dict[str, Any]:
+        """The command's result; ``traceparent``: the agent's span for the command, whose
+        trace the control plane's handling of the result joins (docs/tracing.md)."""
+        headers = {"traceparent": traceparent} if traceparent else None
+        data: dict[str, Any] = self._call(
+            "POST", f"commands/{dispatch_id}/result", result, headers=headers
+        )
         return data
 
     def put_containers(self, node_id: int, containers: list[dict[str, Any]]) -> dict[str, Any]:

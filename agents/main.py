@@ -45,6 +45,7 @@ from agents.discovery import (
 )
 from agents.engine_policy import EnginePolicy
 from agents.runtimes import Runtime
+from agents.tracing import command_tracing
 from common.engine_spec import Mount
 from common.files import write_json_atomic
 from common.inventory import inventory_hash
@@ -89,6 +90,8 @@ class AgentConfig:
     # Where the inventory reads the host's /sys and /proc (read-only mounts in a pod).
     sys_root: str = "/sys"
     proc_root: str = "/proc"
+    # Where command spans go (docs/tracing.md); None: not traced.
+    otlp_traces_endpoint: str | None = None
 
 
 def make_runtime(config: AgentConfig) -> Runtime:
@@ -208,6 +211,7 @@ class Agent:
         self.online = False
         self._report_lock = threading.Lock()
         self.sim_loads = SimulatedLoadReader()
+        self.tracing = command_tracing(config.otlp_traces_endpoint)
 
     # ------------------------------------------------------------ retries
 
@@ -431,27 +435,33 @@ class Agent:
                 "command %s is for node %s, not %s: refused", dispatch_id, node, self.node_name
             )
             return {"status": "failed", "detail": f"issued to node {node}", "containers": []}
-        result = self.executor.execute(
-            dispatch_id=dispatch_id,
-            action=str(kwargs["action"]),
-            deployment_id=int(kwargs["deployment_id"]),
-            generation=kwargs.get("generation"),
-            role=kwargs.get("role"),
-            spec=kwargs.get("spec"),
+        executor = self.executor
+        result, traceparent = self.tracing.handle(
+            kwargs,
+            lambda: executor.execute(
+                dispatch_id=dispatch_id,
+                action=str(kwargs["action"]),
+                deployment_id=int(kwargs["deployment_id"]),
+                generation=kwargs.get("generation"),
+                role=kwargs.get("role"),
+                spec=kwargs.get("spec"),
+            ),
         )
         log.info("command %s %s: %s", dispatch_id, result["status"], result["detail"][:200])
-        self.report(dispatch_id, result)
+        self.report(dispatch_id, result, traceparent)
         return result
 
     def _outbox_path(self, dispatch_id: str) -> Path:
         return self.outbox / (safe_filename(dispatch_id) + ".json")
 
-    def report(self, dispatch_id: str, result: dict[str, Any]) -> None:
+    def report(self, dispatch_id: str, result: dict[str, Any], traceparent: str = "") -> None:
         # Written first, removed once delivered: a crash between the two re-sends, and the
-        # control plane accepts a repeated result and ignores it.
-        write_json_atomic(
-            self._outbox_path(dispatch_id), {"dispatch_id": dispatch_id, "result": result}
-        )
+        # control plane accepts a repeated result and ignores it. The command span's context
+        # goes with it, so a result sent late still joins its trace.
+        item: dict[str, Any] = {"dispatch_id": dispatch_id, "result": result}
+        if traceparent:
+            item["traceparent"] = traceparent
+        write_json_atomic(self._outbox_path(dispatch_id), item)
         try:
             self.flush_outbox()
             assert self.executor is not None
@@ -464,7 +474,9 @@ class Agent:
             for path in sorted(self.outbox.glob("*.json")):
                 item = json.loads(path.read_text())
                 try:
-                    self.client.command_result(item["dispatch_id"], item["result"])
+                    self.client.command_result(
+                        item["dispatch_id"], item["result"], item.get("traceparent", "")
+                    )
                 except ControlPlaneError as exc:
                     if exc.status >= 500 or exc.status in (401, 403):
                         raise
@@ -495,6 +507,7 @@ class Agent:
             threads[0].join(timeout=5)
             self.client.close()
             self.sim_loads.close()
+            self.tracing.shutdown()
         return 0
 
     def stop(self) -> None:

@@ -69,7 +69,17 @@ def traces_endpoint(flag: str | None, environ: Mapping[str, str] = os.environ) -
         url = base.rstrip("/") + TRACES_PATH if base else ""
     if not url:
         return None
+    return checked_endpoint(url, name)
+
+
+def checked_endpoint(url: str, name: str) -> str:
+    """``url`` as the OTLP/HTTP traces URL it names (``/v1/traces`` added to a URL with no
+    path); ``TracingError`` naming ``name`` for one that is not http(s)."""
     parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        parts = parts._replace(netloc="")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise TracingError(f"{name} must be an http(s) URL of an OTLP/HTTP collector; got {url!r}")
     return url if parts.path not in ("", "/") else url.rstrip("/") + TRACES_PATH

@@ -39,6 +39,12 @@ ALLOWED_NAMES = frozenset(
         "LANG",
         "LC_ALL",
         "TZ",
+        # An engine's tracing (docs/tracing.md): its exporter's protocol, its name and sampling.
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_SERVICE_NAME",
+        "OTEL_RESOURCE_ATTRIBUTES",
+        "OTEL_TRACES_SAMPLER",
+        "OTEL_TRACES_SAMPLER_ARG",
     }
 )
 # Families of settings a spec may set: vLLM's own, Hugging Face's, and the OpenMP runtimes'

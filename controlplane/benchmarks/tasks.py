@@ -8,12 +8,14 @@ from django_celery_beat.models import PeriodicTask
 
 from controlplane.benchmarks import runner, schedules, services
 from controlplane.benchmarks.choices import EXECUTE_RUN_TASK
+from controlplane.core import tracing
 
 log = logging.getLogger(__name__)
 
 
 @shared_task(name=EXECUTE_RUN_TASK, ignore_result=True, acks_late=True)
 def execute_run(run_id: int) -> str:
+    tracing.annotate(benchmark_run=run_id)  # the task's span (docs/tracing.md)
     return runner.execute(run_id)
 
 

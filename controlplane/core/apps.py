@@ -7,6 +7,8 @@ from typing import Any
 from django.apps import AppConfig
 from django.db.backends.signals import connection_created
 
+from controlplane.core import tracing
+
 
 def _private_sqlite_files(sender: Any, connection: Any, **kwargs: Any) -> None:
     """The SQLite database holds people's API tokens and profiles' secrets: owner-only, like the
@@ -29,3 +31,6 @@ class CoreConfig(AppConfig):
 
     def ready(self) -> None:
         connection_created.connect(_private_sqlite_files, dispatch_uid="syshax-private-sqlite")
+        # Before any request handler loads its middleware, which the Django instrumentation
+        # adds to; nothing when no collector is named (docs/tracing.md).
+        tracing.start()

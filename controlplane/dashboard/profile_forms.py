@@ -69,6 +69,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ),
     ),
     ("pd", "PD handoff and KV", ("pd_protocol", "kv_arena_mib", "gpu_shm_size_gb")),
+    ("tracing", "Tracing", ("otlp_traces_endpoint", "trace_detail")),
     ("env", "Environment", ("gpu_env", "cpu_env")),
 )
 ARG_FIELDS = ("gpu_command", "gpu_extra_args", "cpu_command", "cpu_extra_args")

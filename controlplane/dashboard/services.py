@@ -24,6 +24,7 @@ from controlplane.benchmarks.analysis import Recommendation
 from controlplane.benchmarks.choices import BenchmarkMode, RunStatus
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
 from controlplane.benchmarks.schedules import TASK_NAME
+from controlplane.core import tracing
 from controlplane.dashboard.benchdata import (
     Figures,
     SampleRow,
@@ -181,6 +182,9 @@ def timeline(deployment: Deployment, after: int = 0, limit: int = 200) -> dict[s
                 "step": e.step,
                 "level": e.level,
                 "message": e.message,
+                # With tracing on, the trace of the work that wrote it (docs/tracing.md).
+                "trace_id": str(e.detail.get("trace_id", "")),
+                "trace_url": tracing.trace_url(str(e.detail.get("trace_id", ""))),
             }
             for e in events
         ],

@@ -96,6 +96,7 @@ class DeploymentProfileAdmin(ServiceDeleteAdmin):
             },
         ),
         ("Health", {"fields": ["health_timeout_seconds"]}),
+        ("Tracing", {"fields": ["otlp_traces_endpoint", "trace_detail"]}),
         ("What the agent would start", {"fields": ["docker_run_lines"]}),
     ]
     readonly_fields = ["docker_run_lines"]

@@ -12,6 +12,15 @@ class Quantization(models.TextChoices):
     FP8 = "fp8", "FP8"
 
 
+class TraceDetail(models.TextChoices):
+    """vLLM's ``--collect-detailed-traces``: which of its costly timings go on a request's span."""
+
+    NONE = "none", "none"
+    MODEL = "model", "model (forward time)"
+    WORKER = "worker", "worker (execute time)"
+    ALL = "all", "all"
+
+
 class PreemptionMode(models.TextChoices):
     SWAP = "swap", "swap (KV cache to host memory)"
     RECOMPUTE = "recompute", "recompute"

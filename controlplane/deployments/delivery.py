@@ -154,8 +154,9 @@ def fetch(
 
 
 def as_message(command: AgentCommand, node_name: str) -> dict[str, Any]:
-    """What the agent executes: the fields of the row, nothing else."""
-    return {
+    """What the agent executes: the fields of the row, nothing else (``traceparent`` only
+    when the command was issued with tracing on)."""
+    message = {
         "dispatch_id": str(command.dispatch_id),
         "node": node_name,
         "action": command.action,
@@ -166,3 +167,6 @@ def as_message(command: AgentCommand, node_name: str) -> dict[str, Any]:
         "attempt": command.attempts,
         "created_at": command.created_at.isoformat(),
     }
+    if command.traceparent:
+        message["traceparent"] = command.traceparent
+    return message

@@ -11,6 +11,7 @@ from django.db import models
 from django.utils import timezone
 
 from common.model_card import ModelCardError, read_model_card
+from common.tracing import TracingError, checked_endpoint
 from controlplane.core.models import TimeStampedModel
 from controlplane.deployments.choices import (
     DEPLOYMENT_LIFECYCLE,
@@ -28,6 +29,7 @@ from controlplane.deployments.choices import (
     PreemptionMode,
     Quantization,
     StepName,
+    TraceDetail,
 )
 from controlplane.inventory.choices import AcceleratorKind
 from controlplane.inventory.cpulist import CpuListError, parse_cpu_list
@@ -148,6 +150,20 @@ class DeploymentProfile(TimeStampedModel):
     health_timeout_seconds = models.FloatField(
         default=600.0, validators=[MinValueValidator(1.0), MaxValueValidator(7200.0)]
     )
+    # Request tracing (docs/tracing.md): both engines send their spans to this collector.
+    otlp_traces_endpoint = models.CharField(
+        max_length=1024,
+        blank=True,
+        help_text="an OTLP/HTTP collector's URL (http://collector:4318/v1/traces): both "
+        "engines trace their requests to it (--otlp-traces-endpoint); empty: no tracing",
+    )
+    trace_detail = models.CharField(
+        max_length=8,
+        choices=TraceDetail.choices,
+        default=TraceDetail.NONE,
+        help_text="vLLM engines: their costly per-step timings on the request's span "
+        "(--collect-detailed-traces)",
+    )
 
     class Meta:
         ordering = ["name"]
@@ -201,6 +217,20 @@ class DeploymentProfile(TimeStampedModel):
             return {exc.field: exc.reason}
         return {}
 
+    def _tracing_errors(self) -> dict[str, str]:
+        errors: dict[str, str] = {}
+        if self.otlp_traces_endpoint:
+            try:
+                checked_endpoint(self.otlp_traces_endpoint, "otlp_traces_endpoint")
+            except TracingError as exc:
+                errors["otlp_traces_endpoint"] = str(exc)
+        if self.trace_detail != TraceDetail.NONE:
+            if self.engine == EngineKind.SIMULATOR:
+                errors["trace_detail"] = "vLLM engines only: the simulator has no such timings"
+            elif not self.otlp_traces_endpoint:
+                errors["trace_detail"] = "needs otlp_traces_endpoint (where the spans go)"
+        return errors
+
     def clean(self) -> None:
         errors: dict[str, str] = {}
         if self.name in RESERVED_PROFILE_NAMES:
@@ -246,6 +276,7 @@ class DeploymentProfile(TimeStampedModel):
                 f"must fit the GPU container's /dev/shm (gpu_shm_size_gb {shm_gb:g} GiB, less "
                 f"{KV_ARENA_SHM_RESERVE_MIB} MiB for vLLM): at most {room} MiB; got {arena}"
             )
+        errors.update(self._tracing_errors())
         for field in ("gpu_command", "cpu_command", "gpu_extra_args", "cpu_extra_args"):
             value = getattr(self, field)
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -443,6 +474,9 @@ class AgentCommand(models.Model):
     )
     attempts = models.PositiveIntegerField(default=0, help_text="times handed to an agent")
     spec = models.JSONField(default=dict, blank=True)
+    # The W3C trace context of the work that issued it (tracing on): the agent's span for the
+    # command joins that trace (docs/tracing.md).
+    traceparent = models.CharField(max_length=55, blank=True, editable=False)
     status = models.CharField(
         max_length=10, choices=CommandStatus.choices, default=CommandStatus.QUEUED, db_index=True
     )

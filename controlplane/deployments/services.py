@@ -9,7 +9,7 @@ from typing import Any
 from django.db import transaction
 from django.db.models import Q
 
-from controlplane.core import audit, dispatch
+from controlplane.core import audit, dispatch, tracing
 from controlplane.core.services import DeleteRefused, audited_delete
 from controlplane.deployments import delivery
 from controlplane.deployments.choices import (
@@ -56,7 +56,7 @@ def add_event(
         step=step,
         level=level,
         message=message,
-        detail=detail or {},
+        detail=tracing.with_trace_id(detail or {}),  # the dashboard links it to the viewer
     )
 
 

@@ -20,7 +20,8 @@ from typing import Any
 from common.affinity import thread_env
 from common.engine_spec import Accelerator, EngineSpec, engine_name, kv_transfer_config
 from common.presets import DEVICES
-from controlplane.deployments.choices import EngineKind
+from common.tracing import checked_endpoint
+from controlplane.deployments.choices import EngineKind, TraceDetail
 from controlplane.deployments.models import Deployment, DeploymentProfile
 from controlplane.inventory.models import LOOPBACK, Node
 from controlplane.inventory.models import Accelerator as AcceleratorRow
@@ -51,6 +52,7 @@ def engine_args(
         if profile.speaks_syshax:
             args.append("--syshax-compat")
     args += ["--model", profile.model, "--served-model-name", served]
+    args += tracing_args(profile)
     if profile.max_model_len:  # empty: the model's own length, as the engine derives it
         args += ["--max-model-len", str(profile.max_model_len)]
     if profile.uses_kv_connector:
@@ -82,6 +84,30 @@ def engine_args(
     if profile.engine == EngineKind.SIMULATOR:
         args += ["--kv-cache-space", str(profile.cpu_kv_cache_space_gb)]
     return args + list(profile.cpu_extra_args)
+
+
+def tracing_args(profile: DeploymentProfile) -> list[str]:
+    """Both engines trace their requests to the profile's collector (docs/tracing.md); the
+    simulator, like vLLM, by ``--otlp-traces-endpoint``, vLLM's detail by its own flag."""
+    if not profile.otlp_traces_endpoint:
+        return []
+    url = checked_endpoint(profile.otlp_traces_endpoint, "otlp_traces_endpoint")
+    args = ["--otlp-traces-endpoint", url]
+    if profile.engine != EngineKind.SIMULATOR and profile.trace_detail != TraceDetail.NONE:
+        args += ["--collect-detailed-traces", profile.trace_detail]
+    return args
+
+
+def tracing_env(profile: DeploymentProfile, role: str) -> dict[str, str]:
+    """What a tracing engine needs beside its flags: vLLM exports over gRPC unless told
+    otherwise, and the collector is OTLP/HTTP; a service name per role tells the two engines
+    apart in the viewer. The profile's own ``*_env`` wins."""
+    if not profile.otlp_traces_endpoint:
+        return {}
+    env = {"OTEL_SERVICE_NAME": f"syshax-engine-{role}"}
+    if profile.engine != EngineKind.SIMULATOR:
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+    return env
 
 
 def binds_device_cores(profile: DeploymentProfile, node: Node | None) -> bool:
@@ -122,6 +148,7 @@ def cpu_engine_env(
     env["VLLM_CPU_KVCACHE_SPACE"] = str(profile.cpu_kv_cache_space_gb)
     if profile.quantization != "none":
         env["SYSHAX_QUANTIZE"] = profile.quantization
+    env.update(tracing_env(profile, "cpu"))
     env.update(profile.cpu_env)
     return env
 
@@ -164,7 +191,7 @@ def profile_engine_spec(
             command=tuple(_command(profile, "gpu")),
             args=args,
             image=profile.gpu_image,
-            env=dict(profile.gpu_env),
+            env={**tracing_env(profile, "gpu"), **profile.gpu_env},
             port=profile.gpu_port,
             host=host,
             cpuset=plan.get("gpu_cpuset") or None,

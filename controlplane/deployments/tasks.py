@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
+from controlplane.core import tracing
 from controlplane.deployments import workflow
 from controlplane.deployments.choices import (
     ADVANCE_TASK,
@@ -19,6 +20,7 @@ from controlplane.deployments.services import (
 
 @shared_task(name=ADVANCE_TASK, ignore_result=True)
 def advance_deployment(deployment_id: int) -> str:
+    tracing.annotate(deployment_id=deployment_id)  # the task's span (docs/tracing.md)
     return workflow.advance(deployment_id)
 
 

@@ -19,7 +19,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from common.hosts import http_url
-from controlplane.core import audit, dispatch
+from controlplane.core import audit, dispatch, tracing
 from controlplane.deployments import delivery
 from controlplane.deployments.choices import (
     ADVANCE_TASK,
@@ -104,6 +104,7 @@ def advance(deployment_id: int) -> str:
             .select_related("profile", "node")
             .get(pk=deployment_id)
         )
+        tracing.annotate(deployment=deployment.name, generation=deployment.generation)
         if deployment.state not in (
             DeploymentState.DEPLOYING,
             DeploymentState.STOPPING,
@@ -145,6 +146,7 @@ def _dispatch(deployment: Deployment, step: Step) -> None:
         generation=deployment.generation,
         step=step.name,
         spec=command_spec(deployment, step),
+        traceparent=tracing.current_traceparent(),
     )
     deployment.step = step.name
     deployment.save(update_fields=["step", "updated_at"])

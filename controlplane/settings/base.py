@@ -8,6 +8,7 @@ from pathlib import Path
 
 from common.body_limits import DEFAULT_FILE_LIMIT, body_limits_by_path
 from common.hosts import HostError, check_origin
+from common.tracing import TracingError, traces_endpoint
 from controlplane.settings.env import (
     ImproperlyConfiguredEnv,
     env_bool,
@@ -229,6 +230,24 @@ ROUTER_BENCHMARK_KEY = env_str("ROUTER_BENCHMARK_KEY", "") or ""
 # reach routers here and nowhere else; a router's reported listen_url is never trusted
 # (docs/decisions/0056-router-destinations-configured.md).
 ROUTER_URLS = _router_origins("ROUTER_URLS", env_list("ROUTER_URLS", []))
+
+# The control plane's own traces (docs/tracing.md): on when an OTLP/HTTP collector is named
+# by OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (or OTEL_EXPORTER_OTLP_ENDPOINT), as for the router.
+try:
+    TRACES_ENDPOINT = traces_endpoint(None)
+except TracingError as exc:
+    raise ImproperlyConfiguredEnv(str(exc)) from None
+# Where an operator looks a trace id up: the dashboard links ids there, "{trace_id}" replaced
+# (http://jaeger:16686/trace/{trace_id}); empty: ids are shown as text.
+TRACE_URL_TEMPLATE = env_str("SYSHAX_TRACE_URL_TEMPLATE", "") or ""
+if TRACE_URL_TEMPLATE and (
+    "{trace_id}" not in TRACE_URL_TEMPLATE
+    or not TRACE_URL_TEMPLATE.startswith(("http://", "https://"))
+):
+    raise ImproperlyConfiguredEnv(
+        "SYSHAX_TRACE_URL_TEMPLATE must be an http(s) URL holding {trace_id}; got "
+        f"{TRACE_URL_TEMPLATE!r}"
+    )
 
 # Throttle counts (access/throttling.py): shared through Redis when there is one.
 # A frozen Redis must not hang every request: each cache call gives up after a second, and

@@ -83,8 +83,23 @@ def test_syshax_up_engine_vllm_passes_once_the_agent_is_told_of_its_python(
             },
             WITH_VLLM,
         ),
+        (
+            {
+                "engine": "vllm",
+                "quantization": "none",
+                "gpu_command": [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"],
+                "cpu_command": [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"],
+                "otlp_traces_endpoint": "http://collector:4318",
+                "trace_detail": "all",
+            },
+            WITH_VLLM,
+        ),
+        (
+            {"gpu_command": SIM, "cpu_command": SIM, "otlp_traces_endpoint": "http://c:4318"},
+            PROCESS,
+        ),
     ],
-    ids=["simulator-vllm-pd", "simulator-syshax-pd", "vllm-process"],
+    ids=["simulator-vllm-pd", "simulator-syshax-pd", "vllm-process", "vllm-traced", "sim-traced"],
 )
 def test_placed_process_engines_pass_the_default_policy(
     fields: dict[str, Any], policy: EnginePolicy

@@ -37,6 +37,7 @@ def test_the_services_of_a_cluster_are_all_there() -> None:
         "beat",
         "router",
         "agent",
+        "jaeger",
     }
 
 
@@ -137,6 +138,21 @@ def test_health_checks_are_single_shell_strings() -> None:
             assert test[0] == "CMD-SHELL" and len(test) == 2, name
 
 
+def test_the_tracing_profile_adds_a_collector_that_every_traced_service_may_send_to() -> None:
+    # Off unless asked for: only `--profile tracing` starts the collector, and an empty
+    # endpoint keeps every service's tracing off (docs/tracing.md).
+    assert SERVICES["jaeger"]["profiles"] == ["tracing"]
+    assert all("profiles" not in s for name, s in SERVICES.items() if name != "jaeger")
+    published = {p.split(":")[-1] for p in SERVICES["jaeger"]["ports"]}
+    assert {"4318", "16686"} <= published  # OTLP/HTTP and the viewer
+    for name in ("web", "worker", "benchmarks", "batches", "router", "agent"):
+        env = SERVICES[name]["environment"]
+        assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == (
+            "${OTEL_EXPORTER_OTLP_TRACES_ENDPOINT:-}"
+        ), name
+    assert SERVICES["web"]["environment"]["SYSHAX_TRACE_URL_TEMPLATE"]
+
+
 def test_the_tokens_may_be_empty_until_issued() -> None:
     # Compose interpolates every service, even those not started: a required ROUTER_TOKEN would
     # stop the documented first start (`up -d postgres redis web worker benchmarks beat`).
@@ -177,6 +193,9 @@ def test_the_env_example_names_only_variables_the_settings_or_compose_read() -> 
         "ROUTER_NAME",
         "AGENT_TOKEN",
         "NODE_NAME",
+        "JAEGER_IMAGE",
+        "JAEGER_UI_PORT",
+        "OTLP_HTTP_PORT",
     }
     for name in ENV_EXAMPLE - compose_only:
         assert f"`{name}`" in documented, f"{name} is not in docs/configuration.md"

@@ -272,6 +272,11 @@ class CommandMessageSerializer(serializers.Serializer):  # type: ignore[type-arg
     spec = serializers.DictField()
     attempt = serializers.IntegerField()
     created_at = serializers.DateTimeField()
+    traceparent = serializers.CharField(
+        required=False,
+        help_text="the W3C trace context of the work that issued it, when the control plane "
+        "traces; the agent's span for the command continues it (docs/tracing.md)",
+    )
 
 
 class CommandBatchSerializer(serializers.Serializer):  # type: ignore[type-arg]

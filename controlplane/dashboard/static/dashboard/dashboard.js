@@ -40,6 +40,19 @@
           msg.className = "message";
           msg.textContent = e.message;
           li.append(time, " ", step, " ", msg);
+          if (e.trace_id) {
+            var trace = document.createElement(e.trace_url ? "a" : "span");
+            trace.className = "trace";
+            if (e.trace_url) {
+              trace.href = e.trace_url;
+              trace.rel = "noopener";
+              trace.target = "_blank";
+              trace.textContent = "trace " + e.trace_id.slice(0, 8);
+            } else {
+              trace.textContent = "trace " + e.trace_id;
+            }
+            li.append(" ", trace);
+          }
           if (list) { list.appendChild(li); list.scrollTop = list.scrollHeight; }
         });
         section.setAttribute("data-last-event", String(last));
