@@ -13,6 +13,7 @@ unsigned 64-bit integers, as vLLM sends them by default (``VLLM_KV_EVENTS_USE_IN
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -143,3 +144,22 @@ def subscriber_url(endpoint: str, engine_url: str) -> str | None:
         authority = engine_url.split("://", 1)[-1].split("/", 1)[0]
         host = authority.rpartition(":")[0] or authority
     return f"tcp://{host}:{port}"
+
+
+def engine_kv_events_url(args: Sequence[str], engine_url: str) -> str | None:
+    """Where a router hears the engine started with command line ``args`` (its
+    ``--kv-events-config``, the last one given) and serving at ``engine_url``; None where it
+    publishes none a router can reach, or the flag's JSON is not valid."""
+    text = None
+    for i, arg in enumerate(args):
+        if arg == "--kv-events-config" and i + 1 < len(args):
+            text = args[i + 1]
+        elif arg.startswith("--kv-events-config="):
+            text = arg.partition("=")[2]
+    if text is None or not engine_url:
+        return None
+    try:
+        config = parse_kv_events_config(text)
+    except ValueError:
+        return None  # the engine refuses to start with it: nothing to hear
+    return subscriber_url(config.endpoint, engine_url) if config.publishes else None

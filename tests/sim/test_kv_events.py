@@ -18,6 +18,7 @@ from common.kv_events import (
     BlockStored,
     KVEventBatch,
     batch_decoder,
+    engine_kv_events_url,
     parse_kv_events_config,
     subscriber_url,
 )
@@ -173,3 +174,13 @@ def test_the_simulator_publishes_each_step_s_blocks(
         replayed.append([topic, seq, payload])
     dealer.close()
     assert replayed == first
+
+
+def test_a_deployment_s_url_comes_from_the_engine_s_flag() -> None:
+    flag = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'
+    url = "http://10.0.0.2:7001"
+    assert engine_kv_events_url(["--kv-events-config", flag], url) == "tcp://10.0.0.2:5557"
+    assert engine_kv_events_url([f"--kv-events-config={flag}"], url) == "tcp://10.0.0.2:5557"
+    assert engine_kv_events_url(["--kv-events-config", "{}"], url) is None  # publishes none
+    assert engine_kv_events_url(["--kv-events-config", "{oops"], url) is None
+    assert engine_kv_events_url([], url) is None
