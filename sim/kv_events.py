@@ -35,6 +35,8 @@ from common.kv_events import (
 )
 
 log = logging.getLogger("sim")
+# vLLM's KVCacheSpecKind of the one KV cache group a decoder-only model has.
+FULL_ATTENTION = "full_attention"
 # A recorded prefix cache event (sim/prefix_cache.py): ("stored", hashes, parent, token ids),
 # ("removed", hashes, None, ()) or ("cleared", [], None, ()).
 RecordedEvent = tuple[str, list[int], int | None, Sequence[int]]
@@ -56,6 +58,7 @@ def wire_events(recorded: Sequence[RecordedEvent], block_size: int) -> list[KVCa
                     lora_name=None,
                     extra_keys=[None] * len(hashes),
                     group_idx=0,
+                    kv_cache_spec_kind=FULL_ATTENTION,
                 )
             )
         elif kind == "removed":

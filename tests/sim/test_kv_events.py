@@ -27,14 +27,17 @@ from sim.kv_events import KvEventPublisher, wire_events
 
 # vLLM 0.32's bytes for KVEventBatch(ts=1.5, events=[BlockStored(block_hashes=[2**63 + 5],
 # parent_block_hash=None, token_ids=[1, 2], block_size=16, lora_id=None, medium="GPU",
-# lora_name=None, extra_keys=[None], group_idx=0), BlockRemoved([7], "GPU", group_idx=0),
+# lora_name=None, extra_keys=[None], group_idx=0, kv_cache_spec_kind="full_attention"),
+# BlockRemoved([7], "GPU", group_idx=0),
 # AllBlocksCleared()], data_parallel_rank=0), encoded by vLLM's own structs.
 VLLM_BYTES = (
-    b"\x93\xcb?\xf8\x00\x00\x00\x00\x00\x00\x93\x8a\xa4type\xabBlockStored\xacblock_hashes\x91"
-    b"\xcf\x80\x00\x00\x00\x00\x00\x00\x05\xb1parent_block_hash\xc0\xa9token_ids\x92\x01\x02"
-    b"\xaablock_size\x10\xa7lora_id\xc0\xa6medium\xa3GPU\xa9lora_name\xc0\xaaextra_keys\x91"
-    b"\xc0\xa9group_idx\x00\x84\xa4type\xacBlockRemoved\xacblock_hashes\x91\x07\xa6medium\xa3"
-    b"GPU\xa9group_idx\x00\x81\xa4type\xb0AllBlocksCleared\x00"
+    b"\x93\xcb?\xf8\x00\x00\x00\x00\x00\x00\x93\x8b\xa4type\xabBlockStored\xacblock_hash"
+    b"es\x91\xcf\x80\x00\x00\x00\x00\x00\x00\x05\xb1parent_block_hash\xc0\xa9token_id"
+    b"s\x92\x01\x02\xaablock_size\x10\xa7lora_id\xc0\xa6medium\xa3GPU\xa9lor"
+    b"a_name\xc0\xaaextra_keys\x91\xc0\xa9group_idx\x00\xb2kv_cache"
+    b"_spec_kind\xaefull_attention\x84\xa4type\xacBlockRem"
+    b"oved\xacblock_hashes\x91\x07\xa6medium\xa3GPU\xa9group_idx"
+    b"\x00\x81\xa4type\xb0AllBlocksCleared\x00"
 )
 
 
