@@ -15,6 +15,8 @@ from typing import Any
 PD_PROTOCOLS = ("syshax", "vllm")
 # The deployment states a router sends requests to.
 ROUTABLE_STATES = frozenset({"running"})
+# Where a router may hear an engine's KV events (docs/router.md, "KV events").
+KV_EVENTS_SCHEMES = ("tcp://", "ipc://")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,10 @@ class DeploymentSpec:
     # Every engine of the deployment runs vLLM's --scheduling-policy priority: the router
     # sends each request's SLO class priority (vLLM refuses a non-zero one otherwise).
     priority_scheduling: bool = False
+    # Where each engine publishes vLLM's KV events (its --kv-events-config endpoint as a
+    # subscriber reaches it, tcp://host:port); None: it publishes none, or nobody said.
+    gpu_kv_events_url: str | None = None
+    cpu_kv_events_url: str | None = None
 
     @classmethod
     def from_api(cls, data: dict[str, Any]) -> DeploymentSpec:
@@ -80,6 +86,12 @@ class DeploymentSpec:
                 raise ValueError(f"deployment telemetry {key!r} must be a number")
             return float(value)
 
+        def zmq_url(key: str) -> str | None:
+            value = text(key, required=False)
+            if value is not None and not value.startswith(KV_EVENTS_SCHEMES):
+                raise ValueError(f"deployment field {key!r} must be a tcp:// or ipc:// URL")
+            return value
+
         priority_scheduling = data.get("priority_scheduling", False)
         if not isinstance(priority_scheduling, bool):
             raise ValueError("deployment field 'priority_scheduling' must be a boolean")
@@ -97,6 +109,8 @@ class DeploymentSpec:
             generation=generation,
             state=text("state", required=False) or "running",
             priority_scheduling=priority_scheduling,
+            gpu_kv_events_url=zmq_url("gpu_kv_events_url"),
+            cpu_kv_events_url=zmq_url("cpu_kv_events_url"),
         )
 
     def as_api(self) -> dict[str, Any]:
@@ -112,6 +126,8 @@ class DeploymentSpec:
             "cpu_url": self.cpu_url,
             "cpu_max_num_seqs": self.cpu_max_num_seqs,
             "priority_scheduling": self.priority_scheduling,
+            "gpu_kv_events_url": self.gpu_kv_events_url,
+            "cpu_kv_events_url": self.cpu_kv_events_url,
             "telemetry": {
                 "gpu_temperature_c": self.gpu_temperature_c,
                 "host_memory_percent": self.host_memory_percent,

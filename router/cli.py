@@ -437,8 +437,9 @@ async def compose(args: argparse.Namespace) -> tuple[Router, web.Application, Po
 
 
 def background(router: Router, source: PolicySource) -> list[asyncio.Task[None]]:
-    """What runs beside the listener: the policy source, the engine scrapes and, with
-    shared limits, this router's heartbeat in their Redis."""
+    """What runs beside the listener: the policy source, the engine scrapes, the engines' KV
+    event streams (where deployments name them) and, with shared limits, this router's
+    heartbeat in their Redis."""
 
     def interval() -> float:
         return router.state.default_policy().knobs.metrics_interval_seconds
@@ -449,6 +450,7 @@ def background(router: Router, source: PolicySource) -> list[asyncio.Task[None]]
     ]
     if router.shared_limits is not None:
         tasks.append(asyncio.create_task(router.shared_limits.run()))
+    tasks.append(asyncio.create_task(router.state.kv_events.run(interval, router.state.serving)))
     return tasks
 
 

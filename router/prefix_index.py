@@ -128,3 +128,12 @@ class PrefixIndex:
                 self._chunks[chunk] = holders
             else:
                 del self._chunks[chunk]
+
+    def forget(self, replica: int) -> None:
+        """Forget ``replica`` everywhere: its engine says it holds nothing (its KV events:
+        ``router.kv_events``)."""
+        for chunk in [c for c, holders in self._chunks.items() if replica in holders]:
+            holders = self._chunks[chunk]
+            holders.discard(replica)
+            if not holders:
+                del self._chunks[chunk]

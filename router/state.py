@@ -28,6 +28,7 @@ from router.decide import Loads, ReplicaAsk, choose_replica
 from router.engines.backends import Backend, Timeouts
 from router.engines.load import UNAVAILABLE
 from router.flow import FlowControl
+from router.kv_events import KvEventStreams, StreamKey
 from router.metrics import RouterMetrics, SharedLimitsMetrics
 from router.prefix_index import PrefixIndex, chunk_tokens, prompt_chunks
 from router.tracing import OFF, Tracer
@@ -98,6 +99,10 @@ class RouterState:
         self.metrics = metrics
         # Which replica was sent which prompt prefix (the prefix-aware replica choice).
         self.prefix_index = PrefixIndex()
+        # The engines' KV events, where the deployments name them: they keep the index honest.
+        self.kv_events = KvEventStreams(
+            self.prefix_index.forget, metrics.registry if metrics is not None else None
+        )
         self.policies: dict[str, PolicyRecord] = {
             "default": PolicyRecord("default", 0, PolicyKnobs())
         }
@@ -152,6 +157,17 @@ class RouterState:
         self.deployments = deployments
         self.by_model = by_model
         self.prefix_index.keep_only(d.spec.id for d in deployments)
+        self.kv_events.want(
+            {
+                (d.spec.id, role): (url, d.spec.name)
+                for d in deployments
+                for role, url in (
+                    ("gpu", d.spec.gpu_kv_events_url),
+                    ("cpu", d.spec.cpu_kv_events_url),
+                )
+                if url
+            }
+        )
         # After the new set is in place, so that requests handed over find the other replicas.
         for backend in removed:
             self._retire(backend)
@@ -215,12 +231,23 @@ class RouterState:
             self.metrics.replica_choice(code)
         return chosen
 
+    def serving(self, key: StreamKey) -> bool:
+        """Whether the engine of a KV events stream runs requests (a silent stream then is
+        judged silent)."""
+        replica, role = key
+        for deployment in self.deployments:
+            if deployment.spec.id == replica:
+                backend = deployment.gpu if role == "gpu" else deployment.cpu
+                return backend is not None and backend.load(time.monotonic()).running > 0
+        return False
+
     def may_eject(self, backend: Backend) -> bool:
         """Outlier ejection never takes out the last backend still available."""
         now = time.monotonic()
         return any(b is not backend and b.available(now) for b in self.backends.values())
 
     async def close(self) -> None:
+        await self.kv_events.close()
         for closer in list(self._closers):
             closer.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -154,6 +154,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _flag(
         parser,
+        "--kv-events-config",
+        help='vLLM\'s KV events JSON, e.g. {"enable_kv_cache_events": true, "publisher": '
+        '"zmq", "endpoint": "tcp://*:5557"}: the prefix cache\'s BlockStored and '
+        "BlockRemoved events on a ZMQ PUB socket, as vLLM publishes them",
+    )
+    _flag(
+        parser,
         "--otlp-traces-endpoint",
         help="emit vLLM's llm_request span per request to this OTLP/HTTP collector URL, e.g. "
         "http://127.0.0.1:4318/v1/traces, as a child of the request's traceparent",
@@ -203,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # lazy: --help and the flag checks above stay instant (the engine loads numpy, aiohttp)
+    from common.kv_events import parse_kv_events_config
     from common.presets import device_preset, model_preset
     from sim.connector import parse_kv_transfer_config
     from sim.engine import EngineConfig
@@ -234,6 +242,13 @@ def run(args: argparse.Namespace) -> int:
             connector.shm_dir.mkdir(parents=True, exist_ok=True)  # as the connector does
             args.shm_dir = connector.shm_dir
         args.kv_lease_seconds = connector.lease_seconds or args.kv_lease_seconds
+    kv_events = None
+    if args.kv_events_config is not None:
+        try:
+            kv_events = parse_kv_events_config(args.kv_events_config)
+        except ValueError as exc:
+            print(f"syshax sim: --kv-events-config: {exc}", file=sys.stderr)
+            return 2
     try:
         endpoint = traces_endpoint(args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None
     except TracingError as exc:
@@ -267,7 +282,10 @@ def run(args: argparse.Namespace) -> int:
             if args.enable_prefix_caching is None
             else args.enable_prefix_caching
         ),
+        kv_events=kv_events,
     )
+    if kv_events is not None and kv_events.publishes and not config.enable_prefix_caching:
+        log.warning("--kv-events-config: no events without prefix caching")
     settings = ServerSettings(
         host=args.host,
         metrics_mode=args.metrics,

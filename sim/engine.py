@@ -15,8 +15,9 @@ import logging
 import time
 from array import array
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from common.kv_events import KVEventsConfig
 from common.presets import GIB, DevicePreset, ModelPreset
 from sim.perfmodel import (
     EffectiveHardware,
@@ -29,6 +30,9 @@ from sim.scheduler import BatchScheduler, SchedulerConfig, Sequence
 from sim.stats import BusyMeter, EngineStats, RequestRing
 from sim.timer import PreciseTimer
 from sim.tokens import TokenModel
+
+if TYPE_CHECKING:
+    from sim.kv_events import KvEventPublisher
 
 log = logging.getLogger("sim")
 
@@ -68,8 +72,8 @@ class EngineConfig:
     block_size: int = 16
     # vLLM's --enable-prefix-caching (on by default in vLLM's V1 engine): sim/prefix_cache.py.
     enable_prefix_caching: bool = True
-    # Record the prefix cache's block events (vLLM's --kv-events-config).
-    kv_events: bool = False
+    # vLLM's --kv-events-config: the prefix cache's block events, published (sim/kv_events.py).
+    kv_events: KVEventsConfig | None = None
     ring_size: int = 4096
     # vLLM's API server turns each output into an SSE chunk in Python, one request after
     # another (pydantic model, JSON, write): an estimated ~20 us per token per stream.
@@ -122,7 +126,7 @@ def build_scheduler(
             preemption_mode=config.preemption_mode,
             policy=config.scheduling_policy,
             prefix_caching=config.enable_prefix_caching,
-            kv_events=config.kv_events,
+            kv_events=config.kv_events is not None and config.kv_events.publishes,
             output_token_s=config.output_token_overhead_s,
         ),
         hw,
@@ -154,6 +158,7 @@ class SimEngine:
         self._task: asyncio.Task[None] | None = None
         self._timer = PreciseTimer()
         self.late_steps = 0
+        self.kv_publisher: KvEventPublisher | None = None
 
     # -- clocks ---------------------------------------------------------------------------
 
@@ -197,6 +202,12 @@ class SimEngine:
     def start(self) -> None:
         # Move everything allocated so far out of the collector's sight: fewer and shorter
         # full collections, which would otherwise stall token emission for milliseconds.
+        if self.scheduler.cache is not None and self.scheduler.cache.record_events:
+            assert self.config.kv_events is not None
+            # lazy: pyzmq only where events are published
+            from sim.kv_events import KvEventPublisher
+
+            self.kv_publisher = KvEventPublisher(self.config.kv_events, self.config.block_size)
         gc.collect()
         gc.freeze()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
@@ -207,6 +218,8 @@ class SimEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._timer.close()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -244,8 +257,17 @@ class SimEngine:
             for seq in result.finished:
                 seq.sink.on_finish(seq)
             self._account(result.emitted, result.finished, step.prefill_tokens, end)
+            if self.kv_publisher is not None:
+                self._publish_kv_events()
             self.busy.finish()
             step_start = end
+
+    def _publish_kv_events(self) -> None:
+        """The step's prefix cache events, as one batch (vLLM publishes one per step)."""
+        assert self.kv_publisher is not None and self.scheduler.cache is not None
+        recorded = self.scheduler.cache.take_events()
+        if recorded:
+            self.kv_publisher.publish(recorded)
 
     async def _wait_for_ready(self, ready_at: float | None) -> None:
         self._wake.clear()

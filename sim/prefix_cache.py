@@ -10,8 +10,10 @@ prefilled again (never the whole prompt: the last token is always computed, for 
 
 Only counts and hashes are kept; the scheduler's ``free_blocks`` stays the one number of
 blocks no sequence holds, cached ones included, so ``vllm:kv_cache_usage_perc`` reads the
-same with caching on or off. ``BlockStored``/``BlockRemoved`` events, as vLLM publishes them
-(``--kv-events-config``), are collected for whoever drains ``events``.
+same with caching on or off. ``BlockStored``/``BlockRemoved``/``AllBlocksCleared`` events, as
+vLLM publishes them (``--kv-events-config``), are collected for whoever drains ``events``
+(sim/kv_events.py sends them): a run of blocks one sequence computed is one stored event with
+the hash of the block before it and the run's token ids, as vLLM's ``cache_full_blocks`` does.
 """
 
 from __future__ import annotations
@@ -34,16 +36,28 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_H
 
 
 class BlockHasher:
-    """A sequence's block hashes, extended a token at a time as it generates."""
+    """A sequence's block hashes, extended a token at a time as it generates. With
+    ``keep_tokens`` it also keeps every token id (what a ``BlockStored`` event names)."""
 
-    __slots__ = ("_partial", "block_size", "hashes")
+    __slots__ = ("_partial", "block_size", "hashes", "tokens")
 
-    def __init__(self, token_ids: Sequence[int], block_size: int) -> None:
+    def __init__(
+        self, token_ids: Sequence[int], block_size: int, *, keep_tokens: bool = False
+    ) -> None:
         self.block_size = block_size
         self.hashes = chain_hashes(token_ids, block_size)
         self._partial = list(token_ids[len(self.hashes) * block_size :])
+        self.tokens: list[int] | None = list(token_ids) if keep_tokens else None
+
+    def block_tokens(self, index: int) -> Sequence[int]:
+        """The token ids of full block ``index`` (none unless ``keep_tokens``)."""
+        if self.tokens is None:
+            return ()
+        return self.tokens[index * self.block_size : (index + 1) * self.block_size]
 
     def append(self, token_id: int) -> None:
+        if self.tokens is not None:
+            self.tokens.append(token_id)
         self._partial.append(token_id)
         if len(self._partial) == self.block_size:
             parent = self.hashes[-1] if self.hashes else ROOT_HASH
@@ -61,8 +75,10 @@ class PrefixCache:
         self._free: OrderedDict[int, None] = OrderedDict()  # cached, held by none
         self.evictions_total = 0
         self.record_events = record_events
-        # ("stored", [hashes]) / ("removed", [hashes]) in the order they happened.
-        self.events: list[tuple[str, list[int]]] = []
+        # (kind, hashes, parent hash, token ids) in the order they happened: kind "stored"
+        # (a run of blocks, the hash before the first: None at a context's start), "removed"
+        # or "cleared" (sim/kv_events.py ``RecordedEvent``).
+        self.events: list[tuple[str, list[int], int | None, list[int]]] = []
 
     def __len__(self) -> int:
         return len(self._held) + len(self._free)
@@ -101,14 +117,23 @@ class PrefixCache:
                 self._held[block_hash] += 1
         return taken
 
-    def register(self, block_hash: int) -> bool:
-        """A block just computed, held by the sequence that computed it. False where that
-        hash is cached already (the sequence keeps its copy private, as vLLM does)."""
+    def register(
+        self, block_hash: int, parent: int | None = None, tokens: Sequence[int] = ()
+    ) -> bool:
+        """A block just computed, held by the sequence that computed it (``parent``: the hash
+        of the block before it, None for a context's first; ``tokens``: its ids, for the
+        event). False where that hash is cached already (the sequence keeps its copy
+        private, as vLLM does)."""
         if block_hash in self._held or block_hash in self._free:
             return False
         self._held[block_hash] = 1
         if self.record_events:
-            self._event("stored", block_hash)
+            last = self.events[-1] if self.events else None
+            if last is not None and last[0] == "stored" and last[1][-1] == parent:
+                last[1].append(block_hash)  # the run goes on
+                last[3].extend(tokens)
+            else:
+                self.events.append(("stored", [block_hash], parent, list(tokens)))
         return True
 
     def release(self, hashes: Iterable[int]) -> int:
@@ -133,18 +158,21 @@ class PrefixCache:
             block_hash, _ = self._free.popitem(last=False)
             self.evictions_total += 1
             if self.record_events:
-                self._event("removed", block_hash)
+                last = self.events[-1] if self.events else None
+                if last is not None and last[0] == "removed":
+                    last[1].append(block_hash)
+                else:
+                    self.events.append(("removed", [block_hash], None, []))
 
     def clear(self) -> int:
         """Forget every cached block nobody holds (vLLM's ``/reset_prefix_cache``)."""
         dropped = len(self._free)
         if self.record_events and dropped:
-            self.events.append(("removed", list(self._free)))
+            self.events.append(("removed", list(self._free), None, []))
         self._free.clear()
         return dropped
 
-    def _event(self, kind: str, block_hash: int) -> None:
-        if self.events and self.events[-1][0] == kind:
-            self.events[-1][1].append(block_hash)
-        else:
-            self.events.append((kind, [block_hash]))
+    def take_events(self) -> list[tuple[str, list[int], int | None, list[int]]]:
+        """The events recorded since the last call, oldest first."""
+        events, self.events = self.events, []
+        return events

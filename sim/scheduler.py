@@ -419,9 +419,12 @@ class BatchScheduler:
         assert self.cache is not None and seq.hasher is not None
         hashes = seq.hasher.hashes
         upto = min(seq.computed // self.config.block_size, len(hashes))
+        hasher = seq.hasher
         while seq.registered < upto:
-            block_hash = hashes[seq.registered]
-            if self.cache.register(block_hash):
+            index = seq.registered
+            block_hash = hashes[index]
+            parent = hashes[index - 1] if index else None
+            if self.cache.register(block_hash, parent, hasher.block_tokens(index)):
                 seq.held.append(block_hash)
             seq.registered += 1
 

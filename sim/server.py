@@ -282,6 +282,9 @@ class SimServer:
                 "enable_prompt_tokens_details": self.settings.enable_prompt_tokens_details,
                 "segments_reclaimed": self.reclaimed,
                 "late_steps": self.engine.late_steps,
+                "kv_events": self.engine.kv_publisher.describe()
+                if self.engine.kv_publisher
+                else None,
                 # "device" above is the preset's name (kept as it was), hence another key.
                 "device_usage": self.engine.device_usage(),
             }
@@ -358,7 +361,11 @@ class SimServer:
             resumed_tokens=req.resumed_tokens,
             max_new_tokens=max_new,
             tail=context_tail(req.prompt_ids + req.resumed_ids),
-            hasher=BlockHasher(req.prompt_ids + req.resumed_ids, self.engine.config.block_size)
+            hasher=BlockHasher(
+                req.prompt_ids + req.resumed_ids,
+                self.engine.config.block_size,
+                keep_tokens=self.engine.kv_publisher is not None,
+            )
             if self.engine.config.enable_prefix_caching
             else None,
             new_token_limit=plan.new_token_limit,

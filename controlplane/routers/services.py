@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from common.errors import FieldError
 from common.hosts import is_http_url
+from common.kv_events import engine_kv_events_url
 from common.routing import DeploymentSpec, schedules_by_priority
 from controlplane.access.models import MachineCredential
 from controlplane.deployments.choices import DeploymentState
@@ -212,6 +213,10 @@ def routable_deployments() -> list[dict[str, Any]]:
             # The CPU engine's own --max-num-seqs: the router admits no more CPU decodes.
             cpu_max_num_seqs=d.profile.cpu_max_num_seqs if d.profile.enable_cpu_engine else None,
             priority_scheduling=_priority_scheduling(d.profile),
+            gpu_kv_events_url=engine_kv_events_url(d.profile.gpu_extra_args, d.gpu_endpoint),
+            cpu_kv_events_url=engine_kv_events_url(d.profile.cpu_extra_args, d.cpu_endpoint)
+            if d.profile.enable_cpu_engine
+            else None,
             **_telemetry(d),
         ).as_api()
         for d in rows

@@ -18,6 +18,8 @@ ENTRY = {
     "cpu_url": "http://10.0.0.2:8001",
     "cpu_max_num_seqs": 8,
     "priority_scheduling": True,
+    "gpu_kv_events_url": "tcp://10.0.0.2:5557",
+    "cpu_kv_events_url": None,
     "telemetry": {"gpu_temperature_c": 65.0, "host_memory_percent": 40.0},
 }
 
@@ -39,12 +41,20 @@ def test_an_entry_survives_the_round_trip_unchanged() -> None:
         ({"pd_protocol": "grpc"}, "pd_protocol must be one of"),
         ({"cpu_max_num_seqs": 0}, "'cpu_max_num_seqs' must be a positive integer"),
         ({"telemetry": "hot"}, "'telemetry' must be an object"),
+        ({"gpu_kv_events_url": "http://10.0.0.2:5557"}, "'gpu_kv_events_url' must be a tcp://"),
+        ({"cpu_kv_events_url": 5557}, "'cpu_kv_events_url' must be a string"),
         ({"telemetry": {"gpu_temperature_c": "hot"}}, "'gpu_temperature_c' must be a number"),
     ],
 )
 def test_a_bad_field_is_named(change: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DeploymentSpec.from_api({**ENTRY, **change})
+
+
+def test_an_entry_without_kv_events_urls_is_read_as_before() -> None:
+    older = {k: v for k, v in ENTRY.items() if not k.endswith("_kv_events_url")}
+    spec = DeploymentSpec.from_api(older)
+    assert spec.gpu_kv_events_url is None and spec.cpu_kv_events_url is None
 
 
 def test_only_routable_entries_are_read_and_the_shape_is_checked() -> None:

@@ -171,13 +171,33 @@ def test_a_recomputed_sequence_hits_its_own_blocks_and_swap_keeps_the_counts_who
 
 def test_the_cache_records_block_events_when_asked() -> None:
     cache = PrefixCache(BLOCK, record_events=True)
-    hashes = chain_hashes(ids(48, 14), BLOCK)
-    for h in hashes:
-        assert cache.register(h)
+    tokens = ids(48, 14)
+    hashes = chain_hashes(tokens, BLOCK)
+    parents = [None, *hashes[:-1]]
+    for i, (h, parent) in enumerate(zip(hashes, parents, strict=True)):
+        assert cache.register(h, parent, tokens[i * BLOCK : (i + 1) * BLOCK])
     assert not cache.register(hashes[0])  # already cached: no second event
     assert cache.release(hashes) == 3
     cache.evict_to(1)
-    assert cache.events == [("stored", hashes), ("removed", [hashes[2], hashes[1]])]
+    # One run of blocks is one stored event, with the parent before it and all its tokens.
+    assert cache.take_events() == [
+        ("stored", hashes, None, tokens),
+        ("removed", [hashes[2], hashes[1]], None, []),
+    ]
+    assert cache.take_events() == []
+
+
+def test_a_run_that_does_not_continue_the_last_one_is_its_own_event() -> None:
+    cache = PrefixCache(BLOCK, record_events=True)
+    first, other = chain_hashes(ids(32, 1), BLOCK), chain_hashes(ids(16, 2), BLOCK)
+    cache.register(first[0], None, [1] * BLOCK)
+    cache.register(other[0], None, [2] * BLOCK)  # another context's first block
+    cache.register(first[1], first[0], [3] * BLOCK)  # the first context again
+    assert [(kind, len(h), parent) for kind, h, parent, _ in cache.events] == [
+        ("stored", 1, None),
+        ("stored", 1, None),
+        ("stored", 1, first[0]),
+    ]
 
 
 def test_a_reply_sent_back_continues_the_ids_its_header_began() -> None:
