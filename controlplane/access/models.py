@@ -11,6 +11,7 @@ from django.utils import timezone
 
 from controlplane.access.choices import CredentialKind
 from controlplane.core import audit
+from controlplane.core.actors import Actor
 
 TOKEN_PREFIX = {CredentialKind.AGENT: "sxa_", CredentialKind.ROUTER: "sxr_"}
 PERSONAL_TOKEN_PREFIX = "sxp_"
@@ -18,9 +19,7 @@ PERSONAL_TOKEN_PREFIX = "sxp_"
 KEY_HINT_LENGTH = 8
 
 
-def _revoke_once(
-    token: MachineCredential | PersonalToken, action: str, acting_user: object
-) -> bool:
+def _revoke_once(token: MachineCredential | PersonalToken, action: str, acting_user: Actor) -> bool:
     """Set ``revoked_at`` unless it is set (a compare-and-set) and audit it; True if it was
     revoked now."""
     now = timezone.now()
@@ -116,7 +115,7 @@ class MachineCredential(models.Model):
 
     @classmethod
     def issue(
-        cls, kind: str, name: str, *, node: models.Model | None = None, created_by: object = None
+        cls, kind: str, name: str, *, node: models.Model | None = None, created_by: Actor = None
     ) -> tuple[MachineCredential, str]:
         """Create a credential and return it with its plaintext token (shown only now).
 
@@ -137,7 +136,7 @@ class MachineCredential(models.Model):
             audit.record("credential.issued", credential, acting_user=created_by, detail=detail)
         return credential, token
 
-    def revoke(self, *, acting_user: object = None) -> bool:
+    def revoke(self, *, acting_user: Actor = None) -> bool:
         """Revoke the credential; False if it already was (nothing recorded then)."""
         return _revoke_once(self, "credential.revoked", acting_user)
 
@@ -181,7 +180,7 @@ class PersonalToken(models.Model):
         name: str,
         *,
         expires_at: datetime | None = None,
-        acting_user: object = None,
+        acting_user: Actor = None,
     ) -> tuple[PersonalToken, str]:
         """Create a token for ``user`` and return it with its plaintext (shown only now)."""
         key = PERSONAL_TOKEN_PREFIX + secrets.token_urlsafe(32)
@@ -198,6 +197,6 @@ class PersonalToken(models.Model):
             )
         return token, key
 
-    def revoke(self, *, acting_user: object = None) -> bool:
+    def revoke(self, *, acting_user: Actor = None) -> bool:
         """Revoke the token; False if it already was (nothing recorded then)."""
         return _revoke_once(self, "token.revoked", acting_user)

@@ -1,12 +1,11 @@
 from __future__ import annotations
 
-from typing import Any
-
 from django.contrib import admin
 
 from controlplane.benchmarks import services
 from controlplane.benchmarks.choices import DEFAULT_CONCURRENCY, DEFAULT_ITERATIONS
 from controlplane.benchmarks.models import BenchmarkRun, BenchmarkSample, Scenario
+from controlplane.core.actors import Actor
 from controlplane.core.admin import RecordAdmin, ServiceDeleteAdmin
 from controlplane.deployments.admin import DeploymentAdmin
 
@@ -47,7 +46,7 @@ class ScenarioAdmin(ServiceDeleteAdmin):
     def delete_refusal(self, obj: Scenario) -> str:
         return services.scenario_delete_refusal(obj)
 
-    def delete_with(self, obj: Scenario, *, acting_user: Any) -> None:
+    def delete_with(self, obj: Scenario, *, acting_user: Actor) -> None:
         services.delete_scenario(obj, acting_user=acting_user)
 
 
@@ -111,7 +110,7 @@ class BenchmarkRunAdmin(ServiceDeleteAdmin):
     def delete_refusal(self, obj: BenchmarkRun) -> str:
         return services.run_delete_refusal(obj)
 
-    def delete_with(self, obj: BenchmarkRun, *, acting_user: Any) -> None:
+    def delete_with(self, obj: BenchmarkRun, *, acting_user: Actor) -> None:
         services.delete_run(obj, acting_user=acting_user)
 
 

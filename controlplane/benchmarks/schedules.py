@@ -26,6 +26,7 @@ from common.errors import FieldError
 from controlplane.benchmarks.choices import DEFAULT_CONCURRENCY, DEFAULT_ITERATIONS, BenchmarkMode
 from controlplane.benchmarks.models import MAX_CONCURRENCY, Scenario
 from controlplane.core import audit
+from controlplane.core.actors import Actor
 from controlplane.deployments.models import Deployment
 
 TASK_NAME = "benchmarks.scheduled_run"
@@ -220,7 +221,7 @@ def _first(exc: Exception) -> str:
 
 
 def save_schedule(
-    form: ScheduleForm, *, task: PeriodicTask | None = None, acting_user: Any
+    form: ScheduleForm, *, task: PeriodicTask | None = None, acting_user: Actor
 ) -> PeriodicTask:
     """Create (or change) a scheduled benchmark, after checking every field at once; an
     audit row names who did it. A disabled one keeps its rows and runs no more."""

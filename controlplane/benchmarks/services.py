@@ -18,6 +18,7 @@ from controlplane.benchmarks.choices import (
 )
 from controlplane.benchmarks.models import BenchmarkRun, Scenario
 from controlplane.core import audit, dispatch
+from controlplane.core.actors import Actor
 from controlplane.core.services import checked_delete
 from controlplane.deployments.models import Deployment
 from controlplane.inventory.models import engine_host
@@ -83,7 +84,7 @@ def check_target(url: str) -> None:
     )
 
 
-def create_run(*, acting_user: Any, **fields: Any) -> BenchmarkRun:
+def create_run(*, acting_user: Actor, **fields: Any) -> BenchmarkRun:
     """Create a run and queue it once the row is committed."""
     if fields.get("target_url"):
         check_target(str(fields["target_url"]))
@@ -121,7 +122,7 @@ def queue_run(run: BenchmarkRun) -> None:
     dispatch.enqueue(EXECUTE_RUN_TASK, run.pk)
 
 
-def request_cancel(run: BenchmarkRun, *, acting_user: Any) -> BenchmarkRun:
+def request_cancel(run: BenchmarkRun, *, acting_user: Actor) -> BenchmarkRun:
     """Queued runs cancel at once; a running one stops at its next progress check."""
     with transaction.atomic(durable=True):
         locked = BenchmarkRun.objects.select_for_update().get(pk=run.pk)
@@ -214,7 +215,7 @@ def scenario_delete_refusal(scenario: Scenario) -> str:
     return ""
 
 
-def delete_scenario(scenario: Scenario, *, acting_user: Any) -> None:
+def delete_scenario(scenario: Scenario, *, acting_user: Actor) -> None:
     """Delete a scenario no run used, with an audit row."""
     checked_delete(scenario, scenario_delete_refusal, "scenario.deleted", acting_user=acting_user)
 
@@ -227,7 +228,7 @@ def run_delete_refusal(run: BenchmarkRun) -> str:
     return ""
 
 
-def delete_run(run: BenchmarkRun, *, acting_user: Any) -> None:
+def delete_run(run: BenchmarkRun, *, acting_user: Actor) -> None:
     """Delete a finished run and its samples, with an audit row."""
     checked_delete(
         run,

@@ -6,6 +6,7 @@ from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db import models
 
+from controlplane.core.actors import Actor
 from controlplane.core.models import AuditEntry
 from controlplane.core.services import DeleteRefused
 
@@ -25,7 +26,7 @@ class ServiceDeleteAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         lists what they protect)."""
         return ""
 
-    def delete_with(self, obj: Any, *, acting_user: Any) -> None:
+    def delete_with(self, obj: Any, *, acting_user: Actor) -> None:
         """The app's delete service for ``obj``."""
         raise NotImplementedError
 

@@ -4,13 +4,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 from django.db import models
 
+from controlplane.core.actors import Actor
 from controlplane.core.models import AuditEntry
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
 
-def split_actor(acting_user: Any) -> tuple[User | None, str]:
+def split_actor(acting_user: Actor) -> tuple[User | None, str]:
     """Split ``acting_user`` into (Django user, "") or (None, machine label).
 
     ``acting_user`` may be a Django user, a machine principal, a plain label or None
@@ -22,7 +23,11 @@ def split_actor(acting_user: Any) -> tuple[User | None, str]:
 
 
 def record(
-    action: str, obj: models.Model, *, acting_user: Any = None, detail: dict[str, Any] | None = None
+    action: str,
+    obj: models.Model,
+    *,
+    acting_user: Actor = None,
+    detail: dict[str, Any] | None = None,
 ) -> AuditEntry:
     """Write one audit row. ``acting_user`` may be a Django user, a machine principal or None."""
     user, label = split_actor(acting_user)

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from django.db import models, transaction
 
 from controlplane.core import audit
+from controlplane.core.actors import Actor
 from controlplane.core.api import Conflict
 
 M = TypeVar("M", bound=models.Model)
@@ -38,7 +39,7 @@ class DeleteRefused(Conflict):
 
 
 def audited_delete(
-    obj: models.Model, action: str, *, acting_user: Any, detail: dict[str, Any] | None = None
+    obj: models.Model, action: str, *, acting_user: Actor, detail: dict[str, Any] | None = None
 ) -> None:
     """Delete ``obj`` and write its audit row (``action``, with its name and ``detail``), both
     or neither. A ``ProtectedError`` leaves no row behind."""
@@ -54,7 +55,7 @@ def checked_delete(
     refusal: Callable[[M], str],
     action: str,
     *,
-    acting_user: Any,
+    acting_user: Actor,
     detail: Callable[[M], dict[str, Any]] | None = None,
 ) -> None:
     """Lock ``obj``'s row, ask ``refusal`` (why it may not go, or "") and raise DeleteRefused

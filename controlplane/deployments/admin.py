@@ -8,6 +8,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from common.errors import FieldError
+from controlplane.core.actors import Actor
 from controlplane.core.admin import RecordAdmin, ServiceDeleteAdmin
 from controlplane.deployments import services
 from controlplane.deployments.masking import hide_env, hide_spec_env, may_see_env
@@ -119,7 +120,7 @@ class DeploymentProfileAdmin(ServiceDeleteAdmin):
             fields += self.hidden_env_fields.values()
         return fields
 
-    def delete_with(self, obj: DeploymentProfile, *, acting_user: Any) -> None:
+    def delete_with(self, obj: DeploymentProfile, *, acting_user: Actor) -> None:
         services.delete_profile(obj, acting_user=acting_user)
 
     @admin.display(description="GPU env")
@@ -210,7 +211,7 @@ class DeploymentAdmin(ServiceDeleteAdmin):
     def delete_refusal(self, obj: Deployment) -> str:
         return services.deployment_delete_refusal(obj)
 
-    def delete_with(self, obj: Deployment, *, acting_user: Any) -> None:
+    def delete_with(self, obj: Deployment, *, acting_user: Actor) -> None:
         services.delete_deployment(obj, acting_user=acting_user)
 
     def save_model(self, request, obj, form, change):  # type: ignore[no-untyped-def]

@@ -10,6 +10,7 @@ from django.db import transaction
 from django.db.models import Q
 
 from controlplane.core import audit, dispatch, tracing
+from controlplane.core.actors import Actor
 from controlplane.core.services import DeleteRefused, audited_delete
 from controlplane.deployments import delivery
 from controlplane.deployments.choices import (
@@ -86,7 +87,7 @@ def create_deployment(
     profile: DeploymentProfile,
     node: Node | None,
     policy: SchedulingPolicy | None = None,
-    acting_user: Any,
+    acting_user: Actor,
     start: bool = False,
     replicas: int = 1,
     **placement: Any,
@@ -136,7 +137,7 @@ def replica_name(first: Deployment, index: int) -> str:
     return f"{first.name[:58]}-r{index}"
 
 
-def _sync_replicas(first: Deployment, *, acting_user: Any) -> None:
+def _sync_replicas(first: Deployment, *, acting_user: Actor) -> None:
     """Replicas 2..N of ``first`` exist, inherit its profile, policy and constraints, and
     those beyond N retire (stopped, then removed). Runs in the caller's transaction."""
     have = {r.replica_index: r for r in first.replica_set.all()}
@@ -176,7 +177,7 @@ def _sync_replicas(first: Deployment, *, acting_user: Any) -> None:
                 request_stop(replica, acting_user=acting_user)
 
 
-def set_replicas(first: Deployment, replicas: int, *, acting_user: Any) -> Deployment:
+def set_replicas(first: Deployment, replicas: int, *, acting_user: Actor) -> Deployment:
     """Change the replica count; new replicas deploy at once when the deployment should run."""
     with transaction.atomic(durable=True):
         locked = Deployment.objects.select_for_update().get(pk=first.pk)
@@ -197,7 +198,9 @@ def set_replicas(first: Deployment, replicas: int, *, acting_user: Any) -> Deplo
     return first
 
 
-def request_deploy(deployment: Deployment, *, acting_user: Any, follow: bool = True) -> Deployment:
+def request_deploy(
+    deployment: Deployment, *, acting_user: Actor, follow: bool = True
+) -> Deployment:
     """Start (or redeploy after a profile change): a new generation, GPU first then CPU; the
     deployment's other replicas too (``follow``), all placed or none."""
     with transaction.atomic():
@@ -247,7 +250,7 @@ def _place(locked: Deployment, *, avoid: frozenset[str] = frozenset()) -> str:
     return ""
 
 
-def request_stop(deployment: Deployment, *, acting_user: Any, follow: bool = True) -> Deployment:
+def request_stop(deployment: Deployment, *, acting_user: Actor, follow: bool = True) -> Deployment:
     with transaction.atomic():
         if follow:
             for replica in deployment.replica_set.all():
@@ -266,7 +269,7 @@ def request_stop(deployment: Deployment, *, acting_user: Any, follow: bool = Tru
     return deployment
 
 
-def request_restart(deployment: Deployment, *, acting_user: Any) -> Deployment:
+def request_restart(deployment: Deployment, *, acting_user: Actor) -> Deployment:
     """A restart is a redeploy of the same profile: old engines stop, a new generation starts."""
     return request_deploy(deployment, acting_user=acting_user)
 
@@ -310,7 +313,7 @@ def deployment_delete_refusal(deployment: Deployment) -> str:
     return ""
 
 
-def delete_deployment(deployment: Deployment, *, acting_user: Any) -> None:
+def delete_deployment(deployment: Deployment, *, acting_user: Actor) -> None:
     """Delete the deployment and its replicas, with an audit row; raises DeleteRefused
     (naming the state) while any of their engines may still run, so a delete never frees the
     cards of engines that run."""
@@ -334,7 +337,7 @@ def delete_deployment(deployment: Deployment, *, acting_user: Any) -> None:
         audited_delete(first, "deployment.deleted", acting_user=acting_user, detail=detail)
 
 
-def retire_replica(replica: Deployment, *, acting_user: Any) -> None:
+def retire_replica(replica: Deployment, *, acting_user: Actor) -> None:
     """A replica beyond its deployment's count, its engines stopped, is deleted; one a rule
     keeps (a benchmark run measured only through it) stays, retiring, and says why."""
     try:
@@ -344,7 +347,7 @@ def retire_replica(replica: Deployment, *, acting_user: Any) -> None:
 
 
 def save_profile(
-    profile: DeploymentProfile | None, values: dict[str, Any], *, acting_user: Any
+    profile: DeploymentProfile | None, values: dict[str, Any], *, acting_user: Actor
 ) -> DeploymentProfile:
     """Create a profile from ``values`` (``profile`` None) or change ``profile`` to them, with
     an audit row naming the fields that changed (not their values: an env may hold a token).
@@ -366,7 +369,7 @@ def save_profile(
     return target
 
 
-def delete_profile(profile: DeploymentProfile, *, acting_user: Any) -> None:
+def delete_profile(profile: DeploymentProfile, *, acting_user: Actor) -> None:
     """Delete the profile, with an audit row. One a deployment uses is refused by its
     protected key (ProtectedError: the API's 409 naming them), so no running engines lose it."""
     audited_delete(profile, "profile.deleted", acting_user=acting_user)

@@ -1,9 +1,8 @@
 from __future__ import annotations
 
-from typing import Any
-
 from django.contrib import admin
 
+from controlplane.core.actors import Actor
 from controlplane.core.admin import RecordAdmin, ServiceDeleteAdmin
 from controlplane.inventory import services
 from controlplane.inventory.models import Accelerator, CpuTopology, Heartbeat, Node, NumaNode
@@ -54,7 +53,7 @@ class NodeAdmin(ServiceDeleteAdmin):
     def delete_refusal(self, obj: Node) -> str:
         return services.node_delete_refusal(obj)
 
-    def delete_with(self, obj: Node, *, acting_user: Any) -> None:
+    def delete_with(self, obj: Node, *, acting_user: Actor) -> None:
         services.delete_node(obj, acting_user=acting_user)
 
     @admin.action(description="Drain selected nodes (no new deployments)")
@@ -84,7 +83,7 @@ class AcceleratorAdmin(ServiceDeleteAdmin):
     def delete_refusal(self, obj: Accelerator) -> str:
         return services.accelerator_delete_refusal(obj)
 
-    def delete_with(self, obj: Accelerator, *, acting_user: Any) -> None:
+    def delete_with(self, obj: Accelerator, *, acting_user: Actor) -> None:
         services.delete_accelerator(obj, acting_user=acting_user)
 
 

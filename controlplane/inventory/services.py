@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from common.inventory import inventory_hash
 from controlplane.core import audit
+from controlplane.core.actors import Actor
 from controlplane.core.models import Clock
 from controlplane.core.services import checked_delete
 from controlplane.inventory import signals
@@ -40,7 +41,7 @@ def node_delete_refusal(node: Node) -> str:
     return ""
 
 
-def delete_node(node: Node, *, acting_user: Any) -> None:
+def delete_node(node: Node, *, acting_user: Actor) -> None:
     """Delete the node and what it reported, with an audit row; raises DeleteRefused while a
     deployment holds one of its cards, ProtectedError while deployments are placed on it."""
     checked_delete(node, node_delete_refusal, "node.deleted", acting_user=acting_user)
@@ -57,7 +58,7 @@ def accelerator_delete_refusal(accelerator: Accelerator) -> str:
     return ""
 
 
-def delete_accelerator(accelerator: Accelerator, *, acting_user: Any) -> None:
+def delete_accelerator(accelerator: Accelerator, *, acting_user: Actor) -> None:
     """Delete a card, with an audit row; raises DeleteRefused while a deployment claims it."""
     checked_delete(
         accelerator,
@@ -68,7 +69,7 @@ def delete_accelerator(accelerator: Accelerator, *, acting_user: Any) -> None:
     )
 
 
-def apply_inventory(node: Node, payload: dict[str, Any], *, acting_user: Any) -> bool:
+def apply_inventory(node: Node, payload: dict[str, Any], *, acting_user: Actor) -> bool:
     """Rewrite the node's topology and accelerators if they changed. Returns whether they did."""
     digest = inventory_hash(payload)
     with transaction.atomic(durable=True):

@@ -1,9 +1,8 @@
 from __future__ import annotations
 
-from typing import Any
-
 from django.contrib import admin, messages
 
+from controlplane.core.actors import Actor
 from controlplane.core.admin import ServiceDeleteAdmin
 from controlplane.policy import services
 from controlplane.policy.models import KNOB_NAMES, PolicyRevision, SchedulingPolicy
@@ -45,7 +44,7 @@ class SchedulingPolicyAdmin(ServiceDeleteAdmin):
     def delete_refusal(self, obj: SchedulingPolicy) -> str:
         return services.policy_delete_refusal(obj)
 
-    def delete_with(self, obj: SchedulingPolicy, *, acting_user: Any) -> None:
+    def delete_with(self, obj: SchedulingPolicy, *, acting_user: Actor) -> None:
         services.delete_policy(obj, acting_user=acting_user)
 
     inlines = [PolicyRevisionInline]

@@ -8,6 +8,7 @@ from django.db import transaction
 
 from common.policy_schema import PolicyError, knob_errors, validate_knobs
 from controlplane.core import audit
+from controlplane.core.actors import Actor
 from controlplane.core.services import checked_delete
 from controlplane.policy.models import KNOB_NAMES, PolicyRevision, SchedulingPolicy
 
@@ -21,7 +22,7 @@ def _record_revision(
     policy: SchedulingPolicy,
     *,
     reason: str,
-    acting_user: Any,
+    acting_user: Actor,
     changed: dict[str, Any] | None = None,
     rolled_back_to: int | None = None,
 ) -> PolicyRevision:
@@ -49,7 +50,7 @@ def ensure_default_policy() -> SchedulingPolicy:
 
 
 def create_policy(
-    name: str, *, acting_user: Any, reason: str, description: str = "", **knobs: Any
+    name: str, *, acting_user: Actor, reason: str, description: str = "", **knobs: Any
 ) -> SchedulingPolicy:
     validated = validate_knobs(knobs, partial=True)
     with transaction.atomic(durable=True):
@@ -60,7 +61,7 @@ def create_policy(
     return policy
 
 
-def record_created(policy: SchedulingPolicy, *, acting_user: Any, reason: str) -> PolicyRevision:
+def record_created(policy: SchedulingPolicy, *, acting_user: Actor, reason: str) -> PolicyRevision:
     """The first revision and the audit row for a policy that was just saved."""
     revision = _record_revision(policy, reason=reason, acting_user=acting_user)
     audit.record("policy.created", policy, acting_user=acting_user)
@@ -87,7 +88,7 @@ def update_policy(
     policy: SchedulingPolicy,
     *,
     changes: dict[str, Any],
-    acting_user: Any,
+    acting_user: Actor,
     reason: str,
     rolled_back_to: int | None = None,
 ) -> PolicyRevision:
@@ -123,7 +124,7 @@ def update_policy(
 
 
 def rollback_policy(
-    policy: SchedulingPolicy, *, to_version: int, acting_user: Any, reason: str = ""
+    policy: SchedulingPolicy, *, to_version: int, acting_user: Actor, reason: str = ""
 ) -> PolicyRevision:
     """Restore an earlier revision's knobs as a new revision (history is never rewritten)."""
     try:
@@ -149,6 +150,6 @@ def policy_delete_refusal(policy: SchedulingPolicy) -> str:
     return ""
 
 
-def delete_policy(policy: SchedulingPolicy, *, acting_user: Any) -> None:
+def delete_policy(policy: SchedulingPolicy, *, acting_user: Actor) -> None:
     """Delete the policy and its revisions, with an audit row."""
     checked_delete(policy, policy_delete_refusal, "policy.deleted", acting_user=acting_user)

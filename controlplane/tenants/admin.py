@@ -1,9 +1,8 @@
 from __future__ import annotations
 
-from typing import Any
-
 from django.contrib import admin, messages
 
+from controlplane.core.actors import Actor
 from controlplane.core.admin import RecordAdmin, ServiceDeleteAdmin
 from controlplane.tenants import services
 from controlplane.tenants.models import Tenant, TenantKey, TenantUsage
@@ -57,7 +56,7 @@ class TenantAdmin(ServiceDeleteAdmin):
     def delete_refusal(self, obj: Tenant) -> str:
         return services.tenant_delete_refusal(obj)
 
-    def delete_with(self, obj: Tenant, *, acting_user: Any) -> None:
+    def delete_with(self, obj: Tenant, *, acting_user: Actor) -> None:
         services.delete_tenant(obj, acting_user=acting_user)
 
     @admin.action(description="Issue a key for each selected tenant", permissions=["add_key"])

@@ -19,6 +19,7 @@ from django.utils import timezone
 from common.errors import FieldError
 from common.tenants import TenantError, hash_key, new_key, parse_tenant
 from controlplane.core import audit
+from controlplane.core.actors import Actor
 from controlplane.core.services import checked_delete
 from controlplane.tenants.models import Tenant, TenantKey
 
@@ -70,7 +71,7 @@ def tenant_errors(tenant: Tenant | None, values: dict[str, Any]) -> dict[str, li
     return errors
 
 
-def save_tenant(tenant: Tenant | None, values: dict[str, Any], *, acting_user: Any) -> Tenant:
+def save_tenant(tenant: Tenant | None, values: dict[str, Any], *, acting_user: Actor) -> Tenant:
     """Create a tenant from ``values`` (``tenant`` None) or change ``tenant`` to them, with
     an audit row naming the fields that changed. Raises Django's ValidationError holding every
     error at once, each under its field (the API answers it as a 400 naming them all)."""
@@ -105,7 +106,7 @@ def tenant_delete_refusal(tenant: Tenant) -> str:
     return ""
 
 
-def delete_tenant(tenant: Tenant, *, acting_user: Any) -> None:
+def delete_tenant(tenant: Tenant, *, acting_user: Actor) -> None:
     """Delete the tenant with its keys and usage, and an audit row."""
     checked_delete(
         tenant,
@@ -116,7 +117,7 @@ def delete_tenant(tenant: Tenant, *, acting_user: Any) -> None:
     )
 
 
-def issue_key(tenant: Tenant, label: str = "", *, acting_user: Any) -> tuple[TenantKey, str]:
+def issue_key(tenant: Tenant, label: str = "", *, acting_user: Actor) -> tuple[TenantKey, str]:
     """A new key for ``tenant``: the row (its hash and prefix) and the key itself, which is
     shown once and never stored."""
     label = label.strip()
@@ -143,7 +144,7 @@ def issue_key(tenant: Tenant, label: str = "", *, acting_user: Any) -> tuple[Ten
     return key, plaintext
 
 
-def revoke_key(key: TenantKey, *, acting_user: Any) -> bool:
+def revoke_key(key: TenantKey, *, acting_user: Actor) -> bool:
     """Revoke ``key`` unless it is revoked already (compare-and-set), with an audit row; True
     if it was revoked now. Routers refuse it from their next poll of ``routing/tenants``."""
     now = timezone.now()
