@@ -9,7 +9,7 @@ from django.conf import settings
 from django.db import models, transaction
 from django.utils import timezone
 
-from controlplane.access.choices import CredentialKind
+from controlplane.access.choices import AccessAuditAction, CredentialKind
 from controlplane.core import audit
 from controlplane.core.actors import Actor
 
@@ -19,7 +19,9 @@ PERSONAL_TOKEN_PREFIX = "sxp_"
 KEY_HINT_LENGTH = 8
 
 
-def _revoke_once(token: MachineCredential | PersonalToken, action: str, acting_user: Actor) -> bool:
+def _revoke_once(
+    token: MachineCredential | PersonalToken, action: AccessAuditAction, acting_user: Actor
+) -> bool:
     """Set ``revoked_at`` unless it is set (a compare-and-set) and audit it; True if it was
     revoked now."""
     now = timezone.now()
@@ -133,12 +135,17 @@ class MachineCredential(models.Model):
                 created_by=user,
             )
             detail = {"kind": kind, "name": name, "node": str(node) if node else None}
-            audit.record("credential.issued", credential, acting_user=created_by, detail=detail)
+            audit.record(
+                AccessAuditAction.CREDENTIAL_ISSUED,
+                credential,
+                acting_user=created_by,
+                detail=detail,
+            )
         return credential, token
 
     def revoke(self, *, acting_user: Actor = None) -> bool:
         """Revoke the credential; False if it already was (nothing recorded then)."""
-        return _revoke_once(self, "credential.revoked", acting_user)
+        return _revoke_once(self, AccessAuditAction.CREDENTIAL_REVOKED, acting_user)
 
 
 class PersonalToken(models.Model):
@@ -193,10 +200,13 @@ class PersonalToken(models.Model):
                 expires_at=expires_at,
             )
             audit.record(
-                "token.issued", token, acting_user=acting_user, detail={"user": user.get_username()}
+                AccessAuditAction.TOKEN_ISSUED,
+                token,
+                acting_user=acting_user,
+                detail={"user": user.get_username()},
             )
         return token, key
 
     def revoke(self, *, acting_user: Actor = None) -> bool:
         """Revoke the token; False if it already was (nothing recorded then)."""
-        return _revoke_once(self, "token.revoked", acting_user)
+        return _revoke_once(self, AccessAuditAction.TOKEN_REVOKED, acting_user)

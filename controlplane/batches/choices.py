@@ -58,3 +58,10 @@ COMPLETION_WINDOWS = ("24h",)
 # Celery task names (tasks.py registers them; services queue them through core.dispatch).
 RUN_BATCH_TASK = "batches.run_batch"
 SWEEP_TASK = "batches.sweep"
+
+
+class BatchAuditAction(models.TextChoices):
+    """The audit rows' actions on batches (``AuditEntry.action``)."""
+
+    BATCH_CREATED = "batch.created"
+    BATCH_CANCELLED = "batch.cancelled"

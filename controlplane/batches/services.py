@@ -26,6 +26,7 @@ from controlplane.batches.choices import (
     ENDPOINTS,
     RUN_BATCH_TASK,
     WORKER_OWNED_STATUSES,
+    BatchAuditAction,
     BatchStatus,
     FilePurpose,
     LineStatus,
@@ -233,7 +234,10 @@ def create_batch(
             lease_until=now + timedelta(seconds=settings.BATCH_QUEUED_SECONDS),
         )
         audit.record(
-            "batch.created", batch, acting_user=_actor(caller), detail={"endpoint": endpoint}
+            BatchAuditAction.BATCH_CREATED,
+            batch,
+            acting_user=_actor(caller),
+            detail={"endpoint": endpoint},
         )
         enqueue(RUN_BATCH_TASK, batch.id)
     return batch
@@ -268,7 +272,7 @@ def cancel_batch(caller: Caller, batch_id: str) -> Batch:
                 code="batch_not_cancellable",
                 param="batch_id",
             )
-        audit.record("batch.cancelled", batch, acting_user=_actor(caller))
+        audit.record(BatchAuditAction.BATCH_CANCELLED, batch, acting_user=_actor(caller))
         # A worker running it stops by itself; one with no worker is finished by this task.
         enqueue(RUN_BATCH_TASK, batch.id)
     batch.refresh_from_db()

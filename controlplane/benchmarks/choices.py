@@ -50,3 +50,14 @@ RUN_LIFECYCLE = Lifecycle(
 
 # The Celery task name of a run (tasks.py registers it; services queue it through core.dispatch).
 EXECUTE_RUN_TASK = "benchmarks.execute_run"
+
+
+class BenchmarkAuditAction(models.TextChoices):
+    """The audit rows' actions (``AuditEntry.action``) on benchmark runs, scenarios and
+    schedules."""
+
+    RUN_CREATED = "benchmark.created"
+    RUN_CANCEL = "benchmark.cancel"
+    RUN_DELETED = "benchmark.deleted"
+    SCENARIO_DELETED = "scenario.deleted"
+    SCHEDULE_SAVED = "benchmark.schedule.saved"

@@ -23,7 +23,12 @@ from django_celery_beat.validators import (
 )
 
 from common.errors import FieldError
-from controlplane.benchmarks.choices import DEFAULT_CONCURRENCY, DEFAULT_ITERATIONS, BenchmarkMode
+from controlplane.benchmarks.choices import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_ITERATIONS,
+    BenchmarkAuditAction,
+    BenchmarkMode,
+)
 from controlplane.benchmarks.models import MAX_CONCURRENCY, Scenario
 from controlplane.core import audit
 from controlplane.core.actors import Actor
@@ -253,7 +258,7 @@ def save_schedule(
             task.crontab = None
         task.save()
         audit.record(
-            "benchmark.schedule.saved",
+            BenchmarkAuditAction.SCHEDULE_SAVED,
             task,
             acting_user=acting_user,
             detail={"kwargs": form.kwargs, "enabled": form.enabled},

@@ -14,6 +14,7 @@ from controlplane.benchmarks.choices import (
     ACTIVE_STATUSES,
     CANCELLING,
     EXECUTE_RUN_TASK,
+    BenchmarkAuditAction,
     RunStatus,
 )
 from controlplane.benchmarks.models import BenchmarkRun, Scenario
@@ -95,7 +96,7 @@ def create_run(*, acting_user: Actor, **fields: Any) -> BenchmarkRun:
             run.created_by = user
         run.full_clean()
         run.save()
-        audit.record("benchmark.created", run, acting_user=acting_user)
+        audit.record(BenchmarkAuditAction.RUN_CREATED, run, acting_user=acting_user)
         queue_run(run)
     return run
 
@@ -132,7 +133,7 @@ def request_cancel(run: BenchmarkRun, *, acting_user: Actor) -> BenchmarkRun:
         if locked.status == RunStatus.QUEUED:
             locked.status = RunStatus.CANCELLED
         locked.save(update_fields=["cancel_requested", "status"])
-        audit.record("benchmark.cancel", locked, acting_user=acting_user)
+        audit.record(BenchmarkAuditAction.RUN_CANCEL, locked, acting_user=acting_user)
     return locked
 
 
@@ -217,7 +218,12 @@ def scenario_delete_refusal(scenario: Scenario) -> str:
 
 def delete_scenario(scenario: Scenario, *, acting_user: Actor) -> None:
     """Delete a scenario no run used, with an audit row."""
-    checked_delete(scenario, scenario_delete_refusal, "scenario.deleted", acting_user=acting_user)
+    checked_delete(
+        scenario,
+        scenario_delete_refusal,
+        BenchmarkAuditAction.SCENARIO_DELETED,
+        acting_user=acting_user,
+    )
 
 
 def run_delete_refusal(run: BenchmarkRun) -> str:
@@ -233,7 +239,7 @@ def delete_run(run: BenchmarkRun, *, acting_user: Actor) -> None:
     checked_delete(
         run,
         run_delete_refusal,
-        "benchmark.deleted",
+        BenchmarkAuditAction.RUN_DELETED,
         acting_user=acting_user,
         detail=lambda r: {"status": r.status, "mode": r.mode},
     )

@@ -23,13 +23,14 @@ def split_actor(acting_user: Actor) -> tuple[User | None, str]:
 
 
 def record(
-    action: str,
+    action: models.TextChoices,
     obj: models.Model,
     *,
     acting_user: Actor = None,
     detail: dict[str, Any] | None = None,
 ) -> AuditEntry:
-    """Write one audit row. ``acting_user`` may be a Django user, a machine principal or None."""
+    """Write one audit row. ``action`` is a member of its app's ``*AuditAction`` enumeration
+    (``choices.py``), stored as its string value; ``acting_user`` is an :data:`Actor`."""
     user, label = split_actor(acting_user)
     return AuditEntry.objects.create(
         actor=user,

@@ -39,7 +39,11 @@ class DeleteRefused(Conflict):
 
 
 def audited_delete(
-    obj: models.Model, action: str, *, acting_user: Actor, detail: dict[str, Any] | None = None
+    obj: models.Model,
+    action: models.TextChoices,
+    *,
+    acting_user: Actor,
+    detail: dict[str, Any] | None = None,
 ) -> None:
     """Delete ``obj`` and write its audit row (``action``, with its name and ``detail``), both
     or neither. A ``ProtectedError`` leaves no row behind."""
@@ -53,7 +57,7 @@ def audited_delete(
 def checked_delete(
     obj: M,
     refusal: Callable[[M], str],
-    action: str,
+    action: models.TextChoices,
     *,
     acting_user: Actor,
     detail: Callable[[M], dict[str, Any]] | None = None,

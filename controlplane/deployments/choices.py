@@ -158,3 +158,24 @@ class CommandOutcome(models.TextChoices):
 ADVANCE_TASK = "deployments.advance"
 RESCHEDULE_TASK = "deployments.reschedule"
 RECONCILE_NODE_TASK = "deployments.reconcile_node"
+
+
+class DeploymentAuditAction(models.TextChoices):
+    """The audit rows' actions (``AuditEntry.action``) on deployments, profiles, containers
+    and agent commands. An agent command's row is ``command.<status>``, one per final status
+    of ``CommandStatus``."""
+
+    DEPLOYMENT_CREATED = "deployment.created"
+    DEPLOYMENT_DEPLOY = "deployment.deploy"
+    DEPLOYMENT_STOP = "deployment.stop"
+    DEPLOYMENT_REPLICAS = "deployment.replicas"
+    DEPLOYMENT_RESCHEDULED = "deployment.rescheduled"
+    DEPLOYMENT_UNKNOWN = "deployment.unknown"
+    DEPLOYMENT_DELETED = "deployment.deleted"
+    PROFILE_CREATED = "profile.created"
+    PROFILE_UPDATED = "profile.updated"
+    PROFILE_DELETED = "profile.deleted"
+    CONTAINER_STATUS = "container.status"
+    COMMAND_SUCCEEDED = "command.succeeded"
+    COMMAND_FAILED = "command.failed"
+    COMMAND_EXPIRED = "command.expired"

@@ -19,6 +19,7 @@ from controlplane.deployments.choices import (
     RESCHEDULE_TASK,
     CommandAction,
     CommandStatus,
+    DeploymentAuditAction,
     DeploymentState,
     DesiredState,
     EventLevel,
@@ -117,7 +118,7 @@ def create_deployment(
         add_event(
             deployment, "created", f"profile {profile.name} placed on node {node.name}, {how}"
         )
-        audit.record("deployment.created", deployment, acting_user=acting_user)
+        audit.record(DeploymentAuditAction.DEPLOYMENT_CREATED, deployment, acting_user=acting_user)
         _sync_replicas(deployment, acting_user=acting_user)
         if start:
             request_deploy(deployment, acting_user=acting_user)
@@ -166,7 +167,7 @@ def _sync_replicas(first: Deployment, *, acting_user: Actor) -> None:
             f"replica {index} of {first.name}, placed on node {replica.node.name} "
             f"({choice.reason})",
         )
-        audit.record("deployment.created", replica, acting_user=acting_user)
+        audit.record(DeploymentAuditAction.DEPLOYMENT_CREATED, replica, acting_user=acting_user)
     for index, replica in have.items():
         if index > first.replicas and not replica.retiring:
             replica.retiring = True
@@ -192,7 +193,10 @@ def set_replicas(first: Deployment, replicas: int, *, acting_user: Actor) -> Dep
             ):
                 request_deploy(replica, acting_user=acting_user, follow=False)
         audit.record(
-            "deployment.replicas", locked, acting_user=acting_user, detail={"replicas": replicas}
+            DeploymentAuditAction.DEPLOYMENT_REPLICAS,
+            locked,
+            acting_user=acting_user,
+            detail={"replicas": replicas},
         )
     first.refresh_from_db()
     return first
@@ -209,7 +213,7 @@ def request_deploy(
         _begin_generation(locked, "deploy requested")
         add_event(locked, "deploy", f"deploy of generation {locked.generation} requested")
         audit.record(
-            "deployment.deploy",
+            DeploymentAuditAction.DEPLOYMENT_DEPLOY,
             locked,
             acting_user=acting_user,
             detail={"generation": locked.generation},
@@ -263,7 +267,7 @@ def request_stop(deployment: Deployment, *, acting_user: Actor, follow: bool = T
         set_state(locked, DeploymentState.STOPPING, "stop requested")
         locked.save()
         add_event(locked, "stop", "stop requested")
-        audit.record("deployment.stop", locked, acting_user=acting_user)
+        audit.record(DeploymentAuditAction.DEPLOYMENT_STOP, locked, acting_user=acting_user)
         _queue_advance(locked.pk)
     deployment.refresh_from_db()
     return deployment
@@ -334,7 +338,9 @@ def delete_deployment(deployment: Deployment, *, acting_user: Actor) -> None:
         replicas = sorted(d.name for d in locked if d.pk != first.pk)
         if replicas:
             detail["replicas"] = ", ".join(replicas)
-        audited_delete(first, "deployment.deleted", acting_user=acting_user, detail=detail)
+        audited_delete(
+            first, DeploymentAuditAction.DEPLOYMENT_DELETED, acting_user=acting_user, detail=detail
+        )
 
 
 def retire_replica(replica: Deployment, *, acting_user: Actor) -> None:
@@ -361,7 +367,9 @@ def save_profile(
     with transaction.atomic(durable=True):
         target.save()
         audit.record(
-            "profile.created" if created else "profile.updated",
+            DeploymentAuditAction.PROFILE_CREATED
+            if created
+            else DeploymentAuditAction.PROFILE_UPDATED,
             target,
             acting_user=acting_user,
             detail={"name": target.name, "fields": changed},
@@ -372,7 +380,7 @@ def save_profile(
 def delete_profile(profile: DeploymentProfile, *, acting_user: Actor) -> None:
     """Delete the profile, with an audit row. One a deployment uses is refused by its
     protected key (ProtectedError: the API's 409 naming them), so no running engines lose it."""
-    audited_delete(profile, "profile.deleted", acting_user=acting_user)
+    audited_delete(profile, DeploymentAuditAction.PROFILE_DELETED, acting_user=acting_user)
 
 
 def mark_node_deployments_unknown(node: Node) -> int:
@@ -386,7 +394,10 @@ def mark_node_deployments_unknown(node: Node) -> int:
     ):
         set_state(deployment, DeploymentState.UNKNOWN, f"node {node.name} stopped heartbeating")
         audit.record(
-            "deployment.unknown", deployment, acting_user="reaper", detail={"node": node.name}
+            DeploymentAuditAction.DEPLOYMENT_UNKNOWN,
+            deployment,
+            acting_user="reaper",
+            detail={"node": node.name},
         )
         deployment.save(update_fields=["state", "state_reason", "state_changed_at", "updated_at"])
         add_event(deployment, "node-lost", deployment.state_reason, level=EventLevel.WARNING)
@@ -443,7 +454,7 @@ def reschedule(deployment_id: int) -> str:
         _begin_generation(locked, reason)
         add_event(locked, "reschedule", reason, level=EventLevel.WARNING)
         audit.record(
-            "deployment.rescheduled",
+            DeploymentAuditAction.DEPLOYMENT_RESCHEDULED,
             locked,
             acting_user="scheduler",
             detail={"from": lost.name, "to": locked.node.name, "generation": locked.generation},
@@ -489,7 +500,7 @@ def stop_moved_away(node: Node, deployment_ids: set[int]) -> int:
 def _audit_container(container: ContainerInstance, was: str | None, actor: str) -> None:
     """One audit row per container whose status changed (not one per report)."""
     audit.record(
-        "container.status",
+        DeploymentAuditAction.CONTAINER_STATUS,
         container,
         acting_user=actor,
         detail={

@@ -26,6 +26,7 @@ from controlplane.deployments.choices import (
     COMMAND_LIFECYCLE,
     CommandAction,
     CommandStatus,
+    DeploymentAuditAction,
     DeploymentState,
     DesiredState,
     EventLevel,
@@ -225,7 +226,7 @@ def record_command_result(
             return False
         command.refresh_from_db()
         audit.record(
-            f"command.{status}",
+            DeploymentAuditAction(f"command.{status}"),
             command,
             acting_user=actor,
             detail={

@@ -33,3 +33,13 @@ OPERATOR_NODE_MOVES: dict[str, frozenset[str]] = {
 class AcceleratorKind(models.TextChoices):
     GPU = "gpu", "GPU"
     NPU = "npu", "NPU"
+
+
+class InventoryAuditAction(models.TextChoices):
+    """The audit rows' actions on nodes and accelerators (``AuditEntry.action``)."""
+
+    INVENTORY_UPDATED = "inventory.updated"
+    NODE_ONLINE = "node.online"
+    NODE_OFFLINE = "node.offline"
+    NODE_DELETED = "node.deleted"
+    ACCELERATOR_DELETED = "accelerator.deleted"

@@ -18,7 +18,7 @@ from controlplane.core.actors import Actor
 from controlplane.core.models import Clock
 from controlplane.core.services import checked_delete
 from controlplane.inventory import signals
-from controlplane.inventory.choices import NODE_LIFECYCLE, NodeStatus
+from controlplane.inventory.choices import NODE_LIFECYCLE, InventoryAuditAction, NodeStatus
 from controlplane.inventory.models import Accelerator, CpuTopology, Heartbeat, Node, NumaNode
 
 
@@ -44,7 +44,9 @@ def node_delete_refusal(node: Node) -> str:
 def delete_node(node: Node, *, acting_user: Actor) -> None:
     """Delete the node and what it reported, with an audit row; raises DeleteRefused while a
     deployment holds one of its cards, ProtectedError while deployments are placed on it."""
-    checked_delete(node, node_delete_refusal, "node.deleted", acting_user=acting_user)
+    checked_delete(
+        node, node_delete_refusal, InventoryAuditAction.NODE_DELETED, acting_user=acting_user
+    )
 
 
 def accelerator_delete_refusal(accelerator: Accelerator) -> str:
@@ -63,7 +65,7 @@ def delete_accelerator(accelerator: Accelerator, *, acting_user: Actor) -> None:
     checked_delete(
         accelerator,
         accelerator_delete_refusal,
-        "accelerator.deleted",
+        InventoryAuditAction.ACCELERATOR_DELETED,
         acting_user=acting_user,
         detail=lambda card: {"uuid": card.uuid},
     )
@@ -111,7 +113,12 @@ def apply_inventory(node: Node, payload: dict[str, Any], *, acting_user: Actor) 
             if payload.get(field):
                 setattr(node, field, payload[field])
         node.save()
-        audit.record("inventory.updated", node, acting_user=acting_user, detail={"hash": digest})
+        audit.record(
+            InventoryAuditAction.INVENTORY_UPDATED,
+            node,
+            acting_user=acting_user,
+            detail={"hash": digest},
+        )
     return True
 
 
@@ -169,7 +176,7 @@ def record_heartbeat(node: Node, payload: dict[str, Any]) -> Node:
         store_readings([(node.pk, readings)])
         came_back = _mark_seen(node, now)
         if came_back:
-            audit.record("node.online", node, acting_user="agent")
+            audit.record(InventoryAuditAction.NODE_ONLINE, node, acting_user="agent")
             node_id = node.pk
             transaction.on_commit(lambda: signals.node_returned.send(Node, node_id=node_id))
     return node
@@ -485,7 +492,7 @@ def mark_lost_nodes() -> list[int]:
             ).update(status=NodeStatus.OFFLINE)
             if changed:
                 node = Node.objects.get(pk=node_id)
-                audit.record("node.offline", node, acting_user="reaper")
+                audit.record(InventoryAuditAction.NODE_OFFLINE, node, acting_user="reaper")
                 signals.node_lost.send(Node, node=node)
                 lost.append(node_id)
     return lost

@@ -22,3 +22,11 @@ class ReplicaPicker(models.TextChoices):
 
     LEAST_LOADED = ReplicaChoice.LEAST_LOADED.value, "least loaded"
     PREFIX = ReplicaChoice.PREFIX.value, "prefix-aware (within a load slack)"
+
+
+class PolicyAuditAction(models.TextChoices):
+    """The audit rows' actions on scheduling policies (``AuditEntry.action``)."""
+
+    POLICY_CREATED = "policy.created"
+    POLICY_CHANGED = "policy.changed"
+    POLICY_DELETED = "policy.deleted"

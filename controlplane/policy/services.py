@@ -10,6 +10,7 @@ from common.policy_schema import PolicyError, knob_errors, validate_knobs
 from controlplane.core import audit
 from controlplane.core.actors import Actor
 from controlplane.core.services import checked_delete
+from controlplane.policy.choices import PolicyAuditAction
 from controlplane.policy.models import KNOB_NAMES, PolicyRevision, SchedulingPolicy
 
 
@@ -64,7 +65,7 @@ def create_policy(
 def record_created(policy: SchedulingPolicy, *, acting_user: Actor, reason: str) -> PolicyRevision:
     """The first revision and the audit row for a policy that was just saved."""
     revision = _record_revision(policy, reason=reason, acting_user=acting_user)
-    audit.record("policy.created", policy, acting_user=acting_user)
+    audit.record(PolicyAuditAction.POLICY_CREATED, policy, acting_user=acting_user)
     return revision
 
 
@@ -114,7 +115,7 @@ def update_policy(
             rolled_back_to=rolled_back_to,
         )
         audit.record(
-            "policy.changed",
+            PolicyAuditAction.POLICY_CHANGED,
             locked,
             acting_user=acting_user,
             detail={"version": locked.version, "changed": diff, "reason": reason},
@@ -152,4 +153,6 @@ def policy_delete_refusal(policy: SchedulingPolicy) -> str:
 
 def delete_policy(policy: SchedulingPolicy, *, acting_user: Actor) -> None:
     """Delete the policy and its revisions, with an audit row."""
-    checked_delete(policy, policy_delete_refusal, "policy.deleted", acting_user=acting_user)
+    checked_delete(
+        policy, policy_delete_refusal, PolicyAuditAction.POLICY_DELETED, acting_user=acting_user
+    )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django.db import models
+
 from common.tenants import ROUTER_KEY_TENANT
 
 # Why a router refused a tenant's request, as its usage reports count them
@@ -20,3 +22,13 @@ USAGE_WINDOWS = {
     "1h": timedelta(hours=1),
     "24h": timedelta(hours=24),
 }
+
+
+class TenantAuditAction(models.TextChoices):
+    """The audit rows' actions on tenants and their keys (``AuditEntry.action``)."""
+
+    TENANT_CREATED = "tenant.created"
+    TENANT_UPDATED = "tenant.updated"
+    TENANT_DELETED = "tenant.deleted"
+    KEY_ISSUED = "tenant.key_issued"
+    KEY_REVOKED = "tenant.key_revoked"

@@ -21,6 +21,7 @@ from common.tenants import TenantError, hash_key, new_key, parse_tenant
 from controlplane.core import audit
 from controlplane.core.actors import Actor
 from controlplane.core.services import checked_delete
+from controlplane.tenants.choices import TenantAuditAction
 from controlplane.tenants.models import Tenant, TenantKey
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def save_tenant(tenant: Tenant | None, values: dict[str, Any], *, acting_user: A
                 setattr(target, field, value)
         target.save()
         audit.record(
-            "tenant.created" if created else "tenant.updated",
+            TenantAuditAction.TENANT_CREATED if created else TenantAuditAction.TENANT_UPDATED,
             target,
             acting_user=acting_user,
             detail={"name": target.name, "fields": changed},
@@ -111,7 +112,7 @@ def delete_tenant(tenant: Tenant, *, acting_user: Actor) -> None:
     checked_delete(
         tenant,
         tenant_delete_refusal,
-        "tenant.deleted",
+        TenantAuditAction.TENANT_DELETED,
         acting_user=acting_user,
         detail=lambda t: {"keys": t.keys.count()},
     )
@@ -136,7 +137,7 @@ def issue_key(tenant: Tenant, label: str = "", *, acting_user: Actor) -> tuple[T
             created_by_label=by_label if user is None else "",
         )
         audit.record(
-            "tenant.key_issued",
+            TenantAuditAction.KEY_ISSUED,
             tenant,
             acting_user=acting_user,
             detail={"key": key.pk, "prefix": key.prefix, "label": label},
@@ -155,7 +156,7 @@ def revoke_key(key: TenantKey, *, acting_user: Actor) -> bool:
         if changed:
             key.revoked_at = now
             audit.record(
-                "tenant.key_revoked",
+                TenantAuditAction.KEY_REVOKED,
                 key.tenant,
                 acting_user=acting_user,
                 detail={"key": key.pk, "prefix": key.prefix, "label": key.label},
