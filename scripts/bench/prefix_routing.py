@@ -283,11 +283,10 @@ async def run_workload(
             await warm(session, fleet.gpu_urls, system)
         out: list[Turn] = []
         arrivals = random.Random(seed + 1)
-        if workload == "chat":
-            count, mean_turns = conversations, 7.5
-        else:
-            count, mean_turns = round(conversations * 7.5), 1.0
-        gap = 1.0 / (rate * mean_turns if workload == "unique" else rate)
+        # A conversation has 7.5 turns on average: the unique workload sends as many
+        # single-turn requests, at the chat workload's turn rate.
+        count = conversations if workload == "chat" else round(conversations * 7.5)
+        gap = 1.0 / (rate if workload == "chat" else rate * 7.5)
         at = time.perf_counter() + 0.5
         tasks = []
         for i in range(count):
