@@ -48,47 +48,43 @@ class Pair:
     shm: Path
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    tmp = tmp_path_factory.mktemp("connector")
+def start_pair(
+    factory: pytest.TempPathFactory, name: str, ids: tuple[str, str], *extra: str
+) -> Pair:
+    """A GPU and a CPU engine sharing a shm dir, the connector naming each the other's peer."""
+    tmp = factory.mktemp(name)
     shm = tmp / "shm"
     shm.mkdir()
-    # The connector alone: without the local prefix cache, whose hits on a prompt sent twice
-    # would hide what the connector loaded (``caching_pair`` below has both).
-    common = [
-        "--model", MODEL, "--speed", "20", "--enable-prompt-tokens-details",
-        "--no-enable-prefix-caching",
-    ]  # fmt: skip
+    common = ["--model", MODEL, "--speed", "20", "--enable-prompt-tokens-details", *extra]
     gpu = start_sim(
         tmp, "gpu", "--device", "a100-80gb", "--kv-transfer-config",
-        kv_config("gpu-a", "cpu-a", shm), *common,
+        kv_config(ids[0], ids[1], shm), *common,
     )  # fmt: skip
     cpu = start_sim(
         tmp, "cpu", "--device", "kunpeng-920-7280z", "--kv-transfer-config",
-        kv_config("cpu-a", "gpu-a", shm), *common,
+        kv_config(ids[1], ids[0], shm), *common,
     )  # fmt: skip
-    yield Pair(gpu, cpu, shm)
-    stop_sim(gpu)
-    stop_sim(cpu)
+    return Pair(gpu, cpu, shm)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    # The connector alone: without the local prefix cache, whose hits on a prompt sent twice
+    # would hide what the connector loaded (``caching_pair`` below has both).
+    started = start_pair(
+        tmp_path_factory, "connector", ("gpu-a", "cpu-a"), "--no-enable-prefix-caching"
+    )
+    yield started
+    stop_sim(started.gpu)
+    stop_sim(started.cpu)
 
 
 @pytest.fixture(scope="module")
 def caching_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    tmp = tmp_path_factory.mktemp("caching")
-    shm = tmp / "shm"
-    shm.mkdir()
-    common = ["--model", MODEL, "--speed", "20", "--enable-prompt-tokens-details"]
-    gpu = start_sim(
-        tmp, "gpu", "--device", "a100-80gb", "--kv-transfer-config",
-        kv_config("gpu-c", "cpu-c", shm), *common,
-    )  # fmt: skip
-    cpu = start_sim(
-        tmp, "cpu", "--device", "kunpeng-920-7280z", "--kv-transfer-config",
-        kv_config("cpu-c", "gpu-c", shm), *common,
-    )  # fmt: skip
-    yield Pair(gpu, cpu, shm)
-    stop_sim(gpu)
-    stop_sim(cpu)
+    started = start_pair(tmp_path_factory, "caching", ("gpu-c", "cpu-c"))
+    yield started
+    stop_sim(started.gpu)
+    stop_sim(started.cpu)
 
 
 def post(sim: SimProcess, body: dict[str, Any], path: str = "/v1/completions") -> Any:
