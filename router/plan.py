@@ -29,10 +29,9 @@ from router.tracing import DECISION, FLOW_WAIT, NO_STEP, NO_TRACE, RequestTrace,
 def replica(router: Router, req: ClientRequest) -> Deployment:
     """The replica of the request's model the replica choice picks (least loaded, or holding
     its prompt's prefix); a 404 naming the served models."""
-    model = req.model
-    deployment = router.state.choose(model, body=req.body)
+    deployment = router.state.choose(req.model, body=req.body)
     if deployment is None:
-        raise unknown_model(router, model)
+        raise unknown_model(router, req.model)
     return deployment
 
 

@@ -81,6 +81,7 @@ class PrefixIndex:
             raise ValueError(f"prefix index capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._chunks: OrderedDict[int, set[int]] = OrderedDict()
+        self._replicas: set[int] = set()  # every replica some chunk was recorded for
         self.forgotten_total = 0  # chunks dropped for room
 
     def __len__(self) -> int:
@@ -106,6 +107,7 @@ class PrefixIndex:
 
     def record(self, chunks: Iterable[int], replica: int) -> None:
         """``replica`` was sent a prompt of ``chunks``."""
+        self._replicas.add(replica)
         index = self._chunks
         for chunk in chunks:
             holders = index.get(chunk)
@@ -120,20 +122,23 @@ class PrefixIndex:
 
     def keep_only(self, replicas: Iterable[int]) -> None:
         """Forget every replica not in ``replicas`` (it left the deployment set)."""
-        keep = set(replicas)
-        gone = [chunk for chunk, holders in self._chunks.items() if not holders <= keep]
-        for chunk in gone:
-            holders = self._chunks[chunk] & keep
-            if holders:
-                self._chunks[chunk] = holders
-            else:
-                del self._chunks[chunk]
+        self._drop(self._replicas - set(replicas))
 
     def forget(self, replica: int) -> None:
         """Forget ``replica`` everywhere: its engine says it holds nothing (its KV events:
         ``router.kv_events``)."""
-        for chunk in [c for c, holders in self._chunks.items() if replica in holders]:
-            holders = self._chunks[chunk]
-            holders.discard(replica)
-            if not holders:
+        self._drop({replica})
+
+    def _drop(self, leaving: set[int]) -> None:
+        """Take ``leaving`` out of every chunk, and the chunks left with no replica. A
+        deployment update that removes nobody costs nothing."""
+        leaving &= self._replicas
+        if not leaving:
+            return
+        self._replicas -= leaving
+        for chunk in [c for c, holders in self._chunks.items() if holders & leaving]:
+            holders = self._chunks[chunk] - leaving
+            if holders:
+                self._chunks[chunk] = holders
+            else:
                 del self._chunks[chunk]

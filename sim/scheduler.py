@@ -404,7 +404,7 @@ class BatchScheduler:
         what they lack."""
         assert self.cache is not None
         self._take(self.cache.acquire(hits))
-        seq.held = list(hits)
+        seq.held = hits  # a fresh slice (``_cached_prefix``): the sequence owns it
         seq.registered = len(hits)
         local = len(hits) * self.config.block_size
         if not seq.preemptions:

@@ -355,14 +355,15 @@ class SimServer:
     def _sequence(
         self, req: ParsedRequest, response_id: str, max_new: int, plan: HandoffPlan
     ) -> Sequence:
+        context = req.prompt_ids + req.resumed_ids
         return Sequence(
             request_id=response_id,
             prompt_tokens=req.prompt_tokens,
             resumed_tokens=req.resumed_tokens,
             max_new_tokens=max_new,
-            tail=context_tail(req.prompt_ids + req.resumed_ids),
+            tail=context_tail(context),
             hasher=BlockHasher(
-                req.prompt_ids + req.resumed_ids,
+                context,
                 self.engine.config.block_size,
                 keep_tokens=self.engine.kv_publisher is not None,
             )
