@@ -23,6 +23,9 @@ CHUNK_CHARS = 256  # about 64 tokens at the four characters a token the limits e
 CHARS_PER_TOKEN = 4
 CHUNK_IDS = 64  # a prompt given as token ids
 DEFAULT_CAPACITY = 65536  # chunks: ~4M prompt tokens remembered, a few tens of MB at most
+# The most chunks one prompt is cut into (~64k tokens): a body near the size limit costs a
+# bounded hashing and cannot flush everyone else's prefixes out of the index.
+MAX_PROMPT_CHUNKS = 1024
 _ROOT = 0
 
 
@@ -59,7 +62,7 @@ def prompt_chunks(body: dict[str, Any]) -> tuple[int, ...]:
     size = CHUNK_IDS if isinstance(text, list) else CHUNK_CHARS
     hashes: list[int] = []
     parent = _ROOT
-    for start in range(0, len(text) - size + 1, size):
+    for start in range(0, min(len(text) - size + 1, MAX_PROMPT_CHUNKS * size), size):
         piece = text[start : start + size]
         parent = hash((parent, piece if isinstance(piece, str) else tuple(piece)))
         hashes.append(parent)

@@ -7,7 +7,13 @@ from typing import Any
 
 import pytest
 
-from router.prefix_index import CHUNK_CHARS, PrefixIndex, chunk_tokens, prompt_chunks
+from router.prefix_index import (
+    CHUNK_CHARS,
+    MAX_PROMPT_CHUNKS,
+    PrefixIndex,
+    chunk_tokens,
+    prompt_chunks,
+)
 
 
 def chat(*turns: str, system: str = "you are helpful " * 40) -> dict[str, Any]:
@@ -77,3 +83,8 @@ def test_a_replica_that_leaves_is_forgotten() -> None:
     assert index.match(chunks, [1, 2]) == [0, 3]
     index.keep_only([])
     assert len(index) == 0
+
+
+def test_one_prompt_is_cut_into_a_bounded_number_of_chunks() -> None:
+    huge = {"prompt": "h" * CHUNK_CHARS * (MAX_PROMPT_CHUNKS + 50)}
+    assert len(prompt_chunks(huge)) == MAX_PROMPT_CHUNKS
